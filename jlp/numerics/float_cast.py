@@ -1,0 +1,165 @@
+"""Bit-exact float32 -> FloatFormat -> float32 casts with integer operations.
+
+Everything here is written with `jnp`/`lax` element-wise integer ops on the
+float32 bit pattern, so that
+
+* the result never depends on the backend flushing float32 subnormals (XLA:CPU
+  flushes subnormal results of float arithmetic to zero), and
+* the same functions run inside Pallas kernels (`pallas_kernels/float_cast.py`)
+  and in plain XLA: the kernel and the XLA path agree bit for bit.
+
+Default semantics (compat=None) are those of ml_dtypes casts (IEEE 754 round to
+nearest even, gradual underflow, the overflow rules of each ml_dtypes type);
+see `jlp.FloatFormat` for the options.
+
+Stochastic rounding takes one uint32 `rbits` per element (callers draw them
+with `jax.random.bits(key, x.shape, jnp.uint32)`): with the exact value lying a
+fraction `p` of the way from the grid point below to the one above (in
+magnitude), the result rounds away from zero iff `rbits < floor(p * 2^32)`
+(exact integer arithmetic; p is resolved to 2^-32).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jlp.formats import FloatFormat
+
+SIGN = np.uint32(0x80000000)
+ABS = np.uint32(0x7FFFFFFF)
+INF = np.uint32(0x7F800000)
+QNAN = np.uint32(0x7FC00000)
+FRAC = np.uint32(0x007FFFFF)
+HIDDEN = np.uint32(0x00800000)
+
+
+def u32(v) -> np.uint32:
+  return np.uint32(v)
+
+
+def float_bits(v: float) -> np.uint32:
+  """The float32 bit pattern of a Python float (exact for float32 values)."""
+  return np.array(v, np.float32).view(np.uint32)[()]
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def from_bits(u: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(u, jnp.float32)
+
+
+def round_up_decision(rem: jax.Array, half: jax.Array, lsb: jax.Array, rounding: str,
+                      stochastic_threshold=None, rbits=None) -> jax.Array:
+  """Whether to step one grid point away from zero (a bool array).
+
+  rem: dropped magnitude (integer units); half: rem of an exact tie; lsb: parity of
+  the kept count. For stochastic rounding, `stochastic_threshold` is
+  p * 2^32 (uint32) and `rbits` the uniform uint32 draws.
+  """
+  if rounding == "nearest":
+    return (rem > half) | ((rem == half) & (lsb != 0) & (half != 0))
+  if rounding == "truncate":
+    return jnp.zeros(rem.shape, jnp.bool_)
+  if rounding == "stochastic":
+    return rbits < stochastic_threshold
+  raise ValueError(f"rounding={rounding!r}")
+
+
+def _round_magnitude(a: jax.Array, sh, fmt_rounding: str, rbits, emin_field: int, man: int,
+                     dynamic: bool) -> jax.Array:
+  """Rounds magnitude bits `a` to a grid of 2^sh float32-ulps of a's binade.
+
+  Valid for sh <= 23 (the grid step is at most the binade's leading bit); with
+  `dynamic` the elements with sh >= 24 (below half the smallest subnormal step's
+  binade) are handled: they round to 0 or to the smallest subnormal 2^(emin-man).
+  """
+  f = a >> 23
+  s = jnp.minimum(sh, u32(23)) if dynamic else sh
+  s_arr = jnp.asarray(s, jnp.uint32)
+  one = u32(1)
+  mask = (one << s_arr) - one
+  rem = a & mask
+  kept = a & ~mask
+  half = jnp.where(s_arr > 0, one << (jnp.maximum(s_arr, one) - one), u32(0))
+  # Parity of the kept count: bit s of `a`, except that at s == 23 the kept count
+  # is the hidden bit of a normal number (float32's exponent lsb is not it).
+  lsb = ((a >> s_arr) & one) | jnp.where((s_arr == 23) & (f > 0), one, u32(0))
+  threshold = None
+  if fmt_rounding == "stochastic":
+    # rem / 2^s * 2^32; s == 0 means nothing is dropped.
+    threshold = jnp.where(s_arr > 0, rem << (u32(32) - jnp.maximum(s_arr, one)), u32(0))
+  up = round_up_decision(rem, half, lsb, fmt_rounding, threshold, rbits)
+  q = kept + jnp.where(up, one << s_arr, u32(0))
+  if not dynamic:
+    return q
+  # sh >= 24: |x| < 2^(emin - man) = the smallest subnormal step Q.
+  sig = (a & FRAC) | jnp.where(f > 0, HIDDEN, u32(0))
+  if fmt_rounding == "nearest":
+    up_low = (sh == 24) & (sig > HIDDEN)  # |x| / Q = sig / 2^24 > 1/2
+  elif fmt_rounding == "truncate":
+    up_low = jnp.zeros(a.shape, jnp.bool_)
+  else:
+    left = sig << (u32(32) - jnp.clip(sh, 24, 32))           # sh <= 32
+    right_shift = jnp.clip(sh, 32, 63) - u32(32)
+    right = jnp.where(right_shift < 24, sig >> jnp.minimum(right_shift, u32(31)), u32(0))
+    up_low = rbits < jnp.where(sh <= 32, left, right)
+  q_low = jnp.where(up_low, u32((emin_field - man) << 23), u32(0))
+  return jnp.where(sh >= 24, q_low, q)
+
+
+def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
+  """float32 bits -> bits of the float32 value rounded to `fmt` (compat=None)."""
+  man, exp = fmt.man, fmt.exp
+  sign = u & SIGN
+  a = u & ABS
+  is_nan = a > INF
+  emin_field = fmt.emin + 127  # float32 exponent field of fmt's smallest normal
+  if exp == 8:  # fmt's subnormal range is float32's: a fixed shift suffices
+    q = _round_magnitude(a, u32(23 - man), fmt.rounding, rbits, emin_field, man, dynamic=False)
+  else:
+    f = a >> 23
+    below = jnp.maximum(u32(emin_field) - jnp.maximum(f, u32(1)), u32(0))
+    below = jnp.where(f >= emin_field, u32(0), below)
+    sh = u32(23 - man) + below
+    q = _round_magnitude(a, sh, fmt.rounding, rbits, emin_field, man, dynamic=True)
+
+  max_bits = float_bits(fmt.max)
+  over = (q > max_bits) & ~is_nan
+  finite_over = over & (a < INF)
+  if fmt.specials == "none" or fmt.overflow == "saturate":
+    on_over = jnp.full(a.shape, max_bits, jnp.uint32)
+  elif fmt.specials == "ieee":
+    on_over = jnp.full(a.shape, INF, jnp.uint32)
+  else:  # nan_only
+    on_over = jnp.full(a.shape, QNAN, jnp.uint32)
+  if fmt.rounding == "truncate":  # IEEE 754 roundTowardZero: finite overflow -> max finite
+    on_over = jnp.where(finite_over, max_bits, on_over)
+  q = jnp.where(over, on_over, q)
+  if not fmt.subnormals:
+    q = jnp.where(q < u32(emin_field << 23), u32(0), q)
+  out = sign | q
+  if fmt.specials == "none":  # ml_dtypes: NaN -> a zero of the opposite sign
+    return jnp.where(is_nan, sign ^ SIGN, out)
+  return jnp.where(is_nan, sign | QNAN, out)
+
+
+def cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
+  """float32 bits -> bits of the value in `fmt`, for every compat mode."""
+  if fmt.compat is None:
+    return ieee_cast_bits(u, fmt, rbits)
+  from jlp.numerics import compat  # pylint: disable=g-import-not-at-top
+  if fmt.compat == "cpd":
+    return compat.cpd_cast_bits(u, fmt)
+  return compat.qtorch_cast_bits(u, fmt, rbits)
+
+
+def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
+  """float32 `x` rounded to `fmt`, as float32 (the XLA path of `jlp.quantize`)."""
+  if fmt.rounding == "stochastic" and rbits is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
+  return from_bits(cast_bits(to_bits(x), fmt, rbits))

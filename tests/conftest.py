@@ -1,0 +1,7 @@
+"""Test set-up: 8 emulated CPU devices (set before jax is imported)."""
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))  # tests/references.py
