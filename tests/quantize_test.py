@@ -1,0 +1,124 @@
+"""jlp.quantize: gradients, keys, dtypes, errors, transformations, shard_map.
+
+References: ml_dtypes casts for forward values; straight-through identity and
+ml_dtypes-rounded cotangents for gradients.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jlp
+from jlp import FloatFormat
+import references as ref
+
+X = np.array([0.3, -1.1, 2.7, 1e-3, -250.0, 1e5, 0.0, -7e-5], np.float32)
+
+
+def test_forward_equals_ml_dtypes_and_gradient_is_straight_through():
+  got = jlp.quantize(jnp.asarray(X), "float8_e5m2")
+  ref.assert_same_bits(got, X.astype(ml_dtypes.float8_e5m2).astype(np.float32))
+  w = jnp.asarray(np.linspace(-2, 2, X.size, dtype=np.float32))
+  g = jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e4m3") * w))(jnp.asarray(X))
+  np.testing.assert_array_equal(g, w)
+
+
+def test_bwd_format_rounds_the_cotangent():
+  w = np.array([0.3, 0.1, 1e-4, -3.3, 7.0, 1e6, 0.5, 2.9], np.float32)
+  g = jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e4m3", bwd="e5m2") * w))(jnp.asarray(X))
+  ref.assert_same_bits(g, w.astype(ml_dtypes.float8_e5m2).astype(np.float32))
+
+
+def test_stochastic_needs_a_key_and_is_a_function_of_the_key():
+  fmt = FloatFormat(4, 3, rounding="stochastic")
+  with pytest.raises(ValueError, match="key=None.*stochastic"):
+    jlp.quantize(jnp.asarray(X), fmt)
+  with pytest.raises(ValueError, match="key=None.*bwd="):
+    jlp.quantize(jnp.asarray(X), "e4m3", bwd=fmt)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(1000).astype(np.float32))
+  a = jlp.quantize(x, fmt, key=jax.random.key(1))
+  b = jax.jit(lambda x, k: jlp.quantize(x, fmt, key=k))(x, jax.random.key(1))
+  c = jlp.quantize(x, fmt, key=jax.random.key(2))
+  ref.assert_same_bits(a, b)
+  assert not np.array_equal(a, c)
+  # documented stream: bits(key) forward, bits(fold_in(key, 1)) backward
+  rbits = np.asarray(jax.random.bits(jax.random.key(1), x.shape, jnp.uint32))
+  ref.assert_same_bits(a, ref.round_to_format(np.asarray(x), fmt, rbits))
+  w = np.asarray(x)[::-1].copy()
+  g = jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e4m3", bwd=fmt, key=jax.random.key(1)) * w))(x)
+  bbits = np.asarray(jax.random.bits(jax.random.fold_in(jax.random.key(1), 1), x.shape, jnp.uint32))
+  ref.assert_same_bits(g, ref.round_to_format(w, fmt, bbits))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_inputs_keep_their_dtype(dtype):
+  x = jnp.asarray(X[np.abs(X) < 6e4]).astype(dtype)
+  y = jlp.quantize(x, "e4m3")
+  assert y.dtype == dtype
+  want = np.asarray(x.astype(jnp.float32)).astype(ml_dtypes.float8_e4m3).astype(np.float32)
+  ref.assert_same_bits(np.asarray(y.astype(jnp.float32)), want)
+  g = jax.grad(lambda v: jnp.sum(jlp.quantize(v, "e4m3").astype(jnp.float32)))(x)
+  assert g.dtype == dtype
+
+
+def test_dtype_errors():
+  with pytest.raises(ValueError, match="x.dtype=int32"):
+    jlp.quantize(jnp.arange(3), "e4m3")
+  with pytest.raises(ValueError, match="x.dtype=bfloat16 cannot hold"):
+    jlp.quantize(jnp.ones(3, jnp.bfloat16), "float16")
+  with pytest.raises(ValueError, match="x.dtype=float16 cannot hold"):
+    jlp.quantize(jnp.ones(3, jnp.float16), "bfloat16")
+
+
+def test_argument_errors_before_compute():
+  x = jnp.ones((4, 4))
+  with pytest.raises(ValueError, match="impl='cuda'"):
+    jlp.quantize(x, "e4m3", impl="cuda")
+  with pytest.raises(ValueError, match="name='e4m3x'"):
+    jlp.quantize(x, "e4m3x")
+  with pytest.raises(ValueError, match="fmt=3"):
+    jlp.quantize(x, 3)
+  with pytest.raises(ValueError, match=r"block=\(1, 24, 3, 3\).*ndim=2"):
+    jlp.quantize(x, jlp.BFPFormat(8, (1, 24, 3, 3)))
+  with pytest.raises(ValueError, match="axis=3"):
+    jlp.quantize(x, jlp.MXFormat("float8_e4m3fn", axis=3))
+  with pytest.raises(ValueError, match="impl='pallas'.*MXFormat"):
+    jlp.quantize(x, jlp.MXFormat("float8_e4m3fn"), impl="pallas")
+
+
+def test_vmap_jit_grad_compose():
+  xs = jnp.asarray(np.random.default_rng(3).standard_normal((5, 16)).astype(np.float32))
+  f = jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e3m0", bwd="e5m2") ** 2))))
+  got = np.asarray(f(xs))
+  q = ref.round_to_format(np.asarray(xs), FloatFormat(3, 0))
+  ref.assert_same_bits(got, ref.round_to_format(2 * q, FloatFormat(5, 2)))
+
+
+def test_stochastic_under_vmap_with_batched_keys():
+  fmt = FloatFormat(5, 2, rounding="stochastic")
+  xs = jnp.full((3, 64), 1.1, jnp.float32)
+  keys = jax.random.split(jax.random.key(0), 3)
+  got = jax.vmap(lambda x, k: jlp.quantize(x, fmt, key=k))(xs, keys)
+  for i in range(3):
+    ref.assert_same_bits(got[i], jlp.quantize(xs[i], fmt, key=keys[i]))
+
+
+def test_inside_shard_map_on_8_devices():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 32)).astype(np.float32))
+
+  @jax.jit
+  def f(x):
+    def local(xb):
+      q = jlp.quantize(xb, "e4m3", bwd="e5m2")
+      return jax.lax.psum(jnp.sum(q, axis=0, keepdims=True), "d")
+    return jax.shard_map(local, mesh=mesh, in_specs=P("d"), out_specs=P())(x)
+
+  got = f(x)
+  want = np.asarray(x).astype(ml_dtypes.float8_e4m3).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(got)[0], want.sum(0), rtol=1e-6)
+  g = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
+  np.testing.assert_array_equal(g, np.ones_like(x))
