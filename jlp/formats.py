@@ -270,8 +270,11 @@ class BFPFormat:
       a value rounding past the largest grid point is clamped to it) or
       "stochastic" (on the same grid, random bits as `FloatFormat`).
 
-  Every element becomes sign * n * 2^(E - man + 1) with 0 <= n < 2^man, E the
-  largest float32 exponent in its group.
+  In a group whose largest float32 exponent E is that of a normal number, every
+  finite element becomes sign * n * 2^(E - man + 1) with 0 <= n < 2^man (a zero
+  result is +0.0); groups of only zeros and float32 subnormals are unchanged.
+  With "truncate", groups holding inf/NaN and float32-subnormal elements follow
+  BFPsim's bit rule exactly (see `jlp.numerics.bfp`).
   """
 
   man: int

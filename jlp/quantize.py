@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jlp.formats import BFPFormat, Format, FloatFormat, MXFormat, as_format
+from jlp.numerics import bfp as bfp_numerics
 from jlp.numerics import float_cast as float_numerics
+from jlp.numerics import mx as mx_numerics
 
 IMPLS = ("auto", "xla", "pallas")
 _NATIVE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -54,9 +56,7 @@ def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
     if pallas:
       from pallas_kernels import bfp as kernel  # pylint: disable=g-import-not-at-top
       return kernel.bfp_quantize(x, fmt, rbits, interpret=interpret)
-    from jlp.numerics import bfp as bfp_numerics  # TEMP lazy
     return bfp_numerics.bfp_quantize(x, fmt, rbits)
-  from jlp.numerics import mx as mx_numerics  # TEMP lazy
   return mx_numerics.mx_quantize(x, fmt, rbits)
 
 

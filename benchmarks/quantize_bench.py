@@ -1,0 +1,105 @@
+"""Quantize throughput against the memory-bandwidth reference, timed alternately.
+
+Run: make bench   (or: python -m benchmarks.quantize_bench [--elements=134217728] [--repeats=7])
+
+For each format: the XLA path of `jlp.quantize` on a donated float32 buffer of
+--elements (default 128M = 512 MB, larger than the last-level cache, so memory
+bandwidth is what is measured), next to the in-place bandwidth reference (a
+jitted, donated `x * 2`) and, where ml_dtypes has the type, the `astype` round
+trip through it, each timed alternately with the reference in the same run.
+GB/s counts one read and one write of the buffer. Ratios are reference_time /
+time (1.0 = as fast as the reference). The Pallas path is only timed on a GPU
+(interpret mode is a correctness tool).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from jlp import BFPFormat, FloatFormat, MXFormat
+from jlp.quantize import quantize
+
+_ELEMENTS = flags.DEFINE_integer("elements", 128 * 2 ** 20, "float32 elements per buffer (multiple of 1024).")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "timed (reference, candidate) pairs per format.")
+_ONLY = flags.DEFINE_string("only", "", "comma-separated substrings: run only matching formats.")
+
+FLOAT_NAMES = ["float16", "bfloat16", "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e3m4",
+               "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn", "e3m0", "e6m9"]
+
+
+def formats():
+  fmts = [(n, FloatFormat.from_name(n)) for n in FLOAT_NAMES]
+  fmts += [("e4m3 saturate", FloatFormat(4, 3, overflow="saturate")),
+           ("e4m3 truncate", FloatFormat(4, 3, rounding="truncate")),
+           ("e4m3 stochastic", FloatFormat(4, 3, rounding="stochastic")),
+           ("e4m3 cpd", FloatFormat(4, 3, compat="cpd")),
+           ("e5m2 qtorch", FloatFormat(5, 2, compat="qtorch")),
+           ("BFP m8 (1,16)", BFPFormat(8, (1, 16))),
+           ("BFP m4 (1,24)", BFPFormat(4, (1, 24))),
+           ("BFP m8 (1,16) nearest", BFPFormat(8, (1, 16), rounding="nearest")),
+           ("MX e4m3fn /32", MXFormat("float8_e4m3fn")),
+           ("MX e2m1fn /32", MXFormat("float4_e2m1fn"))]
+  only = [s for s in _ONLY.value.split(",") if s]
+  return [(n, f) for n, f in fmts if not only or any(s in n for s in only)]
+
+
+def timed(fn, x):
+  """Runs fn on x (donated) and returns (seconds, new buffer)."""
+  t0 = time.perf_counter()
+  y = fn(x)
+  y.block_until_ready()
+  return time.perf_counter() - t0, y
+
+
+def compare(candidate, reference, x, r, repeats):
+  """Alternating timings; returns (median candidate s, median reference s, x, r)."""
+  x = candidate(x).block_until_ready()  # compile + warm
+  r = reference(r).block_until_ready()
+  tc, tr = [], []
+  for _ in range(repeats):
+    t, r = timed(reference, r)
+    tr.append(t)
+    t, x = timed(candidate, x)
+    tc.append(t)
+  return statistics.median(tc), statistics.median(tr), x, r
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  n = _ELEMENTS.value
+  if n <= 0 or n % 1024:
+    raise app.UsageError(f"--elements={n} is not allowed; expected a positive multiple of 1024.")
+  gb = 2 * 4 * n / 1e9
+  shape = (n // 1024, 1024)
+  reference = jax.jit(lambda v: v * 2.0, donate_argnums=0)
+  key = jax.random.key(0)
+  x = jax.random.normal(key, shape, jnp.float32)
+  r = jnp.ones(shape, jnp.float32)
+  print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); "
+        f"{n} float32 ({4 * n / 2 ** 20:.0f} MiB), median of {_REPEATS.value}, reference = donated x*2\n")
+  header = f"{'format':24s} {'jlp GB/s':>9s} {'ref GB/s':>9s} {'jlp/ref':>8s}   {'astype GB/s':>11s} {'astype/ref':>10s}"
+  print(header)
+  print("-" * len(header))
+  for name, fmt in formats():
+    k = key if getattr(fmt, "rounding", None) == "stochastic" else None
+    cand = jax.jit(lambda v, fmt=fmt, k=k: quantize(v, fmt, key=k, impl="xla"), donate_argnums=0)
+    tc, tr, x, r = compare(cand, reference, x, r, _REPEATS.value)
+    line = f"{name:24s} {gb / tc:9.2f} {gb / tr:9.2f} {tr / tc:8.2f}"
+    dtype = fmt.ml_dtype if isinstance(fmt, FloatFormat) else None
+    if dtype is not None and fmt.bits == 6 and jax.default_backend() == "cpu":
+      line += f"   {'n/a':>11s} {'n/a':>10s}  (XLA:CPU crashes on float6 astype)"
+    elif dtype is not None:
+      ast = jax.jit(lambda v, d=dtype: v.astype(d).astype(jnp.float32), donate_argnums=0)
+      ta, tr2, x, r = compare(ast, reference, x, r, _REPEATS.value)
+      line += f"   {gb / ta:11.2f} {tr2 / ta:10.2f}"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,206 @@
+"""Block floating point (BFPsim / FlexBlock) on float32 bit patterns.
+
+A BFP group is an axis-aligned box of the array (the last box along an axis may
+be smaller). Every element of a group is put on the grid
+Δ = 2^(M - 127 - man + 1), M the largest raw float32 exponent field in the
+group, as sign · n · Δ with 0 <= n < 2^man.
+
+`group_rows` turns the groups into the rows of a 2-D array and `bfp_rows_bits`
+quantizes each row as one group with element-wise integer ops and one
+max-reduction along the rows, so the same function runs in plain XLA
+(`bfp_quantize`) and on row tiles inside a Pallas kernel. Working on bit
+patterns keeps the results independent of XLA:CPU flushing float32 subnormals.
+
+Rounding modes:
+  "truncate": BFPsim's `make_groups_*d_internal` bit for bit (bfp.md §1.1): a
+    group with M == 0 (only zeros and subnormals) is unchanged; otherwise with
+    k = man - 1 - (M - e) an element keeps its sign, exponent and top k stored
+    fraction bits when k >= 0 and becomes +0.0 when k < 0. Inf/NaN follow the same
+    bit rule (M = 255 flushes the group's small finite elements; a NaN whose payload
+    lies only in dropped bits becomes an infinity).
+  "nearest": the same grid, ties to even, on the values (a float32 subnormal is
+    2^-149 times its fraction field). A magnitude that would round to n = 2^man
+    (past the largest grid point) is clamped to n = 2^man - 1, so the group keeps
+    its exponent. Results of magnitude 0 are +0.0 (as BFPsim's flushed elements).
+    Groups with M == 0 are unchanged; groups holding inf or NaN (M == 255) keep
+    ±inf, turn NaN into a quiet NaN of the same sign and finite elements into +0.0.
+  "stochastic": as "nearest" but rounding away from zero iff
+    rbits < floor(p · 2^32), p the fraction of a grid step dropped
+    (`jlp.numerics.float_cast` convention; one uint32 draw per element), with the
+    same clamp at n = 2^man - 1.
+
+References:
+  Noh et al., "FlexBlock: A Flexible DNN Training Accelerator With Multi-Mode
+    Block Floating Point Support", IEEE Trans. Computers 72(9), 2023
+    (arXiv:2203.06673); simulator github.com/IDSLab-KU/BFPsim, `bfp/internal.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlp.formats import BFPFormat
+from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, from_bits,
+                                     round_up_decision, to_bits, u32)
+
+EXPONENT_MAX_FIELD = 255  # raw exponent field of inf and NaN
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def group_rows(x: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+  """Lays out the BFP groups of `x` as the rows of a (G, P) array.
+
+  Group g (row-major over the grid of groups) becomes row g: its box, zero-padded
+  to the full block shape, in row-major order, then zeros up to P. Each axis is
+  zero-padded to a multiple of its block (bfp.md §1.5: zeros never raise a group's
+  exponent, so ragged last groups quantize as if padded). A block entry larger
+  than its axis is taken as the axis length (the same groups, narrower rows).
+
+  Args:
+    x: an array of any dtype (float32 values or their uint32 bit patterns).
+    block: the group shape, one entry per axis of x.
+
+  Returns:
+    rows: (G, P) array of x's dtype, G = prod(ceil(S_a / d_a)), P the product of
+      the (effective) block entries rounded up to a power of two.
+    ungroup: maps a (G, P) array (any dtype) back to x's shape, dropping padding.
+  """
+  shape = tuple(x.shape)
+  if len(block) != len(shape):
+    raise ValueError(f"block={tuple(block)!r} has {len(block)} entries but x has ndim={len(shape)}.")
+  rank = len(shape)
+  dims = tuple(max(1, min(int(d), s)) for d, s in zip(block, shape))
+  counts = tuple(-(-s // d) for s, d in zip(shape, dims))
+  padded_shape = tuple(n * d for n, d in zip(counts, dims))
+  split_shape = tuple(v for nd in zip(counts, dims) for v in nd)
+  to_rows = tuple(range(0, 2 * rank, 2)) + tuple(range(1, 2 * rank, 2))
+  from_rows = tuple(int(i) for i in np.argsort(to_rows))
+  num_groups, group_size = math.prod(counts), math.prod(dims)
+  width = _next_power_of_two(group_size)
+
+  padded = jnp.pad(x, [(0, p - s) for p, s in zip(padded_shape, shape)])
+  rows = padded.reshape(split_shape).transpose(to_rows).reshape(num_groups, group_size)
+  rows = jnp.pad(rows, ((0, 0), (0, width - group_size)))
+
+  def ungroup(grouped: jax.Array) -> jax.Array:
+    boxes = grouped[:, :group_size].reshape(counts + dims)
+    full = boxes.transpose(from_rows).reshape(padded_shape)
+    return full[tuple(slice(0, s) for s in shape)]
+
+  return rows, ungroup
+
+
+def _truncate_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int) -> jax.Array:
+  """BFPsim's bit rule (bfp.md §1.1 step 4)."""
+  kept_fraction_bits = (man - 1) - (group_max - e).astype(jnp.int32)
+  dropped = jnp.clip(23 - kept_fraction_bits, 0, 31).astype(jnp.uint32)
+  mask = u32(0xFFFFFFFF) << dropped
+  return jnp.where(kept_fraction_bits >= 0, u & mask, u32(0))
+
+
+def _grid_step_bits(group_max: jax.Array, man: int) -> jax.Array:
+  """Bits of Δ = 2^(M - 127 - man + 1) (a float32 subnormal when M - man + 1 < 1)."""
+  field = group_max.astype(jnp.int32) - (man - 1)
+  subnormal_pos = jnp.clip(field + 22, 0, 22).astype(jnp.uint32)  # Δ = 2^-149 · 2^(field + 22)
+  normal = (jnp.maximum(field, 1).astype(jnp.uint32)) << 23
+  return jnp.where(field >= 1, normal, u32(1) << subnormal_pos)
+
+
+def _round_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int, rounding: str,
+                rbits: jax.Array | None) -> jax.Array:
+  """Magnitudes rounded to the group grid (nearest or stochastic), signs put back."""
+  sign = u & SIGN
+  a = u & ABS
+  is_normal = e > 0
+  # Δ in units of a's last place: a float32 with field e has ulp 2^(max(e, 1) - 150).
+  shift = group_max.astype(jnp.int32) - jnp.maximum(e, u32(1)).astype(jnp.int32) + (24 - man)
+  shift = jnp.clip(shift, 0, 63).astype(jnp.uint32)  # negative only in M == 0 groups
+
+  # shift <= 23: round the bits of `a` at `shift`; a carry moves into the exponent.
+  s = jnp.minimum(shift, u32(23))
+  one = u32(1)
+  mask = (one << s) - one
+  rem = a & mask
+  kept = a & ~mask
+  half = jnp.where(s > 0, one << (jnp.maximum(s, one) - one), u32(0))
+  # Parity of n = kept / Δ: bit s of `a`, except at s == 23 where n is a normal's hidden bit.
+  lsb = ((a >> s) & one) | jnp.where((s == 23) & is_normal, one, u32(0))
+  threshold = None
+  if rounding == "stochastic":
+    threshold = jnp.where(s > 0, rem << (u32(32) - jnp.maximum(s, one)), u32(0))
+  up = round_up_decision(rem, half, lsb, rounding, threshold, rbits)
+  q = kept + jnp.where(up, one << s, u32(0))
+
+  # shift >= 24: |x| < Δ, so n = 0 and p = significand / 2^shift.
+  significand = (a & FRAC) | jnp.where(is_normal, HIDDEN, u32(0))
+  if rounding == "nearest":
+    up_low = (shift == 24) & (significand > HIDDEN)
+  else:
+    left = significand << (u32(32) - jnp.clip(shift, 24, 32))
+    right_shift = jnp.clip(shift, 32, 63) - u32(32)
+    right = jnp.where(right_shift < 24, significand >> jnp.minimum(right_shift, u32(31)), u32(0))
+    up_low = rbits < jnp.where(shift <= 32, left, right)
+  q = jnp.where(shift >= 24, jnp.where(up_low, _grid_step_bits(group_max, man), u32(0)), q)
+
+  # n = 2^man - 1: exponent M with the top man - 1 stored fraction bits set.
+  top_fraction = u32((0x7FFFFF << (24 - man)) & 0x7FFFFF)
+  q = jnp.minimum(q, (group_max << 23) | top_fraction)
+  out = jnp.where(q == 0, u32(0), sign | q)
+
+  special = jnp.where(a > INF, sign | QNAN, jnp.where(a == INF, u, u32(0)))
+  return jnp.where(group_max == EXPONENT_MAX_FIELD, special, out)
+
+
+def bfp_rows_bits(u: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -> jax.Array:
+  """Quantizes each row of float32 bit patterns as one BFP group.
+
+  Only element-wise ops and a max-reduction along axis 1, so that it also runs on
+  (TG, P) row tiles inside a kernel. Zero padding in a row never changes the result
+  of the other elements.
+
+  Args:
+    u: uint32 (G, P) float32 bit patterns, one group per row (see `group_rows`).
+    fmt: the BFP format (its `man` and `rounding`; `block` is already applied).
+    rbits: uint32 (G, P) uniform draws, required for rounding="stochastic".
+
+  Returns:
+    uint32 (G, P) bit patterns of the quantized values.
+  """
+  if fmt.rounding == "stochastic" and rbits is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, one per element)")
+  e = (u >> 23) & u32(0xFF)
+  group_max = jnp.max(e, axis=1, keepdims=True)
+  if fmt.rounding == "truncate":
+    q = _truncate_bits(u, e, group_max, fmt.man)
+  else:
+    q = _round_bits(u, e, group_max, fmt.man, fmt.rounding, rbits)
+  return jnp.where(group_max == 0, u, q)
+
+
+def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -> jax.Array:
+  """float32 `x` quantized to `fmt`, as float32 (the XLA path of `jlp.quantize`).
+
+  Args:
+    x: float32 array with ndim == len(fmt.block).
+    fmt: the BFP format.
+    rbits: uint32 draws of x's shape, required for rounding="stochastic".
+
+  Returns:
+    float32 array of x's shape.
+  """
+  fmt.check_rank(x.ndim)
+  if fmt.rounding == "stochastic" and rbits is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
+  rows, ungroup = group_rows(to_bits(jnp.asarray(x, jnp.float32)), fmt.block)
+  rbit_rows = None
+  if fmt.rounding == "stochastic":
+    rbit_rows, _ = group_rows(jnp.asarray(rbits, jnp.uint32), fmt.block)
+  return from_bits(ungroup(bfp_rows_bits(rows, fmt, rbit_rows)))

@@ -1,0 +1,143 @@
+"""OCP Microscaling (MX v1.0) quantization on float32 bit patterns.
+
+Each block of `fmt.block` consecutive elements along `fmt.axis` (the last block
+zero-padded) shares one E8M0 scale 2^shared_exp with
+
+  shared_exp = floor(log2(max |x| in block)) - emax(elem), clamped below at -127,
+
+found exactly from the largest magnitude's bit pattern (a float32 subnormal
+maximum has floor(log2) <= -127, so its block gets 2^-127 whatever emax(elem) is).
+Elements are x / 2^shared_exp rounded by the element format with overflow
+saturating to ±max(elem) (OCP §6.3), then multiplied back by 2^shared_exp.
+
+Special cases: a block holding inf or NaN, or one whose shared_exp would exceed
+127 (an E8M0 NaN scale), becomes all NaN; an all-zero block keeps its signed
+zeros; elements keep their sign when they round to zero.
+
+MXINT8 elements are k / 64 with k = round-half-even(v · 64) clamped to
+[-127, 127] (-128 unused, as microxcaling reads the spec).
+
+The power-of-two scalings are integer ops on the bit patterns (`ldexp_bits`), so
+float32 subnormal inputs and outputs are exact whatever the backend does with
+subnormal float arithmetic.
+
+References:
+  OCP Microscaling Formats (MX) Specification v1.0, 2023, §5–§6.
+  Rouhani et al., "Microscaling Data Formats for Deep Learning", arXiv:2310.10537;
+    github.com/microsoft/microxcaling (`mx/mx_ops.py`, issue #4 on saturation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jlp.formats import INT8, FloatFormat, MXFormat
+from jlp.numerics.bfp import group_rows
+from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, cast_bits, float_bits,
+                                     from_bits, to_bits, u32)
+
+E8M0_MIN_EXP = -127
+E8M0_MAX_EXP = 127
+# MXINT8's grid k/64 for |v| < 2 is the grid of an e2m6 float (emin 0, step 2^-6 below 2).
+_INT8_GRID = FloatFormat(2, 6)
+_INT8_MAX_BITS = float_bits(127 / 64)
+
+
+def ldexp_bits(u: jax.Array, k: jax.Array) -> jax.Array:
+  """Bits of the float32 `u` times 2^k, rounded to nearest even (IEEE, no flushing).
+
+  Integer ops only: normal <-> subnormal transitions are exact, results past the
+  float32 range are ±inf. `u` must be finite; `k` is int32, broadcast against u.
+  """
+  sign = u & SIGN
+  a = u & ABS
+  field = (a >> 23).astype(jnp.int32)
+  significand = (a & FRAC) | jnp.where(field > 0, HIDDEN, u32(0))
+  # Normalize: leading one to bit 23 (clz of a nonzero significand is 8..31).
+  lead_shift = jnp.clip(lax.clz(significand.astype(jnp.int32)) - 8, 0, 23)
+  normalized = significand << lead_shift.astype(jnp.uint32)
+  out_field = jnp.maximum(field, 1) - lead_shift + k
+
+  normal = (jnp.clip(out_field, 1, 254).astype(jnp.uint32) << 23) | (normalized & FRAC)
+  normal = jnp.where(out_field >= 255, INF, normal)
+  # Subnormal result: normalized · 2^(out_field - 1) in units of 2^-149; a rounding
+  # carry into bit 23 gives the smallest normal's bits, which is the right value.
+  right = jnp.clip(1 - out_field, 1, 25).astype(jnp.uint32)
+  one = u32(1)
+  kept = normalized >> right
+  rem = normalized & ((one << right) - one)
+  half = one << (right - one)
+  up = (rem > half) | ((rem == half) & ((kept & one) != 0))
+  subnormal = kept + jnp.where(up, one, u32(0))
+
+  magnitude = jnp.where(out_field >= 1, normal, subnormal)
+  return sign | jnp.where(significand == 0, u32(0), magnitude)
+
+
+def _saturating(elem: FloatFormat) -> FloatFormat:
+  return dataclasses.replace(elem, overflow="saturate")
+
+
+def _int8_bits(v: jax.Array) -> jax.Array:
+  q = cast_bits(v, _INT8_GRID)  # |v| < 2, so no overflow
+  return (q & SIGN) | jnp.minimum(q & ABS, _INT8_MAX_BITS)
+
+
+def mx_rows_bits(u: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> jax.Array:
+  """Quantizes each row of float32 bit patterns as one MX block.
+
+  Element-wise ops and one max-reduction along axis 1; zero padding in a row
+  does not change the other elements.
+
+  Args:
+    u: uint32 (R, B) float32 bit patterns, one block per row.
+    fmt: the MX format (its `elem`; `block` and `axis` are already applied).
+    rbits: uint32 (R, B) draws, required when the element format rounds stochastically.
+
+  Returns:
+    uint32 (R, B) bit patterns of the quantized values.
+  """
+  if fmt.rounding == "stochastic" and rbits is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, one per element)")
+  a = u & ABS
+  largest = jnp.max(a, axis=1, keepdims=True)
+  largest_field = (largest >> 23).astype(jnp.int32)
+  shared_exp = jnp.maximum(largest_field - 127 - fmt.elem_emax, E8M0_MIN_EXP)
+  nan_scale = (largest >= INF) | (shared_exp > E8M0_MAX_EXP)
+
+  finite = jnp.where(a >= INF, u32(0), u)
+  scaled = ldexp_bits(finite, -shared_exp)
+  if fmt.elem == INT8:
+    q = _int8_bits(scaled)
+  else:
+    q = cast_bits(scaled, _saturating(fmt.elem), rbits)
+  out = ldexp_bits(q, shared_exp)
+  return jnp.where(nan_scale, QNAN, out)
+
+
+def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> jax.Array:
+  """float32 `x` quantized to `fmt` (OCP MX), as float32 (the XLA path of `jlp.quantize`).
+
+  Args:
+    x: float32 array; `fmt.axis` must be one of its axes.
+    fmt: the MX format.
+    rbits: uint32 draws of x's shape, required when the element format rounds
+      stochastically.
+
+  Returns:
+    float32 array of x's shape.
+  """
+  fmt.check_rank(x.ndim)
+  if fmt.rounding == "stochastic" and rbits is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
+  block = [1] * x.ndim
+  block[fmt.axis] = fmt.block
+  rows, ungroup = group_rows(to_bits(jnp.asarray(x, jnp.float32)), tuple(block))
+  rbit_rows = None
+  if fmt.rounding == "stochastic":
+    rbit_rows, _ = group_rows(jnp.asarray(rbits, jnp.uint32), tuple(block))
+  return from_bits(ungroup(mx_rows_bits(rows, fmt, rbit_rows)))
