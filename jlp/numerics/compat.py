@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jlp.formats import FloatFormat
 from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, float_bits,
                                      from_bits, to_bits, u32)
 
-# Bits of 2^23: float(MAGIC_2P23 + n) == 2^23 + n exactly for integers 0 <= n <= 2^23.
-MAGIC_2P23 = np.uint32(0x4B000000)
 
 
 def _cpd_round(m: jax.Array, s: int) -> jax.Array:
@@ -45,12 +44,11 @@ def _cpd_round(m: jax.Array, s: int) -> jax.Array:
 def _int_times_pow2_bits(n: jax.Array, scale_exp: int) -> jax.Array:
   """Bits of the float32 n * 2^scale_exp, for integers 0 <= n <= 2^23.
 
-  Valid when every nonzero result is a float32 normal. float(n) comes from an
-  exact subtraction of two normals in [2^23, 2^24] whose difference is an integer
-  (normal or +0), so no backend's subnormal flushing can touch it; the scaling is
-  an integer add to the exponent field.
+  Valid when every nonzero result is a float32 normal. float(n) is an exact
+  int32 -> float32 conversion (n < 2^24), and the scaling an integer add to the
+  exponent field, so no backend's subnormal flushing can touch it.
   """
-  n_float_bits = to_bits(from_bits(MAGIC_2P23 + n) - from_bits(MAGIC_2P23))
+  n_float_bits = to_bits(lax.bitcast_convert_type(n, jnp.int32).astype(jnp.float32))
   scaled = n_float_bits + u32((scale_exp << 23) & 0xFFFFFFFF)  # mod 2^32: scale_exp < 0 works
   return jnp.where(n == 0, u32(0), scaled)
 

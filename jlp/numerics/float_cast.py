@@ -112,6 +112,43 @@ def _round_magnitude(a: jax.Array, sh, fmt_rounding: str, rbits, emin_field: int
   return jnp.where(sh >= 24, q_low, q)
 
 
+def _round_deterministic(a: jax.Array, fmt: FloatFormat) -> jax.Array:
+  """Magnitude bits `a` rounded to `fmt`'s grid by "nearest" or "truncate" (before overflow).
+
+  The lean path (a handful of ops an element): in fmt's normal range the grid is
+  float32's with the low 23 - man bits dropped, so the bits are rounded directly
+  (a carry moves into the exponent, which is right). Below 2^emin (exp < 8) the
+  grid step is Q = 2^(emin - man): nearest uses the float addition |x| + C with
+  C = 2^(emin - man + 23), whose sum has ulp Q and is rounded to nearest even by
+  the FPU, so its bits minus C's bits count the steps (an integer subtraction:
+  XLA would simplify the float (|x| + C) - C to |x|); truncate uses
+  floor(|x| / Q). The count times Q is the result. Every operand and result is
+  a float32 normal or zero (|x| < 2^-126 would round to 0 and flushing it gives
+  0), so subnormal flushing by the backend cannot change the result.
+  """
+  man = fmt.man
+  s = 23 - man
+  mask = u32((1 << s) - 1)
+  if s == 0:
+    q = a
+  elif fmt.rounding == "truncate":
+    q = a & ~mask
+  else:
+    # Parity of the kept count: bit s, or for man = 0 the hidden bit (1 for normals).
+    lsb = jnp.where(a >= HIDDEN, u32(1), u32(0)) if man == 0 else (a >> u32(s)) & u32(1)
+    q = (a + u32((1 << (s - 1)) - 1) + lsb) & ~mask
+  if fmt.exp == 8:  # fmt's subnormals are float32's, on the same bit grid
+    return q
+  abs_x = from_bits(a)
+  if fmt.rounding == "truncate":
+    steps = jnp.floor(abs_x * np.float32(2.0 ** (man - fmt.emin)))
+  else:
+    c = np.float32(2.0 ** (fmt.emin - man + 23))
+    steps = lax.bitcast_convert_type(to_bits(abs_x + c) - float_bits(c), jnp.int32).astype(jnp.float32)
+  below = steps * np.float32(2.0 ** (fmt.emin - man))
+  return jnp.where(a < u32((fmt.emin + 127) << 23), to_bits(below), q)
+
+
 def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
   """float32 bits -> bits of the float32 value rounded to `fmt` (compat=None)."""
   man, exp = fmt.man, fmt.exp
@@ -119,7 +156,9 @@ def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = Non
   a = u & ABS
   is_nan = a > INF
   emin_field = fmt.emin + 127  # float32 exponent field of fmt's smallest normal
-  if exp == 8:  # fmt's subnormal range is float32's: a fixed shift suffices
+  if fmt.rounding != "stochastic":
+    q = _round_deterministic(a, fmt)
+  elif exp == 8:  # fmt's subnormal range is float32's: a fixed shift suffices
     q = _round_magnitude(a, u32(23 - man), fmt.rounding, rbits, emin_field, man, dynamic=False)
   else:
     f = a >> 23
@@ -129,17 +168,16 @@ def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = Non
     q = _round_magnitude(a, sh, fmt.rounding, rbits, emin_field, man, dynamic=True)
 
   max_bits = float_bits(fmt.max)
-  over = (q > max_bits) & ~is_nan
-  finite_over = over & (a < INF)
   if fmt.specials == "none" or fmt.overflow == "saturate":
-    on_over = jnp.full(a.shape, max_bits, jnp.uint32)
+    on_over = max_bits
   elif fmt.specials == "ieee":
-    on_over = jnp.full(a.shape, INF, jnp.uint32)
+    on_over = INF
   else:  # nan_only
-    on_over = jnp.full(a.shape, QNAN, jnp.uint32)
-  if fmt.rounding == "truncate":  # IEEE 754 roundTowardZero: finite overflow -> max finite
-    on_over = jnp.where(finite_over, max_bits, on_over)
-  q = jnp.where(over, on_over, q)
+    on_over = QNAN
+  if fmt.rounding == "truncate" and on_over != max_bits:
+    # IEEE 754 roundTowardZero: a finite overflow gives max finite; ±inf inputs don't.
+    on_over = jnp.where(a < INF, max_bits, on_over)
+  q = jnp.where(q > max_bits, on_over, q)  # NaN inputs are replaced below
   if not fmt.subnormals:
     q = jnp.where(q < u32(emin_field << 23), u32(0), q)
   out = sign | q

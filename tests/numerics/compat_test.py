@@ -521,5 +521,5 @@ def test_only_elementwise_32_bit_ops(fmt):
   for eqn in _equations(closed.jaxpr):
     assert eqn.primitive.name in KERNEL_SAFE_PRIMITIVES, eqn
     for var in list(eqn.invars) + list(eqn.outvars):
-      assert var.aval.dtype in (jnp.uint32, jnp.float32, jnp.bool_), eqn
+      assert var.aval.dtype in (jnp.uint32, jnp.int32, jnp.float32, jnp.bool_), eqn
       assert var.aval.shape in ((), (8, 128)), eqn

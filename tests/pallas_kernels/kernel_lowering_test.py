@@ -1,0 +1,195 @@
+"""The Pallas kernels lower to Triton for cuda (no GPU needed), and respect Triton's shift rules.
+
+Lowering tier (`-m lowering`): each kernel, interpret=False, is lowered for the
+cuda platform under an abstract H100 (toolchain.md §3), which runs the Pallas
+Triton lowering and so catches its errors (non-power-of-two block shapes,
+unsupported ops or dtypes) on a CPU-only machine.
+
+Shift semantics: XLA defines `x << s` and `x >> s` as 0 for s >= the bit width,
+while the Triton lowering emits LLVM shifts, which are poison there. The kernel
+bodies (`cast_bits`, `bfp_rows_bits`) are evaluated op by op on sampled inputs
+and every shift amount is checked to be below 32, so that the GPU kernels cannot
+differ from the XLA path through shifts.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.extend.core import Literal
+from jax.sharding import AxisType
+
+from jlp.formats import BFPFormat, FloatFormat
+from jlp.numerics.bfp import bfp_rows_bits
+from jlp.numerics.float_cast import cast_bits
+from pallas_kernels import bfp as bfp_kernel
+from pallas_kernels import float_cast as float_cast_kernel
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+FLOAT_FORMATS = [
+    FloatFormat.from_name("e4m3"),
+    FloatFormat.from_name("e5m2"),
+    FloatFormat.from_name("float16"),
+    FloatFormat.from_name("bfloat16"),
+    FloatFormat.from_name("float8_e4m3fn"),
+    FloatFormat.from_name("float4_e2m1fn"),
+    FloatFormat.from_name("e4m3", overflow="saturate"),
+    FloatFormat.from_name("e5m2", subnormals=False),
+    FloatFormat.from_name("e4m3", rounding="truncate"),
+    FloatFormat.from_name("e8m0", rounding="truncate"),
+    FloatFormat.from_name("e4m3", rounding="stochastic"),
+    FloatFormat.from_name("bfloat16", rounding="stochastic"),
+    FloatFormat(5, 2, compat="cpd"),
+    FloatFormat(8, 7, compat="cpd"),
+    FloatFormat(4, 3, compat="qtorch"),
+    FloatFormat(5, 2, rounding="stochastic", compat="qtorch"),
+    FloatFormat(8, 0, rounding="stochastic", compat="qtorch"),
+]
+
+
+def lower_for_h100(f, *args: jax.ShapeDtypeStruct) -> str:
+  """StableHLO text of `f` lowered for cuda under an abstract H100."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                       platform="gpu")
+  mesh = jax.sharding.AbstractMesh((8,), ("d",), (AxisType.Explicit,), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS, ids=repr)
+def test_float_cast_lowers_to_triton(fmt):
+  shape = (1000, 37)  # 37000 elements: 10 tiles of 4096, padded
+  hlo = lower_for_h100(lambda x, r: float_cast_kernel.float_cast(x, fmt, r),
+                       _sds(shape, jnp.float32), _sds(shape, jnp.uint32))
+  assert TRITON_CALL in hlo
+  assert "grid_x = 10 " in hlo
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("shape,block_size", [((3,), 1024), ((7, 9), 16), ((64,), 1)], ids=str)
+def test_float_cast_lowers_small_and_odd_tiles(shape, block_size):
+  fmt = FloatFormat.from_name("e4m3", rounding="stochastic")
+  hlo = lower_for_h100(lambda x, r: float_cast_kernel.float_cast(x, fmt, r, block_size=block_size),
+                       _sds(shape, jnp.float32), _sds(shape, jnp.uint32))
+  assert TRITON_CALL in hlo
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("rounding", ["truncate", "nearest", "stochastic"])
+@pytest.mark.parametrize("shape,block,man,rows_per_tile", [
+    ((256, 1000), (1, 32), 8, None),             # default tiles: (128, 32)
+    ((4, 48, 14, 14), (1, 24, 3, 3), 12, None),  # FB12 NCHW, ragged: P = 256, tiles (16, 256)
+    ((4, 14, 14, 48), (1, 3, 3, 24), 12, 4),     # FB12 NHWC
+    ((10, 7), (10, 7), 1, None),                 # one group of 70 -> P = 128, a (1, 128) tile
+], ids=str)
+def test_bfp_lowers_to_triton(shape, block, man, rows_per_tile, rounding):
+  fmt = BFPFormat(man, block, rounding)
+  hlo = lower_for_h100(lambda x, r: bfp_kernel.bfp_quantize(x, fmt, r, rows_per_tile=rows_per_tile),
+                       _sds(shape, jnp.float32), _sds(shape, jnp.uint32))
+  assert TRITON_CALL in hlo
+
+
+@pytest.mark.lowering
+def test_lowering_catches_triton_errors():
+  """The harness really runs the Triton lowering: a 1000-element block is refused."""
+  def copy(x):
+    def kernel(x_ref, o_ref):
+      o_ref[...] = x_ref[...]
+    spec = pl.BlockSpec((1000,), lambda i: (i,))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+                          in_specs=[spec], out_specs=spec)(x)
+
+  with pytest.raises(Exception, match="power of 2"):
+    lower_for_h100(copy, _sds((2000,), jnp.float32))
+
+
+# -- shift amounts ------------------------------------------------------------
+
+SHIFTS = ("shift_left", "shift_right_logical", "shift_right_arithmetic")
+
+
+def _eval_recording_shifts(jaxpr, consts, args, amounts: list):
+  """Evaluates `jaxpr`, appending (op, width, max shift amount) for every shift op."""
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    if eqn.primitive.name in SHIFTS:
+      width = jnp.dtype(eqn.invars[0].aval.dtype).itemsize * 8
+      amounts.append((eqn.primitive.name, width, jnp.max(jnp.asarray(ins[1]).astype(jnp.uint32))))
+    if eqn.primitive.name in ("jit", "pjit"):
+      sub = eqn.params["jaxpr"]
+      outs = _eval_recording_shifts(sub.jaxpr, sub.consts, ins, amounts)
+    else:
+      outs = eqn.primitive.bind(*ins, **eqn.params)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def shifts_at_or_above_width(bodies: dict, *args) -> list:
+  """(label, op, width, amount) for shifts in `bodies[label](*args)` by >= the operand width.
+
+  All bodies are evaluated in one jitted function (one compile).
+  """
+  labels = []
+
+  def run(*args):
+    maxima = []
+    for label, body in bodies.items():
+      closed = jax.make_jaxpr(body)(*args)
+      amounts = []
+      _eval_recording_shifts(closed.jaxpr, closed.consts, jax.tree.leaves(args), amounts)
+      labels.extend((label, op, width) for op, width, _ in amounts)
+      maxima.extend(m for _, _, m in amounts)
+    return maxima
+
+  maxima = jax.jit(run)(*args)
+  assert labels, "no shift ops found"
+  return [(*lab, int(m)) for lab, m in zip(labels, maxima) if int(m) >= lab[2]]
+
+
+def _sampled_bits(n, seed=0):
+  rng = np.random.default_rng(seed)
+  patterns = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
+  specials = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF,
+                       1, 0x80000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF], np.uint32)
+  wide = (rng.standard_normal(n) * 2.0 ** rng.integers(-150, 100, n)).astype(np.float32)
+  return np.concatenate([specials, patterns, wide.view(np.uint32)])
+
+
+def _random_bits(shape, seed):
+  return np.random.default_rng(seed).integers(0, 2 ** 32, shape, dtype=np.uint64).astype(np.uint32)
+
+
+def test_float_cast_kernel_body_shifts_below_width():
+  u = _sampled_bits(4096)
+  bodies = {repr(f): (lambda u, r, f=f: cast_bits(u, f, r if f.rounding == "stochastic" else None))
+            for f in FLOAT_FORMATS}
+  assert shifts_at_or_above_width(bodies, u, _random_bits(u.shape, 1)) == []
+
+
+def test_bfp_kernel_body_shifts_below_width():
+  u = _sampled_bits(4096)
+  u = u[:u.size // 32 * 32].reshape(-1, 32)
+  # Groups with small and with zero/subnormal largest exponents.
+  u[::4] &= np.uint32(0x807FFFFF)
+  u[1::4] = (u[1::4] & np.uint32(0x80FFFFFF)) | np.uint32(0x01000000)
+  formats = [BFPFormat(man, (32,), rounding) for man in (1, 8, 24)
+             for rounding in ("truncate", "nearest", "stochastic")]
+  bodies = {repr(f): (lambda u, r, f=f: bfp_rows_bits(u, f, r if f.rounding == "stochastic" else None))
+            for f in formats}
+  assert shifts_at_or_above_width(bodies, u, _random_bits(u.shape, 2)) == []
