@@ -159,6 +159,23 @@ def _round_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int, roun
   return jnp.where(group_max == EXPONENT_MAX_FIELD, special, out)
 
 
+def bfp_bits(u: jax.Array, group_max: jax.Array, fmt: BFPFormat,
+             rbits: jax.Array | None = None) -> jax.Array:
+  """Quantizes float32 bit patterns `u` given their group's largest exponent field.
+
+  Element-wise (`group_max` broadcasts against `u`), so it serves both the row
+  layout of the kernel and the XLA path's broadcast group maxima.
+  """
+  if fmt.rounding == "stochastic" and rbits is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, one per element)")
+  e = (u >> 23) & u32(0xFF)
+  if fmt.rounding == "truncate":
+    q = _truncate_bits(u, e, group_max, fmt.man)
+  else:
+    q = _round_bits(u, e, group_max, fmt.man, fmt.rounding, rbits)
+  return jnp.where(group_max == 0, u, q)
+
+
 def bfp_rows_bits(u: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -> jax.Array:
   """Quantizes each row of float32 bit patterns as one BFP group.
 
@@ -174,19 +191,16 @@ def bfp_rows_bits(u: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) 
   Returns:
     uint32 (G, P) bit patterns of the quantized values.
   """
-  if fmt.rounding == "stochastic" and rbits is None:
-    raise ValueError("stochastic rounding needs rbits (uint32, one per element)")
-  e = (u >> 23) & u32(0xFF)
-  group_max = jnp.max(e, axis=1, keepdims=True)
-  if fmt.rounding == "truncate":
-    q = _truncate_bits(u, e, group_max, fmt.man)
-  else:
-    q = _round_bits(u, e, group_max, fmt.man, fmt.rounding, rbits)
-  return jnp.where(group_max == 0, u, q)
+  group_max = jnp.max((u >> 23) & u32(0xFF), axis=1, keepdims=True)
+  return bfp_bits(u, group_max, fmt, rbits)
 
 
 def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -> jax.Array:
   """float32 `x` quantized to `fmt`, as float32 (the XLA path of `jlp.quantize`).
+
+  The groups stay in place: the exponent maxima are reduced over x's exponents
+  (zero-padded to whole groups) viewed as (n0, d0, n1, d1, ...) and broadcast
+  back to x's layout, so XLA reads x twice, moves no data and can write in place.
 
   Args:
     x: float32 array with ndim == len(fmt.block).
@@ -199,8 +213,20 @@ def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -
   fmt.check_rank(x.ndim)
   if fmt.rounding == "stochastic" and rbits is None:
     raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
-  rows, ungroup = group_rows(to_bits(jnp.asarray(x, jnp.float32)), fmt.block)
-  rbit_rows = None
-  if fmt.rounding == "stochastic":
-    rbit_rows, _ = group_rows(jnp.asarray(rbits, jnp.uint32), fmt.block)
-  return from_bits(ungroup(bfp_rows_bits(rows, fmt, rbit_rows)))
+  shape = tuple(x.shape)
+  dims = tuple(max(1, min(int(d), n)) for d, n in zip(fmt.block, shape))
+  counts = tuple(-(-n // d) for n, d in zip(shape, dims))
+  padded_shape = tuple(c * d for c, d in zip(counts, dims))
+  split = tuple(v for cd in zip(counts, dims) for v in cd)
+  ragged = padded_shape != shape
+
+  u = to_bits(jnp.asarray(x, jnp.float32))
+  exponents = (u >> 23) & u32(0xFF)
+  if ragged:  # zeros never raise a group's maximum
+    exponents = jnp.pad(exponents, [(0, p - n) for p, n in zip(padded_shape, shape)])
+  group_max = jnp.max(exponents.reshape(split), axis=tuple(range(1, 2 * len(shape), 2)), keepdims=True)
+  group_max = jnp.broadcast_to(group_max, split).reshape(padded_shape)
+  if ragged:
+    group_max = group_max[tuple(slice(0, n) for n in shape)]
+  r = None if fmt.rounding != "stochastic" else jnp.asarray(rbits, jnp.uint32)
+  return from_bits(bfp_bits(u, group_max, fmt, r))
