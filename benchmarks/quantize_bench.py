@@ -7,8 +7,9 @@ For each format: the XLA path of `jlp.quantize` on a donated float32 buffer of
 bandwidth is what is measured), next to the in-place bandwidth reference (a
 jitted, donated `x * 2`) and, where ml_dtypes has the type, the `astype` round
 trip through it, each timed alternately with the reference in the same run.
-GB/s counts one read and one write of the buffer. Ratios are reference_time /
-time (1.0 = as fast as the reference). The Pallas path is only timed on a GPU
+GB/s counts one read and one write of the buffer (medians). Ratios are the median
+over the alternating pairs of reference_time / time (1.0 = as fast as the
+reference). The Pallas path is only timed on a GPU
 (interpret mode is a correctness tool).
 """
 
@@ -25,7 +26,7 @@ from jlp import BFPFormat, FloatFormat, MXFormat
 from jlp.quantize import quantize
 
 _ELEMENTS = flags.DEFINE_integer("elements", 128 * 2 ** 20, "float32 elements per buffer (multiple of 1024).")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "timed (reference, candidate) pairs per format.")
+_REPEATS = flags.DEFINE_integer("repeats", 11, "timed (reference, candidate) pairs per format.")
 _ONLY = flags.DEFINE_string("only", "", "comma-separated substrings: run only matching formats.")
 
 FLOAT_NAMES = ["float16", "bfloat16", "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e3m4",
@@ -42,6 +43,7 @@ def formats():
            ("BFP m8 (1,16)", BFPFormat(8, (1, 16))),
            ("BFP m4 (1,24)", BFPFormat(4, (1, 24))),
            ("BFP m8 (1,16) nearest", BFPFormat(8, (1, 16), rounding="nearest")),
+           ("BFP FB12 NHWC (1,3,3,24)", BFPFormat(4, (1, 3, 3, 24))),
            ("MX e4m3fn /32", MXFormat("float8_e4m3fn")),
            ("MX e2m1fn /32", MXFormat("float4_e2m1fn"))]
   only = [s for s in _ONLY.value.split(",") if s]
@@ -57,7 +59,8 @@ def timed(fn, x):
 
 
 def compare(candidate, reference, x, r, repeats):
-  """Alternating timings; returns (median candidate s, median reference s, x, r)."""
+  """Alternating timings; returns (median candidate s, median reference s, median of the
+  per-pair ratios reference/candidate, x, r)."""
   x = candidate(x).block_until_ready()  # compile + warm
   r = reference(r).block_until_ready()
   tc, tr = [], []
@@ -66,7 +69,8 @@ def compare(candidate, reference, x, r, repeats):
     tr.append(t)
     t, x = timed(candidate, x)
     tc.append(t)
-  return statistics.median(tc), statistics.median(tr), x, r
+  ratio = statistics.median(b / a for a, b in zip(tc, tr))
+  return statistics.median(tc), statistics.median(tr), ratio, x, r
 
 
 def main(argv):
@@ -83,21 +87,23 @@ def main(argv):
   r = jnp.ones(shape, jnp.float32)
   print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); "
         f"{n} float32 ({4 * n / 2 ** 20:.0f} MiB), median of {_REPEATS.value}, reference = donated x*2\n")
-  header = f"{'format':24s} {'jlp GB/s':>9s} {'ref GB/s':>9s} {'jlp/ref':>8s}   {'astype GB/s':>11s} {'astype/ref':>10s}"
+  header = f"{'format':26s} {'jlp GB/s':>9s} {'ref GB/s':>9s} {'jlp/ref':>8s}   {'astype GB/s':>11s} {'astype/ref':>10s}"
   print(header)
   print("-" * len(header))
   for name, fmt in formats():
     k = key if getattr(fmt, "rounding", None) == "stochastic" else None
-    cand = jax.jit(lambda v, fmt=fmt, k=k: quantize(v, fmt, key=k, impl="xla"), donate_argnums=0)
-    tc, tr, x, r = compare(cand, reference, x, r, _REPEATS.value)
-    line = f"{name:24s} {gb / tc:9.2f} {gb / tr:9.2f} {tr / tc:8.2f}"
+    view = (-1, 32, 32, 1024) if isinstance(fmt, BFPFormat) and len(fmt.block) == 4 else shape
+    cand = jax.jit(lambda v, fmt=fmt, k=k, view=view: quantize(v.reshape(view), fmt, key=k, impl="xla")
+                   .reshape(shape), donate_argnums=0)
+    tc, tr, ratio, x, r = compare(cand, reference, x, r, _REPEATS.value)
+    line = f"{name:26s} {gb / tc:9.2f} {gb / tr:9.2f} {ratio:8.2f}"
     dtype = fmt.ml_dtype if isinstance(fmt, FloatFormat) else None
     if dtype is not None and fmt.bits == 6 and jax.default_backend() == "cpu":
       line += f"   {'n/a':>11s} {'n/a':>10s}  (XLA:CPU crashes on float6 astype)"
     elif dtype is not None:
       ast = jax.jit(lambda v, d=dtype: v.astype(d).astype(jnp.float32), donate_argnums=0)
-      ta, tr2, x, r = compare(ast, reference, x, r, _REPEATS.value)
-      line += f"   {gb / ta:11.2f} {tr2 / ta:10.2f}"
+      ta, _, ratio, x, r = compare(ast, reference, x, r, _REPEATS.value)
+      line += f"   {gb / ta:11.2f} {ratio:10.2f}"
     print(line, flush=True)
 
 

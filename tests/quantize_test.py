@@ -122,3 +122,30 @@ def test_inside_shard_map_on_8_devices():
   np.testing.assert_allclose(np.asarray(got)[0], want.sum(0), rtol=1e-6)
   g = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
   np.testing.assert_array_equal(g, np.ones_like(x))
+
+
+@pytest.mark.parametrize("fmt", [FloatFormat(4, 3), FloatFormat(5, 2, rounding="stochastic"),
+                                 jlp.BFPFormat(4, (1, 24)), jlp.BFPFormat(8, (2, 8), rounding="nearest")],
+                         ids=repr)
+def test_pallas_impl_equals_xla_impl_forward_and_backward(fmt):
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((16, 48)).astype(np.float32))
+  key = jax.random.key(3)
+
+  def loss(x, impl):
+    return jnp.sum(jlp.quantize(x, fmt, bwd=fmt, key=key, impl=impl) * x[::-1])
+
+  for want, got in zip(jax.value_and_grad(loss)(x, "xla"), jax.value_and_grad(loss)(x, "pallas")):
+    ref.assert_same_bits(got, want)
+
+
+def test_pallas_impl_inside_shard_map_with_check_vma_off():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((8, 64)).astype(np.float32))
+
+  def run(impl):
+    f = jax.shard_map(lambda v: jlp.quantize(v, "e4m3", impl=impl), mesh=mesh, in_specs=P("d"),
+                      out_specs=P("d"), check_vma=False)
+    return jax.jit(f)(x)
+
+  ref.assert_same_bits(run("pallas"), run("xla"))
+  ref.assert_same_bits(run("xla"), np.asarray(x).astype(ml_dtypes.float8_e4m3).astype(np.float32))

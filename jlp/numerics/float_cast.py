@@ -154,7 +154,6 @@ def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = Non
   man, exp = fmt.man, fmt.exp
   sign = u & SIGN
   a = u & ABS
-  is_nan = a > INF
   emin_field = fmt.emin + 127  # float32 exponent field of fmt's smallest normal
   if fmt.rounding != "stochastic":
     q = _round_deterministic(a, fmt)
@@ -177,13 +176,16 @@ def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = Non
   if fmt.rounding == "truncate" and on_over != max_bits:
     # IEEE 754 roundTowardZero: a finite overflow gives max finite; ±inf inputs don't.
     on_over = jnp.where(a < INF, max_bits, on_over)
-  q = jnp.where(q > max_bits, on_over, q)  # NaN inputs are replaced below
+  # A NaN input's rounded bits stay above every finite value, so it takes this branch.
+  if fmt.specials != "none" and not (isinstance(on_over, np.uint32) and on_over == QNAN):
+    on_over = jnp.where(a > INF, QNAN, on_over)
+  q = jnp.where(q > max_bits, on_over, q)
   if not fmt.subnormals:
     q = jnp.where(q < u32(emin_field << 23), u32(0), q)
   out = sign | q
   if fmt.specials == "none":  # ml_dtypes: NaN -> a zero of the opposite sign
-    return jnp.where(is_nan, sign ^ SIGN, out)
-  return jnp.where(is_nan, sign | QNAN, out)
+    return jnp.where(a > INF, sign ^ SIGN, out)
+  return out
 
 
 def cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
