@@ -29,22 +29,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from jlp.formats import BFPFormat
 from jlp.numerics.bfp import bfp_rows_bits, group_rows
+from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
 
 # Elements per tile when rows_per_tile is not given: as the float cast kernel,
 # 4096 float32 (16 KiB) per tile, which Triton keeps in registers with 8 warps.
 TILE_ELEMENTS = 4096
 
-
-def _is_power_of_two(n: int) -> bool:
-  return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def _num_warps(elements: int) -> int:
-  return max(1, min(8, elements // 256))
 
 
 def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None, *,
@@ -66,7 +56,7 @@ def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None, *
   """
   if not isinstance(fmt, BFPFormat):
     raise TypeError(f"fmt={fmt!r} is not a BFPFormat.")
-  if rows_per_tile is not None and not _is_power_of_two(rows_per_tile):
+  if rows_per_tile is not None and not is_power_of_two(rows_per_tile):
     raise ValueError(f"rows_per_tile={rows_per_tile!r} is not allowed; "
                      "expected None or a power of two >= 1.")
   x = jnp.asarray(x, jnp.float32)
@@ -88,7 +78,7 @@ def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None, *
     operands.append(group_rows(rbits, fmt.block)[0])
   num_groups, width = rows.shape
   tile_rows = rows_per_tile or max(1, TILE_ELEMENTS // width)
-  tile_rows = min(tile_rows, _next_power_of_two(num_groups))
+  tile_rows = min(tile_rows, next_power_of_two(num_groups))
   num_tiles = -(-num_groups // tile_rows)
   padded = num_tiles * tile_rows
   if padded != num_groups:
@@ -106,7 +96,7 @@ def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None, *
       in_specs=[spec] * len(operands),
       out_specs=spec,
       interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=_num_warps(tile_rows * width)),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps(tile_rows * width)),
       name=f"bfp_m{fmt.man}_{fmt.rounding}",
   )(*operands)
   if padded != num_groups:

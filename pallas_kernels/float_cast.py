@@ -26,23 +26,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from jlp.formats import FloatFormat
 from jlp.numerics.float_cast import cast_bits
+from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
 
 # 4096 float32 = 16 KiB in + 16 KiB out per tile: with 8 warps, 16 elements
 # (four 128-bit loads) per thread, enough in flight to saturate H100 HBM while
 # the integer work per element stays in registers.
 DEFAULT_BLOCK_SIZE = 4096
 
-
-def _is_power_of_two(n: int) -> bool:
-  return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
-
-
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def _num_warps(block: int) -> int:
-  return max(1, min(8, block // 256))
 
 
 def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None, *,
@@ -62,7 +52,7 @@ def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None, *
   """
   if not isinstance(fmt, FloatFormat):
     raise TypeError(f"fmt={fmt!r} is not a FloatFormat.")
-  if not _is_power_of_two(block_size):
+  if not is_power_of_two(block_size):
     raise ValueError(f"block_size={block_size!r} is not allowed; expected a power of two >= 1.")
   x = jnp.asarray(x)
   if x.dtype != jnp.float32:
@@ -79,7 +69,7 @@ def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None, *
   if n == 0:
     return x
 
-  block = min(block_size, _next_power_of_two(n))
+  block = min(block_size, next_power_of_two(n))
   num_blocks = -(-n // block)
   padded = num_blocks * block
 
@@ -101,7 +91,7 @@ def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None, *
       in_specs=[spec] * len(operands),
       out_specs=spec,
       interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=_num_warps(block)),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps(block)),
       name=f"float_cast_{fmt.name}_{fmt.rounding}" + (f"_{fmt.compat}" if fmt.compat else ""),
   )(*operands)
   return (out if padded == n else out[:n]).reshape(x.shape)
