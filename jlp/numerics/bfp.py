@@ -29,6 +29,11 @@ Rounding modes:
     (`jlp.numerics.float_cast` convention; one uint32 draw per element), with the
     same clamp at n = 2^man - 1.
 
+Traced widths: `bfp_quantize` and `bfp_bits` take an optional `man` overriding
+fmt.man. An int32 array (possibly traced) serves every width from one compiled
+function, for all three roundings (the dynamic precision controller,
+`jlp.nn.controller`); man=None or an int leaves the static ops unchanged.
+
 References:
   Noh et al., "FlexBlock: A Flexible DNN Training Accelerator With Multi-Mode
     Block Floating Point Support", IEEE Trans. Computers 72(9), 2023
@@ -98,7 +103,10 @@ def group_rows(x: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, Callabl
   return rows, ungroup
 
 
-def _truncate_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int) -> jax.Array:
+Man = "int | jax.Array"  # a static width, or an int32 array (traced: no recompilation per width)
+
+
+def _truncate_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: Man) -> jax.Array:
   """BFPsim's bit rule (bfp.md §1.1 step 4)."""
   kept_fraction_bits = (man - 1) - (group_max - e).astype(jnp.int32)
   dropped = jnp.clip(23 - kept_fraction_bits, 0, 31).astype(jnp.uint32)
@@ -106,7 +114,7 @@ def _truncate_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int) -
   return jnp.where(kept_fraction_bits >= 0, u & mask, u32(0))
 
 
-def _grid_step_bits(group_max: jax.Array, man: int) -> jax.Array:
+def _grid_step_bits(group_max: jax.Array, man: Man) -> jax.Array:
   """Bits of Δ = 2^(M - 127 - man + 1) (a float32 subnormal when M - man + 1 < 1)."""
   field = group_max.astype(jnp.int32) - (man - 1)
   subnormal_pos = jnp.clip(field + 22, 0, 22).astype(jnp.uint32)  # Δ = 2^-149 · 2^(field + 22)
@@ -114,7 +122,7 @@ def _grid_step_bits(group_max: jax.Array, man: int) -> jax.Array:
   return jnp.where(field >= 1, normal, u32(1) << subnormal_pos)
 
 
-def _round_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int, rounding: str,
+def _round_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: Man, rounding: str,
                 rbits: jax.Array | None) -> jax.Array:
   """Magnitudes rounded to the group grid (nearest or stochastic), signs put back."""
   sign = u & SIGN
@@ -151,7 +159,10 @@ def _round_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int, roun
   q = jnp.where(shift >= 24, jnp.where(up_low, _grid_step_bits(group_max, man), u32(0)), q)
 
   # n = 2^man - 1: exponent M with the top man - 1 stored fraction bits set.
-  top_fraction = u32((0x7FFFFF << (24 - man)) & 0x7FFFFF)
+  if isinstance(man, int):
+    top_fraction = u32((0x7FFFFF << (24 - man)) & 0x7FFFFF)
+  else:
+    top_fraction = (u32(0x7FFFFF) << (24 - man).astype(jnp.uint32)) & u32(0x7FFFFF)
   q = jnp.minimum(q, (group_max << 23) | top_fraction)
   out = jnp.where(q == 0, u32(0), sign | q)
 
@@ -159,20 +170,40 @@ def _round_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: int, roun
   return jnp.where(group_max == EXPONENT_MAX_FIELD, special, out)
 
 
+def _resolve_man(fmt: BFPFormat, man) -> Man:
+  """fmt.man, or the override `man`: a Python/NumPy int is checked and used as a
+  static width; an array (traced or not) becomes int32 clipped to 1..24."""
+  if man is None:
+    return fmt.man
+  if isinstance(man, (int, np.integer)) and not isinstance(man, bool):
+    return BFPFormat(int(man), fmt.block, fmt.rounding).man  # validates 1..24
+  man = jnp.asarray(man)
+  if not jnp.issubdtype(man.dtype, jnp.integer):
+    raise ValueError(f"man must be an integer array (int32), got dtype {man.dtype}")
+  return jnp.clip(man.astype(jnp.int32), 1, 24)
+
+
 def bfp_bits(u: jax.Array, group_max: jax.Array, fmt: BFPFormat,
-             rbits: jax.Array | None = None) -> jax.Array:
+             rbits: jax.Array | None = None, man: jax.Array | int | None = None) -> jax.Array:
   """Quantizes float32 bit patterns `u` given their group's largest exponent field.
 
   Element-wise (`group_max` broadcasts against `u`), so it serves both the row
   layout of the kernel and the XLA path's broadcast group maxima.
+
+  `man` (optional) overrides `fmt.man`: an int32 array (a scalar, or anything
+  broadcasting against `u`) may be a traced value, so one compiled function
+  serves every width (the dynamic precision controller, bfp.md §1.7, §3.6).
+  Array widths are clipped to 1..24. With man=None the ops are those of the
+  static width `fmt.man`.
   """
   if fmt.rounding == "stochastic" and rbits is None:
     raise ValueError("stochastic rounding needs rbits (uint32, one per element)")
+  man = _resolve_man(fmt, man)
   e = (u >> 23) & u32(0xFF)
   if fmt.rounding == "truncate":
-    q = _truncate_bits(u, e, group_max, fmt.man)
+    q = _truncate_bits(u, e, group_max, man)
   else:
-    q = _round_bits(u, e, group_max, fmt.man, fmt.rounding, rbits)
+    q = _round_bits(u, e, group_max, man, fmt.rounding, rbits)
   return jnp.where(group_max == 0, u, q)
 
 
@@ -195,7 +226,8 @@ def bfp_rows_bits(u: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) 
   return bfp_bits(u, group_max, fmt, rbits)
 
 
-def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -> jax.Array:
+def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None,
+                 man: jax.Array | int | None = None) -> jax.Array:
   """float32 `x` quantized to `fmt`, as float32 (the XLA path of `jlp.quantize`).
 
   The groups stay in place: the exponent maxima are reduced over x's exponents
@@ -206,6 +238,8 @@ def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -
     x: float32 array with ndim == len(fmt.block).
     fmt: the BFP format.
     rbits: uint32 draws of x's shape, required for rounding="stochastic".
+    man: optional mantissa width overriding fmt.man: an int32 scalar array (may be
+      traced: changing it does not recompile; clipped to 1..24) or an int.
 
   Returns:
     float32 array of x's shape.
@@ -229,4 +263,4 @@ def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None) -
   if ragged:
     group_max = group_max[tuple(slice(0, n) for n in shape)]
   r = None if fmt.rounding != "stochastic" else jnp.asarray(rbits, jnp.uint32)
-  return from_bits(bfp_bits(u, group_max, fmt, r))
+  return from_bits(bfp_bits(u, group_max, fmt, r, man))

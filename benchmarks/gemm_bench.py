@@ -1,0 +1,76 @@
+"""Custom-precision accumulation matmul against a float32 matmul, timed alternately.
+
+Run: python -m benchmarks.gemm_bench [--size=256] [--repeats=11] [--impl=xla]
+
+`jlp.gemm.accum.matmul` (M = K = N = --size) with an e5m2 accumulator in the
+exact per-add mode (chunk = 1, CPD's quant_gemm, cpd.md §2.1) and with
+chunk = 32, plain and Kahan, each timed alternately with a jitted float32
+`jnp.matmul(precision=HIGHEST)` in the same run. Ratios are the median over the
+alternating pairs of time / float32 time (targets, issue 3: <= 30x exact,
+<= 3x chunk = 32). The Pallas path is only meaningful on a GPU (interpret mode
+is a correctness tool).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from jlp.formats import FloatFormat
+from jlp.gemm.accum import matmul
+
+_SIZE = flags.DEFINE_integer("size", 256, "M = K = N.")
+_REPEATS = flags.DEFINE_integer("repeats", 11, "timed (float32, candidate) pairs per case.")
+_IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "matmul implementation.")
+
+
+def timed(fn, a, b):
+  t0 = time.perf_counter()
+  fn(a, b).block_until_ready()
+  return time.perf_counter() - t0
+
+
+def compare(candidate, reference, a, b, repeats):
+  """Median candidate s, median reference s, median per-pair ratio candidate / reference."""
+  candidate(a, b).block_until_ready()  # compile + warm
+  reference(a, b).block_until_ready()
+  tc, tr = [], []
+  for _ in range(repeats):
+    tr.append(timed(reference, a, b))
+    tc.append(timed(candidate, a, b))
+  ratio = statistics.median(c / r for c, r in zip(tc, tr))
+  return statistics.median(tc), statistics.median(tr), ratio
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  n = _SIZE.value
+  if n <= 0:
+    raise app.UsageError(f"--size={n} is not allowed; expected a positive int.")
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), jnp.float32)
+  b = jax.random.normal(kb, (n, n), jnp.float32)
+  fmt = FloatFormat.from_name("e5m2")
+  reference = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
+  print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); "
+        f"{n}x{n}x{n}, e5m2 accumulator, impl={_IMPL.value}, median of {_REPEATS.value}, "
+        f"reference = float32 jnp.matmul (HIGHEST)\n")
+  header = f"{'case':22s} {'ms':>9s} {'f32 ms':>9s} {'ratio':>8s}"
+  print(header)
+  print("-" * len(header))
+  for chunk in (1, 32):
+    for kahan in (False, True):
+      cand = jax.jit(lambda x, y, chunk=chunk, kahan=kahan: matmul(
+          x, y, accum=fmt, kahan=kahan, chunk=chunk, impl=_IMPL.value))
+      tc, tr, ratio = compare(cand, reference, a, b, _REPEATS.value)
+      name = f"chunk={chunk} " + ("kahan" if kahan else "plain")
+      print(f"{name:22s} {tc * 1e3:9.2f} {tr * 1e3:9.3f} {ratio:7.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,196 @@
+"""jlp.gemm.accum.matmul against a plain-Python triple loop written from cpd.md §2.1.
+
+Reference: CPD's quant_gemm (Han, Demmel, You, arXiv:1911.08907; cpd.md §2.1),
+one numpy float32 scalar operation at a time, with q = `references.round_to_format`
+(a float64 reference cast; compat=None) or, for compat="cpd", the step-by-step
+CPD emulation of tests/numerics/compat_test.py (cpd.md §1.2). Written from the
+spec, not from jlp.
+"""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlp.formats import FloatFormat
+from jlp.gemm.accum import matmul
+from pallas_kernels import accum_matmul as kernel
+import references as ref
+
+f32 = np.float32
+
+
+def _load_test_module(subdir, name):
+  """A sibling test module by path (tests/pallas_kernels would shadow the kernels package)."""
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), subdir, name + ".py")
+  spec = importlib.util.spec_from_file_location("_accum_test_" + name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _cpd_reference():
+  return _load_test_module("numerics", "compat_test").cpd_reference
+
+
+def quantizer(fmt):
+  if fmt.compat == "cpd":
+    cpd = _cpd_reference()
+    return lambda v: cpd(np.array([v], f32), fmt.exp, fmt.man)[0]
+  return lambda v: ref.round_to_format(np.array([v], f32), fmt)[0]
+
+
+def triple_loop(a, b, fmt, kahan, chunk=1):
+  """cpd.md §2.1 per element; chunk > 1: float32 sums of `chunk` raw products, in k order."""
+  q = quantizer(fmt)
+  m, k = a.shape
+  n = b.shape[1]
+  out = np.zeros((m, n), f32)
+  with np.errstate(all="ignore"):
+    for i in range(m):
+      for j in range(n):
+        s, c = f32(0), f32(0)
+        for k0 in range(0, k, chunk):
+          partial = f32(a[i, k0] * b[k0, j])
+          for kk in range(k0 + 1, min(k0 + chunk, k)):
+            partial = f32(partial + f32(a[i, kk] * b[kk, j]))
+          p = q(partial)
+          if kahan:
+            y = q(f32(p - c))
+            t = q(f32(s + y))
+            c = q(f32(q(f32(t - s)) - y))
+            s = t
+          else:
+            s = q(f32(s + p))
+        out[i, j] = s
+  return out
+
+
+def operands(m, k, n, seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  a = (rng.standard_normal((m, k)) * scale).astype(f32)
+  b = rng.standard_normal((k, n)).astype(f32)
+  return a, b
+
+
+FORMATS = [FloatFormat.from_name("e5m2"), FloatFormat.from_name("e4m3"), FloatFormat(3, 0),
+           FloatFormat(8, 7), FloatFormat(5, 2, compat="cpd")]
+
+
+@pytest.fixture(scope="module")
+def xla_matmul():
+  return jax.jit(matmul, static_argnames=("accum", "kahan", "chunk", "impl"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name + (f"-{f.compat}" if f.compat else ""))
+@pytest.mark.parametrize("kahan", [False, True], ids=["plain", "kahan"])
+def test_matches_triple_loop(fmt, kahan, xla_matmul):
+  a, b = operands(5, 9, 7, seed=fmt.exp * 10 + fmt.man)
+  got = np.asarray(xla_matmul(a, b, accum=fmt, kahan=kahan, impl="xla"))
+  ref.assert_same_bits(got, triple_loop(a, b, fmt, kahan))
+
+
+@pytest.mark.parametrize("chunk", [2, 4, 9, 32])
+@pytest.mark.parametrize("kahan", [False, True], ids=["plain", "kahan"])
+def test_chunked_matches_triple_loop(chunk, kahan, xla_matmul):
+  fmt = FloatFormat.from_name("e5m2")
+  a, b = operands(5, 9, 7, seed=chunk)
+  got = np.asarray(xla_matmul(a, b, accum=fmt, kahan=kahan, chunk=chunk, impl="xla"))
+  ref.assert_same_bits(got, triple_loop(a, b, fmt, kahan, chunk))
+
+
+def test_chunk_products_not_fused():
+  """The chunk's float32 sum rounds each product first (an FMA would round once)."""
+  fmt = FloatFormat(8, 23)
+  a = np.array([[1 + 2.0 ** -12, -1.0]], f32)
+  b = np.array([[1 + 2.0 ** -12], [1 + 2.0 ** -11]], f32)
+  # fl32(a0*b0) = 1 + 2^-11 (the 2^-24 is rounded off); minus 1 + 2^-11 -> 0. FMA: 2^-24.
+  got = np.asarray(matmul(a, b, accum=fmt, chunk=2, impl="xla"))
+  assert got[0, 0] == 0.0
+  assert np.asarray(matmul(a, b, accum=fmt, chunk=2, impl="pallas"))[0, 0] == 0.0
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_cpd_reference_case(impl):
+  """cpd.md §7: e5m2, [1, .3, .3, .3]·[1, 1, 1, 1]; q(0.3) = 0.3125, plain 1.75, Kahan 2.0."""
+  fmt = FloatFormat.from_name("e5m2")
+  assert ref.round_to_format(np.array([0.3], f32), fmt)[0] == 0.3125
+  a = np.array([[1.0, 0.3, 0.3, 0.3]], f32)
+  b = np.ones((4, 1), f32)
+  assert float(matmul(a, b, accum=fmt, kahan=True, impl=impl)[0, 0]) == 2.0
+  assert float(matmul(a, b, accum=fmt, impl=impl)[0, 0]) == 1.75
+  cpd = FloatFormat(5, 2, compat="cpd")
+  assert float(matmul(a, b, accum=cpd, kahan=True, impl=impl)[0, 0]) == 2.0
+
+
+@pytest.mark.parametrize("kahan,chunk,fmt", [
+    (False, 1, FloatFormat.from_name("e5m2")),
+    (True, 1, FloatFormat.from_name("e4m3")),
+    (True, 1, FloatFormat(5, 2, compat="cpd")),
+    (True, 4, FloatFormat.from_name("e5m2")),
+    (False, 3, FloatFormat(8, 7)),
+], ids=str)
+def test_pallas_matches_xla_bit_for_bit(kahan, chunk, fmt):
+  # (37, 21) @ (21, 45), tiles 16x16: grid (3, 3) = 9 steps; M, N, K all padded.
+  a, b = operands(37, 21, 45, seed=chunk, scale=8.0)
+  want = np.asarray(matmul(a, b, accum=fmt, kahan=kahan, chunk=chunk, impl="xla"))
+  got = np.asarray(kernel.accum_matmul(a, b, fmt, kahan=kahan, chunk=chunk, interpret=True,
+                                       tile_m=16, tile_n=16))
+  ref.assert_same_bits(got, want)
+
+
+def test_vmap():
+  fmt = FloatFormat.from_name("e5m2")
+  rng = np.random.default_rng(3)
+  a = rng.standard_normal((3, 4, 6)).astype(f32)
+  b = rng.standard_normal((3, 6, 5)).astype(f32)
+  for impl, chunk in (("xla", 1), ("xla", 4), ("pallas", 2)):
+    got = np.asarray(jax.vmap(lambda x, y: matmul(x, y, accum=fmt, kahan=True, chunk=chunk,
+                                                  impl=impl))(a, b))
+    for i in range(3):
+      ref.assert_same_bits(got[i], triple_loop(a[i], b[i], fmt, True, chunk))
+
+
+def test_auto_is_xla_on_cpu_and_accepts_names():
+  a, b = operands(3, 5, 2, seed=9)
+  ref.assert_same_bits(np.asarray(matmul(a, b, accum="e4m3", kahan=True)),
+                       np.asarray(matmul(a, b, accum=FloatFormat(4, 3), kahan=True, impl="xla")))
+
+
+def test_empty_k_gives_zeros():
+  out = matmul(np.zeros((2, 0), f32), np.zeros((0, 3), f32), accum="e5m2")
+  assert out.shape == (2, 3) and not np.any(np.asarray(out))
+
+
+@pytest.mark.parametrize("kwargs,a_shape,b_shape,dtype,match", [
+    (dict(), (2, 3, 4), (4, 5), f32, "a.shape"),
+    (dict(), (2, 3), (4,), f32, "b.shape"),
+    (dict(), (2, 3), (4, 5), f32, r"b.shape=\(4, 5\)"),
+    (dict(), (2, 3), (3, 5), np.float16, "a.dtype"),
+    (dict(accum="int8"), (2, 3), (3, 5), f32, "accum"),
+    (dict(accum=3), (2, 3), (3, 5), f32, "accum"),
+    (dict(accum=FloatFormat(5, 2, rounding="stochastic")), (2, 3), (3, 5), f32, "stochastic"),
+    (dict(chunk=0), (2, 3), (3, 5), f32, "chunk"),
+    (dict(chunk=2.0), (2, 3), (3, 5), f32, "chunk"),
+    (dict(kahan=1), (2, 3), (3, 5), f32, "kahan"),
+    (dict(impl="cuda"), (2, 3), (3, 5), f32, "impl"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_input(kwargs, a_shape, b_shape, dtype, match):
+  kwargs = dict(dict(accum=FloatFormat(5, 2)), **kwargs)
+  with pytest.raises(ValueError, match=match):
+    matmul(np.ones(a_shape, dtype), np.ones(b_shape, f32), **kwargs)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("kahan,chunk", [(False, 1), (True, 1), (True, 32)])
+def test_kernel_lowers_to_triton(kahan, chunk):
+  lowering = _load_test_module("pallas_kernels", "kernel_lowering_test")
+  fmt = FloatFormat.from_name("e5m2")
+  sds = jax.ShapeDtypeStruct
+  hlo = lowering.lower_for_h100(lambda a, b: kernel.accum_matmul(a, b, fmt, kahan=kahan, chunk=chunk),
+                       sds((100, 70), jnp.float32), sds((70, 130), jnp.float32))
+  assert lowering.TRITON_CALL in hlo
+  assert "grid_x = 4 " in hlo  # (100, 130) in 32 x 32 tiles: grid (4, 5)
