@@ -1,18 +1,24 @@
 """jlp: low-precision and communication-efficient deep learning in JAX.
 
-The public API: number formats, the differentiable `quantize`, and ordered sums
-with rounded intermediates. See README.md for a tour.
+The public API: number formats, the differentiable `quantize`, ordered sums with
+rounded intermediates, and quantized GEMMs (nine tensor roles, custom-precision
+accumulation). See README.md for a tour.
 """
 
 from jlp.formats import BFPFormat, FloatFormat, MXFormat
+from jlp.gemm import GemmQuant, matmul, qconv, qdot_general
 from jlp.numerics.sums import kahan_sum, sequential_sum
 from jlp.quantize import quantize
 
 __all__ = [
     "BFPFormat",
     "FloatFormat",
+    "GemmQuant",
     "MXFormat",
     "kahan_sum",
+    "matmul",
+    "qconv",
+    "qdot_general",
     "quantize",
     "sequential_sum",
 ]
