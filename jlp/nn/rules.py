@@ -1,0 +1,514 @@
+"""Per-layer quantization rules for Flax NNX models (qwix-style, first match wins).
+
+`quantize_model(model, rules)` walks an existing NNX model and, for every
+`nnx.Linear`, `nnx.LinearGeneral`, `nnx.Conv` and `nnx.Einsum`, takes the first
+`QuantRule` whose regex `re.fullmatch`es the layer's path; the layer's injection
+hook is then set to a small adapter module that calls `jlp.gemm.qdot`:
+
+  nnx.Linear, nnx.LinearGeneral   `dot_general`           -> `QDotGeneral` (qdot_general)
+  nnx.Conv                        `conv_general_dilated`  -> `QConv` (qconv)
+  nnx.Einsum                      `einsum_op`             -> `QEinsum` (the two-operand
+                                   spec is parsed into one qdot_general + a transpose)
+
+The model is modified in place and nothing else in it changes: layers with no
+matching rule, or whose first matching rule has cfg None, keep their original
+op object, so a model without matching rules computes exactly as before.
+
+Paths are the NNX graph paths joined with "/" (`nnx.iter_modules`; list indices
+as decimal strings): "conv1", "layer1/0/conv1", "layer2/0/shortcut/0", "linear"
+(the format of `jlp.models.module_path`). Layer kinds, used by per-kind rules:
+"linear" (Linear, LinearGeneral), "conv" (Conv), "einsum" (Einsum).
+
+Stochastic rounding keys. A layer whose GemmQuant rounds any role (or its
+accumulator) stochastically gets its own `nnx.RngStream` (tag "quant") stored in
+the adapter, i.e. inside the model's state (`nnx.RngKey` / `nnx.RngCount`
+variables under "<layer path>/<hook>/rng"):
+
+  layer key   = fold_in(rngs.quant(), crc32(path) & 0x7fffffff)   (once, in quantize_model)
+  call n key  = fold_in(layer key, n)                              (RngStream semantics)
+  role r key  = fold_in(call n key, ROLES.index(r))                (inside qdot_general / qconv)
+
+`rngs.quant()` falls back to the "default" stream, as every NNX stream does. So
+draws are independent across layers, across calls and across roles, and
+reproducible from the seed. The call counter is model state: under `nnx.jit` /
+`nnx.value_and_grad` it advances by itself. With `nnx.split` / `nnx.merge` and
+plain `jax.jit` / `jax.grad`, merge with `nnx.merge(..., copy=True)` inside the
+differentiated function (NNX's rule for any RNG-carrying module, e.g. Dropout)
+and return `nnx.state(model, nnx.RngState)` if the next step must draw new
+bits (otherwise the same bits are reused). A stochastic rule with `rngs=None`
+is a ValueError at quantize time.
+
+References:
+  qwix (google/qwix): `QuantizationRule.module_path`, first match wins,
+    `get_unused_rules`.
+  AQT (google/aqt): injection through the layers' dot_general / conv hooks.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import logging
+import re
+import string
+import zlib
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jlp.formats import BFPFormat, FloatFormat, MXFormat
+from jlp.gemm.config import GemmQuant, ROLES
+from jlp.gemm.qdot import qconv, qdot_general
+from jlp.quantize import is_stochastic
+
+__all__ = [
+    "KINDS",
+    "QConv",
+    "QDotGeneral",
+    "QEinsum",
+    "QuantReport",
+    "QuantRule",
+    "layer_kind",
+    "quantize_model",
+    "unquantize_model",
+]
+
+logger = logging.getLogger("jlp.nn")
+
+KINDS = ("linear", "conv", "einsum")
+
+# Layer type -> (kind, hook attribute, original ops the hook may hold).
+_LAYERS: tuple[tuple[type, str, str, tuple[Any, ...]], ...] = (
+    (nnx.Conv, "conv", "conv_general_dilated", (lax.conv_general_dilated,)),
+    (nnx.Linear, "linear", "dot_general", (lax.dot_general,)),
+    (nnx.LinearGeneral, "linear", "dot_general", (None, lax.dot_general)),
+    (nnx.Einsum, "einsum", "einsum_op", (jnp.einsum,)),
+)
+_WEIGHT_ROLES = ("w", "dgrad_w", "wgrad_out")
+
+
+def layer_kind(module: Any) -> str | None:
+  """"linear", "conv", "einsum" for the layers quantize_model handles, else None."""
+  for cls, kind, _, _ in _LAYERS:
+    if isinstance(module, cls):
+      return kind
+  return None
+
+
+def _hook(module: Any) -> tuple[str, str, tuple[Any, ...]]:
+  for cls, kind, attr, originals in _LAYERS:
+    if isinstance(module, cls):
+      return kind, attr, originals
+  raise TypeError(type(module))
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRule:
+  """One rule: layers whose "/"-joined path fullmatches `path` get `cfg`.
+
+  Attributes:
+    path: a regular expression, matched with `re.fullmatch` against the layer
+      path ("layer1/0/conv1"); compiled at construction.
+    cfg: the layer's GemmQuant; None keeps the layer in float32 (and still
+      counts as a match, so later rules do not apply). A mapping from layer kind
+      ("linear", "conv", "einsum") to GemmQuant / None makes the rule apply only
+      to the kinds it names (a layer of another kind falls through to the next
+      rule); `load_bfpsim_preset` uses this, since a BFPsim entry translates
+      differently for Conv2d and Linear layers.
+    name: optional label shown in reports and error messages.
+  """
+
+  path: str
+  cfg: GemmQuant | None | Mapping[str, GemmQuant | None] = None
+  name: str | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.path, str):
+      raise ValueError(f"{self._label()}: path={self.path!r} is not allowed; expected a regex string.")
+    try:
+      object.__setattr__(self, "_regex", re.compile(self.path))
+    except re.error as e:
+      raise ValueError(f"{self._label()}: path regex {self.path!r} does not compile: {e}") from None
+    cfg = self.cfg
+    if isinstance(cfg, Mapping):
+      bad = sorted(str(k) for k in cfg if k not in KINDS)
+      if bad:
+        raise ValueError(f"{self._label()}: cfg has layer kind {bad[0]!r}; expected kinds among "
+                         f"{', '.join(KINDS)}.")
+      for k, v in cfg.items():
+        if v is not None and not isinstance(v, GemmQuant):
+          raise ValueError(f"{self._label()}: cfg[{k!r}]={v!r} is not allowed; expected a "
+                           "GemmQuant or None.")
+      # frozen and hashable: a sorted tuple of items behind a read-only mapping view
+      object.__setattr__(self, "cfg", _KindMap(cfg))
+    elif cfg is not None and not isinstance(cfg, GemmQuant):
+      raise ValueError(f"{self._label()}: cfg={cfg!r} is not allowed; expected a GemmQuant, None "
+                       "or a mapping from layer kind to GemmQuant.")
+
+  def _label(self) -> str:
+    return f"QuantRule({self.name!r})" if self.name else f"QuantRule(path={self.path!r})"
+
+  def matches(self, path: str, kind: str | None = None) -> bool:
+    """Whether the rule applies to a layer at `path` of `kind` (any kind when None)."""
+    if self._regex.fullmatch(path) is None:  # pytype: disable=attribute-error
+      return False
+    return kind is None or not isinstance(self.cfg, Mapping) or kind in self.cfg
+
+  def cfg_for(self, kind: str) -> GemmQuant | None:
+    return self.cfg.get(kind) if isinstance(self.cfg, Mapping) else self.cfg
+
+
+class _KindMap(collections.abc.Mapping):
+  """An immutable, hashable {kind: GemmQuant | None}."""
+
+  def __init__(self, d: Mapping[str, GemmQuant | None]):
+    self._items = tuple(sorted(d.items()))
+
+  def __getitem__(self, k):
+    for kk, v in self._items:
+      if kk == k:
+        return v
+    raise KeyError(k)
+
+  def __iter__(self):
+    return (k for k, _ in self._items)
+
+  def __len__(self):
+    return len(self._items)
+
+  def __hash__(self):
+    return hash(self._items)
+
+  def __eq__(self, other):
+    return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+  def __repr__(self):
+    return repr(dict(self._items))
+
+
+def _as_rules(rules: Iterable[Any]) -> list[QuantRule]:
+  out = []
+  for i, r in enumerate(rules):
+    if isinstance(r, QuantRule):
+      out.append(r)
+    elif isinstance(r, (tuple, list)) and len(r) == 2:
+      out.append(QuantRule(r[0], r[1]))
+    else:
+      raise ValueError(f"rules[{i}]={r!r} is not allowed; expected a QuantRule or a (regex, cfg) pair.")
+  return out
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+class _QuantOp(nnx.Module):
+  """Common state of the injected ops: the static GemmQuant, the path, an optional RngStream."""
+
+  def __init__(self, cfg: GemmQuant, path: str, original: Any, rng: nnx.RngStream | None):
+    self.cfg = cfg
+    self.path = path
+    self.original = original  # the op the layer held before; restored by `unquantize_model`
+    self.rng = rng
+
+  def _key(self) -> jax.Array | None:
+    return None if self.rng is None else self.rng()
+
+  def _check_sharding(self, out_sharding):
+    if out_sharding is not None:
+      raise ValueError(f"out_sharding={out_sharding!r} is not allowed for the quantized layer "
+                       f"{self.path!r}; expected None.")
+
+
+class QDotGeneral(_QuantOp):
+  """`lax.dot_general`-compatible op calling `jlp.gemm.qdot.qdot_general` with the layer's cfg."""
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               out_sharding=None):
+    self._check_sharding(out_sharding)
+    return qdot_general(lhs, rhs, dimension_numbers, self.cfg, key=self._key(), precision=precision,
+                        preferred_element_type=preferred_element_type)
+
+
+class QConv(_QuantOp):
+  """`lax.conv_general_dilated`-compatible op calling `jlp.gemm.qdot.qconv`.
+
+  qconv computes in float32 at precision HIGHEST, so `precision` is ignored;
+  `preferred_element_type` casts the result.
+  """
+
+  def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+               dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
+               preferred_element_type=None, out_sharding=None):
+    del precision
+    self._check_sharding(out_sharding)
+    if batch_group_count != 1:
+      raise ValueError(f"batch_group_count={batch_group_count} is not allowed for the quantized "
+                       f"layer {self.path!r}; expected 1.")
+    y = qconv(lhs, rhs, window_strides, padding, self.cfg, lhs_dilation=lhs_dilation,
+              rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+              feature_group_count=feature_group_count, key=self._key())
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+class QEinsum(_QuantOp):
+  """`jnp.einsum`-compatible op for nnx.Einsum's "<input>,<kernel>-><out>" specs.
+
+  The spec is turned into one `qdot_general(input, kernel)` (labels in both
+  operands and the output: batch; in both operands only: contracted; the rest:
+  free) and a transpose to the output order, so the input is always role x and
+  the kernel role w. An ellipsis is allowed in the input and the output.
+  Labels repeated within an operand, or appearing in one operand only and not
+  in the output, are not supported (ValueError).
+  """
+
+  def __call__(self, spec, lhs, rhs, precision=None, preferred_element_type=None,
+               out_sharding=None, **kwargs):
+    self._check_sharding(out_sharding)
+    if kwargs:
+      raise ValueError(f"einsum arguments {sorted(kwargs)} are not allowed for the quantized layer "
+                       f"{self.path!r}; expected only precision and preferred_element_type.")
+    dn, perm = _einsum_to_dot_general(spec, jnp.ndim(lhs), jnp.ndim(rhs), self.path)
+    y = qdot_general(lhs, rhs, dn, self.cfg, key=self._key(), precision=precision,
+                     preferred_element_type=preferred_element_type)
+    return y if perm == tuple(range(y.ndim)) else jnp.transpose(y, perm)
+
+
+def _einsum_to_dot_general(spec: str, lhs_ndim: int, rhs_ndim: int, path: str):
+  """'bi,io->bo' -> (dot_general dimension numbers, permutation of its output to the spec's)."""
+
+  def bad(why):
+    return ValueError(f"einsum spec {spec!r} of the quantized layer {path!r} is not supported: {why}.")
+
+  s = spec.replace(" ", "")
+  if "->" not in s or s.count(",") != 1:
+    raise bad("expected '<input>,<kernel>-><output>'")
+  ins, out = s.split("->")
+  a, b = ins.split(",")
+  if "..." in b:
+    raise bad("an ellipsis is only allowed in the input and the output")
+  if "..." in a:
+    n = lhs_ndim - (len(a) - 3)
+    free = [c for c in string.ascii_uppercase if c not in s][:max(n, 0)]
+    if n < 0 or len(free) < n:
+      raise bad(f"the ellipsis does not fit an input of rank {lhs_ndim}")
+    a = a.replace("...", "".join(free))
+    out = out.replace("...", "".join(free))
+  if len(a) != lhs_ndim or len(b) != rhs_ndim:
+    raise bad(f"operand ranks ({lhs_ndim}, {rhs_ndim}) do not match the spec")
+  for name, labels in (("input", a), ("kernel", b), ("output", out)):
+    if len(set(labels)) != len(labels):
+      raise bad(f"a label is repeated in the {name}")
+  for c in a + b:
+    if c not in out and (c not in a or c not in b):
+      raise bad(f"label {c!r} is summed over in one operand only")
+  if set(out) - set(a) - set(b):
+    raise bad("an output label is in neither operand")
+  batch = [c for c in a if c in b and c in out]
+  contract = [c for c in a if c in b and c not in out]
+  lfree = [c for c in a if c not in b]
+  rfree = [c for c in b if c not in a]
+  dn = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+        (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+  produced = batch + lfree + rfree
+  perm = tuple(produced.index(c) for c in out)
+  return dn, perm
+
+
+_ADAPTERS = {"linear": QDotGeneral, "conv": QConv, "einsum": QEinsum}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclasses.dataclass
+class QuantReport(collections.abc.Mapping):
+  """What `quantize_model` did. A mapping: layer path -> GemmQuant of every quantized layer.
+
+  Attributes:
+    layers: path -> GemmQuant of the quantized layers (in model order).
+    kinds: path -> layer kind of every Linear / Conv / Einsum seen.
+    matched: path -> index of the rule that decided the layer (quantized or
+      kept in float32 by a cfg-None rule); layers no rule matched are absent.
+    unused_rules: the rules that matched no layer (likely typos).
+    rules: the rules as given.
+  """
+
+  layers: dict[str, GemmQuant]
+  kinds: dict[str, str]
+  matched: dict[str, int]
+  unused_rules: list[QuantRule]
+  rules: list[QuantRule]
+
+  def __getitem__(self, path: str) -> GemmQuant:
+    return self.layers[path]
+
+  def __iter__(self):
+    return iter(self.layers)
+
+  def __len__(self) -> int:
+    return len(self.layers)
+
+  @property
+  def unchanged(self) -> list[str]:
+    """Paths of the layers left as they were (no rule, or a cfg-None rule)."""
+    return [p for p in self.kinds if p not in self.layers]
+
+  def __str__(self) -> str:
+    rows = [("layer", "kind", "rule", "quantization")]
+    for p, kind in self.kinds.items():
+      i = self.matched.get(p)
+      rule = "-" if i is None else f"#{i} {self.rules[i].name or self.rules[i].path}"
+      rows.append((p or "<root>", kind, rule, _summary(self.layers.get(p))))
+    widths = [max(len(r[c]) for r in rows) for c in range(3)]
+    lines = ["  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3] for r in rows]
+    lines.insert(1, "-" * (sum(widths) + 6 + len(rows[0][3])))
+    lines.append(f"{len(self.layers)} of {len(self.kinds)} layers quantized, "
+                 f"{len(self.unused_rules)} unused rule(s)")
+    for r in self.unused_rules:
+      lines.append(f"  unused: {r.name or r.path!r}")
+    return "\n".join(lines)
+
+
+def _fmt_short(fmt: Any) -> str:
+  if isinstance(fmt, BFPFormat):
+    r = "" if fmt.rounding == "truncate" else f",{fmt.rounding}"
+    return f"bfp{fmt.man}[{'x'.join(map(str, fmt.block))}{r}]"
+  if isinstance(fmt, FloatFormat):
+    r = "" if fmt.rounding == "nearest" else f"[{fmt.rounding}]"
+    return f"e{fmt.exp}m{fmt.man}{r}"
+  return repr(fmt)
+
+
+def _summary(cfg: GemmQuant | None) -> str:
+  if cfg is None:
+    return "float32"
+  parts = [f"{r}={_fmt_short(getattr(cfg, r))}" for r in ROLES if getattr(cfg, r) is not None]
+  if cfg.accum is not None:
+    parts.append(f"accum={_fmt_short(cfg.accum)}" + ("+kahan" if cfg.kahan else ""))
+  if not cfg.bwd_from_fwd:
+    parts.append("bwd_from_fwd=False")
+  return " ".join(parts) or "identity"
+
+
+# ----------------------------------------------------------------------------- quantize_model
+
+
+def _path_str(path: Sequence[Any]) -> str:
+  return "/".join(str(p) for p in path)
+
+
+def _stochastic(cfg: GemmQuant) -> bool:
+  return any(is_stochastic(getattr(cfg, r)) for r in ROLES) or is_stochastic(cfg.accum)
+
+
+def _check_weight_roles(cfg: GemmQuant, module: Any, path: str, rule: QuantRule) -> None:
+  kernel = getattr(module, "kernel", None)
+  if kernel is None:
+    return
+  ndim = len(kernel.shape)
+  for role in _WEIGHT_ROLES:
+    fmt = getattr(cfg, role)
+    if isinstance(fmt, (BFPFormat, MXFormat)):
+      try:
+        fmt.check_rank(ndim)
+      except ValueError as e:
+        raise ValueError(f"{rule._label()} gives layer {path!r} (kernel shape {tuple(kernel.shape)}) "
+                         f"cfg.{role}={fmt!r}: {e}") from None
+
+
+def quantize_model(model: nnx.Module, rules: Iterable[QuantRule | tuple[str, Any]], *,
+                   rngs: nnx.Rngs | None = None) -> QuantReport:
+  """Quantizes the Linear / LinearGeneral / Conv / Einsum layers of `model` in place.
+
+  Args:
+    model: an NNX module (modified in place: the matched layers' op hooks are
+      replaced by `QDotGeneral` / `QConv` / `QEinsum` adapter modules).
+    rules: `QuantRule`s (or `(regex, cfg)` pairs), in priority order: each
+      layer takes the first rule whose regex fullmatches its "/"-joined path
+      (and, for per-kind rules, names its kind). cfg None keeps the layer.
+    rngs: needed when a matched cfg rounds stochastically; each such layer's
+      stream is derived from `rngs.quant()` (module docstring).
+
+  Returns:
+    A `QuantReport`; rules that matched nothing are also logged as a warning
+    on the "jlp.nn" logger.
+
+  Raises:
+    ValueError: a bad rule, a stochastic cfg without `rngs` (or without a
+      "quant"/"default" stream), a BFP/MX block on a weight role that does not
+      fit the layer's kernel rank, a layer whose op hook already holds a custom
+      (non-jlp) op, an einsum layer without a static einsum_str.
+  """
+  rules = _as_rules(rules)
+  if not isinstance(model, nnx.Module):
+    raise ValueError(f"model={type(model).__name__} is not allowed; expected an nnx.Module.")
+  used = [False] * len(rules)
+  layers: dict[str, GemmQuant] = {}
+  kinds: dict[str, str] = {}
+  matched: dict[str, int] = {}
+  base_key = None
+  todo = [(_path_str(p), m) for p, m in nnx.iter_modules(model) if layer_kind(m) is not None]
+  for path, module in todo:
+    kind, attr, originals = _hook(module)
+    kinds[path] = kind
+    idx = next((i for i, r in enumerate(rules) if r.matches(path, kind)), None)
+    if idx is None:
+      continue
+    used[idx] = True
+    matched[path] = idx
+    rule = rules[idx]
+    cfg = rule.cfg_for(kind)
+    if cfg is None:
+      continue
+    current = getattr(module, attr)
+    if isinstance(module, nnx.LinearGeneral) and getattr(module, "dot_general_cls", None) is not None:
+      raise ValueError(f"layer {path!r} has dot_general_cls={module.dot_general_cls!r}; quantize_model "
+                       "would replace it (expected the default lax.dot_general).")
+    if isinstance(current, _QuantOp):
+      original = current.original
+    elif any(current is o for o in originals):
+      original = current
+    else:
+      raise ValueError(f"layer {path!r} has {attr}={current!r}, a custom op; quantize_model would "
+                       f"replace it (expected the default {originals[-1]!r}).")
+    _check_weight_roles(cfg, module, path, rule)
+    rng = None
+    if _stochastic(cfg):
+      if rngs is None:
+        raise ValueError(f"{rule._label()} gives layer {path!r} a stochastic GemmQuant but rngs=None; "
+                         "expected an nnx.Rngs with a 'quant' (or 'default') stream.")
+      if base_key is None:
+        try:
+          base_key = rngs.quant()
+        except AttributeError as e:
+          raise ValueError(f"rngs={rngs!r} has no 'quant' or 'default' stream; a stochastic "
+                           f"GemmQuant needs one ({e}).") from None
+      layer_key = jax.random.fold_in(base_key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+      rng = nnx.RngStream(layer_key, tag="quant")
+    setattr(module, attr, nnx.data(_ADAPTERS[kind](cfg, path, original, rng)))
+    layers[path] = cfg
+  unused = [r for r, u in zip(rules, used) if not u]
+  if unused:
+    logger.warning("jlp quantize_model: %d rule(s) matched no layer: %s", len(unused),
+                   ", ".join(r._label() for r in unused))
+  return QuantReport(layers=layers, kinds=kinds, matched=matched, unused_rules=unused, rules=rules)
+
+
+def unquantize_model(model: nnx.Module) -> list[str]:
+  """Restores the original ops of every layer `quantize_model` changed; returns their paths."""
+  restored = []
+  for p, m in list(nnx.iter_modules(model)):
+    if layer_kind(m) is None:
+      continue
+    _, attr, _ = _hook(m)
+    op = getattr(m, attr)
+    if isinstance(op, _QuantOp):
+      setattr(m, attr, nnx.static(op.original))
+      restored.append(_path_str(p))
+  return restored
