@@ -22,6 +22,18 @@ Quantization uses `jlp.quantize.quantize_f32` (no second custom_vjp; impl
 (ROLES = x, w, y, wgrad_dy, wgrad_x, wgrad_out, dgrad_dy, dgrad_w, dgrad_out),
 so every role has its own stream.
 
+Traced BFP widths (`widths=`, bfp.md §3.4): a dict role -> int32 scalar array
+overrides the mantissa width of those BFP roles; they are quantized by the XLA
+path `jlp.numerics.bfp.bfp_quantize(x, fmt, rbits, man=width)`, bit-identical to
+the static BFPFormat of that width, and a jitted caller compiles once for all
+widths (the dynamic precision controller, `jlp.nn.controller`). The widths ride
+through the custom_vjp as non-differentiable int arrays (cotangent None). A
+`zse_probe=` float32 scalar (value ignored) gets as its gradient the
+zero-setting error of the returned input gradient dL/dlhs (BFPsim's "biw",
+bfp.md §3.2; group shape `biw_zse_block`), so the statistic computed inside
+the backward pass comes out through ordinary gradients. widths=None and
+zse_probe=None are the static path, unchanged.
+
 Custom-precision accumulation (`cfg.accum`, CPD's quant_gemm; Han, Demmel,
 You, "Auto-Precision Scaling for Distributed Deep Learning", arXiv:1911.08907;
 cpd.md §2): all three GEMMs go through `jlp.gemm.accum.matmul`, whose every
@@ -72,7 +84,8 @@ from jax import lax
 from jlp.formats import BFPFormat, Format, MXFormat
 from jlp.gemm import accum as accum_lib
 from jlp.gemm.config import GemmQuant, ROLES
-from jlp.quantize import is_stochastic, quantize_f32
+from jlp.numerics import bfp as bfp_numerics
+from jlp.quantize import is_stochastic, quantize_f32, random_bits
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -116,13 +129,88 @@ def _check_float(x: jax.Array, name: str) -> None:
 # ----------------------------------------------------------------------------- quantizers
 
 
-def _q(cfg: GemmQuant, role: str, x: jax.Array, key: jax.Array | None) -> jax.Array:
-  """Role `role`'s quantizer applied to float32 x (identity when the role is None)."""
+def _q(cfg: GemmQuant, role: str, x: jax.Array, key: jax.Array | None,
+       widths: dict[str, jax.Array] | None = None) -> jax.Array:
+  """Role `role`'s quantizer applied to float32 x (identity when the role is None).
+
+  A role present in `widths` (a BFP role) is quantized by the XLA path
+  `bfp_quantize(x, fmt, rbits, man=widths[role])` (traced width, same bits as
+  the static BFPFormat of that width).
+  """
   fmt: Format | None = getattr(cfg, role)
   if fmt is None:
     return x
   rkey = jax.random.fold_in(key, ROLES.index(role)) if is_stochastic(fmt) else None
+  if widths is not None and role in widths:
+    rbits = random_bits(rkey, x.shape) if rkey is not None else None
+    return bfp_numerics.bfp_quantize(x, fmt, rbits, man=widths[role])
   return quantize_f32(x, fmt, rkey, "auto")
+
+
+def _check_widths(cfg: GemmQuant, widths: Any, op: str) -> dict[str, jax.Array] | None:
+  """`widths` as {role: int32 scalar array} (roles validated), or None."""
+  if widths is None:
+    return None
+  if not isinstance(widths, dict):
+    raise ValueError(f"{op}: widths={widths!r} is not allowed; expected None or a dict "
+                     "role -> int32 scalar array.")
+  out = {}
+  for role, m in widths.items():
+    if role not in ROLES:
+      raise ValueError(f"{op}: widths has role {role!r}; expected roles among {', '.join(ROLES)}.")
+    if not isinstance(getattr(cfg, role), BFPFormat):
+      raise ValueError(f"{op}: widths[{role!r}] is not allowed: cfg.{role}={getattr(cfg, role)!r} "
+                       "is not a BFPFormat (only BFP mantissa widths can be traced).")
+    m = jnp.asarray(m)
+    if m.shape != () or not jnp.issubdtype(m.dtype, jnp.integer):
+      raise ValueError(f"{op}: widths[{role!r}] has shape {m.shape} and dtype {m.dtype}; expected an "
+                       "int32 scalar.")
+    out[role] = m.astype(jnp.int32)
+  return out
+
+
+# ----------------------------------------------------------------------------- ZSE blocks (bfp.md §3.2)
+
+
+def biw_zse_block(cfg: GemmQuant, lhs_ndim: int) -> tuple[int, ...] | None:
+  """The group shape used for the ZSE of the returned input gradient dL/dx ("biw").
+
+  BFPsim measures biw on the layer's dx (NCHW) with biw_dim, an OIHW-ordered
+  weight group shape applied as is: N gets O's entry, C gets I's, H and W
+  theirs. jlp's dgrad_w block is that shape translated to the kernel layout
+  (HWIO for convs, (in, out) for dense kernels), so the BFPsim-faithful group
+  shape of dx (NHWC / (B, in)) is dgrad_w's block with its last entry moved to
+  the front: (h, w, i, o) -> (o, h, w, i); (i, o) -> (o, i). None when
+  cfg.dgrad_w is not a BFPFormat or the rank differs from dx's (e.g. a dense
+  layer on (B, T, F) inputs).
+  """
+  fmt = cfg.dgrad_w
+  if not isinstance(fmt, BFPFormat) or len(fmt.block) != lhs_ndim:
+    return None
+  return tuple(fmt.block[-1:]) + tuple(fmt.block[:-1])
+
+
+def bwo_zse_block(cfg: GemmQuant, rhs_ndim: int) -> tuple[int, ...] | None:
+  """The group shape used for the ZSE of the weight gradient ("bwo").
+
+  BFPsim applies bwo_dim (an NCHW-ordered activation group shape) as is to the
+  OIHW weight gradient: O gets N's entry, I gets C's, H and W theirs. jlp's
+  wgrad_dy block is that shape translated to NHWC / (B, F), so the
+  BFPsim-faithful group shape of the HWIO / (in, out) kernel gradient is
+  wgrad_dy's block with its first entry moved to the end: (n, h, w, c) ->
+  (h, w, c, n); (b, f) -> (f, b). None when cfg.wgrad_dy is not a BFPFormat or
+  the rank differs from the kernel's.
+  """
+  fmt = cfg.wgrad_dy
+  if not isinstance(fmt, BFPFormat) or len(fmt.block) != rhs_ndim:
+    return None
+  return tuple(fmt.block[1:]) + tuple(fmt.block[:1])
+
+
+def _width(cfg: GemmQuant, role: str, widths: dict[str, jax.Array] | None):
+  if widths is not None and role in widths:
+    return widths[role]
+  return getattr(cfg, role).man
 
 
 # ----------------------------------------------------------------------------- dot_general
@@ -332,37 +420,59 @@ def _drhs_gemm(kind, params, cfg, x, g, w_like):
   return _accum_conv_drhs(x, g, w_like.shape, params, cfg.accum, cfg.kahan)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _qbilinear(lhs, rhs, key, kind, params, cfg):
-  return _qbilinear_fwd(lhs, rhs, key, kind, params, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _qbilinear(lhs, rhs, key, widths, probe, kind, params, cfg):
+  return _qbilinear_fwd(lhs, rhs, key, widths, probe, kind, params, cfg)[0]
 
 
-def _qbilinear_fwd(lhs, rhs, key, kind, params, cfg):
-  xq = _q(cfg, "x", lhs, key)
-  wq = _q(cfg, "w", rhs, key)
-  y = _q(cfg, "y", _forward_gemm(kind, params, cfg, xq, wq), key)
+def _qbilinear_fwd(lhs, rhs, key, widths, probe, kind, params, cfg):
+  xq = _q(cfg, "x", lhs, key, widths)
+  wq = _q(cfg, "w", rhs, key, widths)
+  y = _q(cfg, "y", _forward_gemm(kind, params, cfg, xq, wq), key, widths)
   res = (xq, wq, key) if cfg.bwd_from_fwd else (lhs, rhs, key)
-  return y, res
+  return y, res + (widths, probe)
 
 
 def _qbilinear_bwd(kind, params, cfg, res, g):
-  x_t, w_t, key = res
+  x_t, w_t, key, widths, probe = res
   g = g.astype(jnp.float32)
-  dlhs = _dlhs_gemm(kind, params, cfg, _q(cfg, "dgrad_dy", g, key), _q(cfg, "dgrad_w", w_t, key), x_t)
-  dlhs = _q(cfg, "dgrad_out", dlhs, key)
-  drhs = _drhs_gemm(kind, params, cfg, _q(cfg, "wgrad_x", x_t, key), _q(cfg, "wgrad_dy", g, key), w_t)
-  drhs = _q(cfg, "wgrad_out", drhs, key)
-  return dlhs, drhs, None
+  dlhs = _dlhs_gemm(kind, params, cfg, _q(cfg, "dgrad_dy", g, key, widths),
+                    _q(cfg, "dgrad_w", w_t, key, widths), x_t)
+  dlhs = _q(cfg, "dgrad_out", dlhs, key, widths)
+  drhs = _drhs_gemm(kind, params, cfg, _q(cfg, "wgrad_x", x_t, key, widths),
+                    _q(cfg, "wgrad_dy", g, key, widths), w_t)
+  drhs = _q(cfg, "wgrad_out", drhs, key, widths)
+  dprobe = None
+  if probe is not None:
+    from jlp.nn.zse import zero_setting_error  # pylint: disable=g-import-not-at-top (cycle)
+    fmt = BFPFormat(cfg.dgrad_w.man, biw_zse_block(cfg, dlhs.ndim))
+    dprobe = zero_setting_error(dlhs, fmt, _width(cfg, "dgrad_w", widths)).astype(probe.dtype)
+  dwidths = None if widths is None else {r: None for r in widths}
+  return dlhs, drhs, None, dwidths, dprobe
 
 
 _qbilinear.defvjp(_qbilinear_fwd, _qbilinear_bwd)
 
 
-def _run(lhs, rhs, key, kind, params, cfg, out_dtype):
+def _run(lhs, rhs, key, kind, params, cfg, out_dtype, widths=None, probe=None):
   _check_float(lhs, "lhs")
   _check_float(rhs, "rhs")
-  y = _qbilinear(lhs.astype(jnp.float32), rhs.astype(jnp.float32), key, kind, params, cfg)
+  y = _qbilinear(lhs.astype(jnp.float32), rhs.astype(jnp.float32), key, widths, probe, kind,
+                 params, cfg)
   return y.astype(out_dtype)
+
+
+def _check_probe(cfg: GemmQuant, probe: Any, lhs_ndim: int, op: str):
+  if probe is None:
+    return None
+  if biw_zse_block(cfg, lhs_ndim) is None:
+    raise ValueError(f"{op}: zse_probe is not allowed with cfg.dgrad_w={cfg.dgrad_w!r} and an lhs of "
+                     f"rank {lhs_ndim}; expected a BFPFormat dgrad_w whose block has lhs's rank.")
+  probe = jnp.asarray(probe)
+  if probe.shape != () or not jnp.issubdtype(probe.dtype, jnp.floating):
+    raise ValueError(f"{op}: zse_probe has shape {probe.shape} and dtype {probe.dtype}; expected a "
+                     "float scalar.")
+  return probe
 
 
 # ----------------------------------------------------------------------------- public API
@@ -376,7 +486,8 @@ def _static_dn(dimension_numbers):
 
 def qdot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, cfg: GemmQuant, *,
                  key: jax.Array | None = None, precision=None,
-                 preferred_element_type=None) -> jax.Array:
+                 preferred_element_type=None, widths: dict[str, jax.Array] | None = None,
+                 zse_probe: jax.Array | None = None) -> jax.Array:
   """Quantized `lax.dot_general`: y = q_y(q_x(lhs) · q_w(rhs)), with quantized gradients.
 
   The roles of `cfg` (BFPsim's nine, bfp.md §2; Noh et al., FlexBlock, IEEE
@@ -393,6 +504,15 @@ def qdot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, cfg: GemmQua
       from `fold_in(key, ROLES.index(r))`).
     precision: precision of the float32 GEMMs without accum (default HIGHEST).
     preferred_element_type: the output dtype (default: result_type(lhs, rhs)).
+    widths: optional {role: int32 scalar array} overriding the mantissa width
+      of those BFP roles (may be traced: one compiled function serves every
+      width; bit-identical to cfg with BFPFormat(width, block)). Roles absent
+      keep their static width; widths=None is the static path. The widths get
+      no gradient.
+    zse_probe: optional float32 scalar (its value is ignored) whose gradient is
+      the zero-setting error (bfp.md §3.1) of the returned input gradient
+      dL/dlhs with dgrad_w's width and `biw_zse_block` (BFPsim's "biw",
+      bfp.md §3.2); needs a BFP dgrad_w. Calls sharing a probe add up.
 
   Returns:
     The dot_general output, in dot_general's layout.
@@ -403,6 +523,9 @@ def qdot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, cfg: GemmQua
   """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   dn = _static_dn(dimension_numbers)
+  if isinstance(cfg, GemmQuant):
+    widths = _check_widths(cfg, widths, "qdot_general")
+    zse_probe = _check_probe(cfg, zse_probe, lhs.ndim, "qdot_general")
   if isinstance(cfg, GemmQuant) and cfg.is_identity:
     return lax.dot_general(lhs, rhs, dn, precision=precision,
                            preferred_element_type=preferred_element_type)
@@ -410,7 +533,7 @@ def qdot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, cfg: GemmQua
   _validate(cfg, key, lhs.shape, rhs.shape, out_shape, "qdot_general")
   out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
   params = (dn, _HIGHEST if precision is None else precision)
-  return _run(lhs, rhs, key, "dot", params, cfg, out_dtype)
+  return _run(lhs, rhs, key, "dot", params, cfg, out_dtype, widths, zse_probe)
 
 
 def _canonical_padding(padding, lhs_shape, rhs_shape, strides, lhs_dil, rhs_dil, dn):
@@ -434,7 +557,8 @@ def _static_conv_dn(dn):
 def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding, cfg: GemmQuant,
           *, lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
           dimension_numbers=None, feature_group_count: int = 1,
-          key: jax.Array | None = None) -> jax.Array:
+          key: jax.Array | None = None, widths: dict[str, jax.Array] | None = None,
+          zse_probe: jax.Array | None = None) -> jax.Array:
   """Quantized `lax.conv_general_dilated` with the roles of `cfg` (bfp.md §2.8).
 
   Without accum the backward GEMMs are the vjp of conv_general_dilated at
@@ -449,6 +573,8 @@ def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding
       dimension_numbers, feature_group_count: as `lax.conv_general_dilated`.
     cfg: the GemmQuant (static).
     key: PRNG key, required when any role rounds stochastically.
+    widths, zse_probe: traced BFP widths and the "biw" ZSE probe, as
+      `qdot_general`.
 
   Returns:
     The convolution output (dtype result_type(lhs, rhs)).
@@ -462,6 +588,9 @@ def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding
   lhs_dil = (1,) * nsp if lhs_dilation is None else tuple(int(d) for d in lhs_dilation)
   rhs_dil = (1,) * nsp if rhs_dilation is None else tuple(int(d) for d in rhs_dilation)
   dn = _static_conv_dn(dimension_numbers)
+  if isinstance(cfg, GemmQuant):
+    widths = _check_widths(cfg, widths, "qconv")
+    zse_probe = _check_probe(cfg, zse_probe, lhs.ndim, "qconv")
   if isinstance(cfg, GemmQuant) and cfg.is_identity:
     return lax.conv_general_dilated(lhs, rhs, strides, padding, lhs_dilation=lhs_dil,
                                     rhs_dilation=rhs_dil, dimension_numbers=dn,
@@ -471,4 +600,4 @@ def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding
   out_shape = jax.eval_shape(_plain_op("conv", params), lhs.astype(jnp.float32),
                              rhs.astype(jnp.float32)).shape
   _validate(cfg, key, lhs.shape, rhs.shape, out_shape, "qconv")
-  return _run(lhs, rhs, key, "conv", params, cfg, jnp.result_type(lhs, rhs))
+  return _run(lhs, rhs, key, "conv", params, cfg, jnp.result_type(lhs, rhs), widths, zse_probe)

@@ -3,14 +3,17 @@
   quantize_model(model, rules, rngs=None) -> QuantReport   (jlp.nn.rules)
   load_bfpsim_preset(path_or_dict_or_name) -> [QuantRule]   (jlp.nn.bfpsim)
 
-BFP training controls live in `jlp.nn.zse` and `jlp.nn.controller`.
+BFP training controls: traced per-layer widths (set_widths / get_widths), per-layer
+zero-setting errors as metrics (bfp_zse_metrics), and `jlp.nn.zse` / `jlp.nn.controller`.
 """
 
 from jlp.nn.bfpsim import PRESETS, bfpsim_to_path, load_bfpsim_preset
-from jlp.nn.rules import (KINDS, QConv, QDotGeneral, QEinsum, QuantReport, QuantRule, layer_kind,
-                          quantize_model, unquantize_model)
+from jlp.nn.rules import (KINDS, BFPWidths, QConv, QDotGeneral, QEinsum, QuantReport, QuantRule,
+                          ZSEProbe, bfp_zse_metrics, get_widths, layer_kind, quantize_model,
+                          set_widths, unquantize_model)
 
 __all__ = [
+    "BFPWidths",
     "KINDS",
     "PRESETS",
     "QConv",
@@ -18,9 +21,13 @@ __all__ = [
     "QEinsum",
     "QuantReport",
     "QuantRule",
+    "ZSEProbe",
+    "bfp_zse_metrics",
     "bfpsim_to_path",
+    "get_widths",
     "layer_kind",
     "load_bfpsim_preset",
     "quantize_model",
+    "set_widths",
     "unquantize_model",
 ]

@@ -38,6 +38,16 @@ and return `nnx.state(model, nnx.RngState)` if the next step must draw new
 bits (otherwise the same bits are reused). A stochastic rule with `rngs=None`
 is a ValueError at quantize time.
 
+BFP training controls (bfp.md §3). An adapter whose GemmQuant has BFP roles holds
+their mantissa widths as a `BFPWidths` variable (int32, model state) and passes
+them as traced `widths=` to qdot_general / qconv; `set_widths(model, report,
+{path: {role: int}})` changes them in place (a jitted step taking the model does
+not recompile; `SimpleController.bits` fits directly) and `get_widths` reads
+them. An adapter with a BFP dgrad_w also holds a `ZSEProbe` (a float32 scalar
+variable, not an nnx.Param) whose gradient is the layer's "biw" zero-setting
+error. `bfp_zse_metrics(model, grads, report)` returns {path: {"fw", "bwo",
+"biw"}} (grads taken with `wrt=nnx.Any(nnx.Param, ZSEProbe)` for "biw").
+
 References:
   qwix (google/qwix): `QuantizationRule.module_path`, first match wins,
     `get_unused_rules`.
@@ -56,16 +66,22 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
 from jlp.formats import BFPFormat, FloatFormat, MXFormat
 from jlp.gemm.config import GemmQuant, ROLES
-from jlp.gemm.qdot import qconv, qdot_general
+from jlp.gemm.qdot import biw_zse_block, bwo_zse_block, qconv, qdot_general
 from jlp.quantize import is_stochastic
 
 __all__ = [
+    "BFPWidths",
     "KINDS",
+    "ZSEProbe",
+    "bfp_zse_metrics",
+    "get_widths",
+    "set_widths",
     "QConv",
     "QDotGeneral",
     "QEinsum",
@@ -207,17 +223,58 @@ def _as_rules(rules: Iterable[Any]) -> list[QuantRule]:
 # ----------------------------------------------------------------------------- adapters
 
 
+class BFPWidths(nnx.Variable):
+  """The mantissa widths of a quantized layer's BFP roles: an int32 array of shape
+  (len(ROLES),) in ROLES order (0 for roles that are not BFP). Model state, so a
+  jitted step taking the model sees new widths without recompiling
+  (`set_widths`)."""
+
+
+class ZSEProbe(nnx.Variable):
+  """A float32 scalar whose gradient is the layer's "biw" zero-setting error.
+
+  Its value is ignored by the forward pass; `qdot_general(..., zse_probe=)`
+  defines its cotangent as the ZSE of the layer's returned input gradient
+  dL/dx (bfp.md §3.2; the fp8 "overwrite with gradient" trick of Flax's
+  fp8_ops). Not an nnx.Param, so optimizers and the usual `nnx.grad` (wrt
+  nnx.Param) ignore it: differentiate with
+  `wrt=nnx.Any(nnx.Param, ZSEProbe)` to get it (`bfp_zse_metrics`).
+  """
+
+
+def _bfp_roles(cfg: GemmQuant) -> tuple[str, ...]:
+  return tuple(r for r in ROLES if isinstance(getattr(cfg, r), BFPFormat))
+
+
 class _QuantOp(nnx.Module):
-  """Common state of the injected ops: the static GemmQuant, the path, an optional RngStream."""
+  """Common state of the injected ops: the static GemmQuant, the path, an optional RngStream,
+  the traced BFP widths (`BFPWidths`, when any role is BFP) and the biw ZSE probe
+  (`ZSEProbe`, when dgrad_w is BFP)."""
 
   def __init__(self, cfg: GemmQuant, path: str, original: Any, rng: nnx.RngStream | None):
     self.cfg = cfg
     self.path = path
     self.original = original  # the op the layer held before; restored by `unquantize_model`
     self.rng = rng
+    roles = _bfp_roles(cfg)
+    self.bfp_widths = None if not roles else BFPWidths(jnp.asarray(
+        [getattr(cfg, r).man if r in roles else 0 for r in ROLES], jnp.int32))
+    self.zse_probe = (ZSEProbe(jnp.zeros((), jnp.float32)) if isinstance(cfg.dgrad_w, BFPFormat)
+                      else None)
 
   def _key(self) -> jax.Array | None:
     return None if self.rng is None else self.rng()
+
+  def _widths(self) -> dict[str, jax.Array] | None:
+    if self.bfp_widths is None:
+      return None
+    arr = self.bfp_widths[...]
+    return {r: arr[ROLES.index(r)] for r in _bfp_roles(self.cfg)}
+
+  def _probe(self, lhs_ndim: int) -> jax.Array | None:
+    if self.zse_probe is None or biw_zse_block(self.cfg, lhs_ndim) is None:
+      return None
+    return self.zse_probe[...]
 
   def _check_sharding(self, out_sharding):
     if out_sharding is not None:
@@ -232,7 +289,8 @@ class QDotGeneral(_QuantOp):
                out_sharding=None):
     self._check_sharding(out_sharding)
     return qdot_general(lhs, rhs, dimension_numbers, self.cfg, key=self._key(), precision=precision,
-                        preferred_element_type=preferred_element_type)
+                        preferred_element_type=preferred_element_type, widths=self._widths(),
+                        zse_probe=self._probe(jnp.ndim(lhs)))
 
 
 class QConv(_QuantOp):
@@ -252,7 +310,8 @@ class QConv(_QuantOp):
                        f"layer {self.path!r}; expected 1.")
     y = qconv(lhs, rhs, window_strides, padding, self.cfg, lhs_dilation=lhs_dilation,
               rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-              feature_group_count=feature_group_count, key=self._key())
+              feature_group_count=feature_group_count, key=self._key(), widths=self._widths(),
+              zse_probe=self._probe(jnp.ndim(lhs)))
     return y if preferred_element_type is None else y.astype(preferred_element_type)
 
 
@@ -275,7 +334,8 @@ class QEinsum(_QuantOp):
                        f"{self.path!r}; expected only precision and preferred_element_type.")
     dn, perm = _einsum_to_dot_general(spec, jnp.ndim(lhs), jnp.ndim(rhs), self.path)
     y = qdot_general(lhs, rhs, dn, self.cfg, key=self._key(), precision=precision,
-                     preferred_element_type=preferred_element_type)
+                     preferred_element_type=preferred_element_type, widths=self._widths(),
+                     zse_probe=self._probe(jnp.ndim(lhs)))
     return y if perm == tuple(range(y.ndim)) else jnp.transpose(y, perm)
 
 
@@ -512,3 +572,144 @@ def unquantize_model(model: nnx.Module) -> list[str]:
       setattr(m, attr, nnx.static(op.original))
       restored.append(_path_str(p))
   return restored
+
+
+# ----------------------------------------------------------------------------- BFP training controls
+
+
+def _quantized_layers(model: nnx.Module, report: QuantReport) -> dict[str, tuple[tuple, Any, str, _QuantOp]]:
+  """path -> (graph path tuple, layer, hook attribute, adapter) of report's quantized layers."""
+  out = {}
+  for p, m in nnx.iter_modules(model):
+    path = _path_str(p)
+    if path not in report.layers or layer_kind(m) is None:
+      continue
+    _, attr, _ = _hook(m)
+    op = getattr(m, attr)
+    if isinstance(op, _QuantOp):
+      out[path] = (tuple(p), m, attr, op)
+  return out
+
+
+def _layer(layers, path: str, what: str):
+  if path not in layers:
+    raise ValueError(f"{what}: layer {path!r} is not a quantized layer of the model; expected one of "
+                     f"{', '.join(repr(p) for p in layers) or '(none)'}.")
+  return layers[path]
+
+
+def get_widths(model: nnx.Module, report: QuantReport) -> dict[str, dict[str, int]]:
+  """Current mantissa widths of every quantized layer's BFP roles: {path: {role: int}}.
+
+  Host-side (reads concrete values; not for use inside jit). Layers without a
+  BFP role are absent.
+  """
+  out = {}
+  for path, (_, _, _, op) in _quantized_layers(model, report).items():
+    if op.bfp_widths is not None:
+      arr = np.asarray(op.bfp_widths[...])
+      out[path] = {r: int(arr[ROLES.index(r)]) for r in _bfp_roles(op.cfg)}
+  return out
+
+
+def set_widths(model: nnx.Module, report: QuantReport,
+               widths: Mapping[str, Mapping[str, Any]]) -> None:
+  """Sets BFP mantissa widths in place: widths = {path: {role: int or int32 scalar}}.
+
+  The widths are model state (`BFPWidths` variables), so an `nnx.jit` step
+  taking the model uses the new values without recompiling. Accepts
+  `SimpleController.bits` / `.as_arrays()` directly. Roles not named keep their
+  width.
+
+  Raises:
+    ValueError: a path that is not a quantized layer, a role whose format is
+      not a BFPFormat, a width outside 1..24 or not an integer.
+  """
+  layers = _quantized_layers(model, report)
+  for path, roles in widths.items():
+    _, _, _, op = _layer(layers, path, "set_widths")
+    arr = op.bfp_widths[...] if op.bfp_widths is not None else None
+    for role, m in roles.items():
+      fmt = getattr(op.cfg, role, None) if role in ROLES else None
+      if not isinstance(fmt, BFPFormat):
+        raise ValueError(f"set_widths: layer {path!r} role {role!r} is not allowed: its format is "
+                         f"{fmt!r}; expected a role with a BFPFormat.")
+      if isinstance(m, (bool, np.bool_)):
+        raise ValueError(f"set_widths: widths[{path!r}][{role!r}]={m!r}; expected an int.")
+      if isinstance(m, (int, np.integer)):
+        BFPFormat(int(m), fmt.block)  # validates 1..24
+      else:
+        m = jnp.asarray(m)
+        if m.shape != () or not jnp.issubdtype(m.dtype, jnp.integer):
+          raise ValueError(f"set_widths: widths[{path!r}][{role!r}] has shape {m.shape} and dtype "
+                           f"{m.dtype}; expected an int32 scalar.")
+      arr = arr.at[ROLES.index(role)].set(jnp.asarray(m, jnp.int32))
+    if arr is not None:
+      op.bfp_widths[...] = arr
+
+
+def _lookup(state: Any, keys: Sequence[Any]) -> Any:
+  for k in keys:
+    state = state[k]
+  return state.get_value() if isinstance(state, nnx.Variable) else state
+
+
+def bfp_zse_metrics(model: nnx.Module, grads: Any, report: QuantReport) -> dict[str, dict[str, jax.Array]]:
+  """Per-layer zero-setting errors (bfp.md §3.1, §3.2) as float32 scalars, jit-friendly.
+
+  For every quantized layer with a kernel:
+    "fw":  ZSE of the FP32 master kernel with role w's BFPFormat and its current
+           width (present when cfg.w is a BFPFormat);
+    "bwo": ZSE of the kernel's gradient (taken from `grads`) with role
+           wgrad_dy's current width (BFPsim's bwo_bit) and the group shape
+           `jlp.gemm.qdot.bwo_zse_block`: BFPsim applies bwo_dim, an
+           activation-ordered (NCHW) shape, as is to the OIHW weight gradient;
+           wgrad_dy's NHWC block with its first entry moved last is that same
+           grouping on jlp's HWIO / (in, out) kernel (present when wgrad_dy is
+           BFP with the kernel's rank and `grads` holds the kernel gradient;
+           BFPsim skips layers without weight.grad);
+    "biw": ZSE of the layer's returned input gradient dL/dx with dgrad_w's
+           width (BFPsim's biw_bit) and `biw_zse_block` (dgrad_w's kernel-ordered
+           block with its last entry moved first), read from the gradient of
+           the adapter's `ZSEProbe` in `grads` (present when dgrad_w is BFP and
+           `grads` holds the probe; 0.0 when the layer's input rank differs from
+           the block's and the probe was not used; a layer called k times sums
+           k ZSEs).
+
+  Args:
+    model: the quantized model (inside or outside a jitted step).
+    grads: the gradients of the model's nnx.Params (e.g. from `nnx.grad`; an
+      nnx.State of the model's structure), or None for "fw" only.
+    report: the QuantReport of `quantize_model`.
+
+  Returns:
+    {path: {"fw": ..., "bwo": ..., "biw": ...}} with the keys that apply.
+  """
+  from jlp.nn.zse import zero_setting_error  # pylint: disable=g-import-not-at-top
+
+  out: dict[str, dict[str, jax.Array]] = {}
+  for path, (keys, layer, attr, op) in _quantized_layers(model, report).items():
+    cfg = op.cfg
+    widths = op._widths() or {}  # pylint: disable=protected-access
+    kernel = getattr(layer, "kernel", None)
+    d: dict[str, jax.Array] = {}
+    if kernel is not None and isinstance(cfg.w, BFPFormat):
+      d["fw"] = zero_setting_error(jnp.asarray(kernel[...], jnp.float32), cfg.w, widths["w"])
+    if grads is not None and kernel is not None:
+      block = bwo_zse_block(cfg, len(kernel.shape))
+      if block is not None:
+        try:
+          kgrad = _lookup(grads, keys + ("kernel",))
+        except (KeyError, TypeError, AttributeError):
+          kgrad = None
+        if kgrad is not None:
+          d["bwo"] = zero_setting_error(jnp.asarray(kgrad, jnp.float32),
+                                        BFPFormat(cfg.wgrad_dy.man, block), widths["wgrad_dy"])
+    if grads is not None and op.zse_probe is not None:
+      try:
+        d["biw"] = jnp.asarray(_lookup(grads, keys + (attr, "zse_probe")), jnp.float32)
+      except (KeyError, TypeError, AttributeError):
+        pass
+    if d:
+      out[path] = d
+  return out
