@@ -1,0 +1,144 @@
+"""ResNet18/CIFAR train step: float32 against BFPsim's ResNet18_FB12 preset, timed alternately.
+
+Run: python -m benchmarks.train_step_bench [--batch=128] [--steps=5] [--width=64]
+
+One SGD step (momentum 0.9, optax) of softmax cross-entropy on a random batch of
+--batch 32x32x3 images, BatchNorm in train mode (running statistics updated),
+jitted with the parameters, the rest of the model state and the optimizer state
+donated (NNX functional style: nnx.split once, nnx.merge(copy=True) inside the
+jitted step). The candidate is the same model (same initial parameters) after
+`quantize_model(model, load_bfpsim_preset("ResNet18_FB12"))`: BFP m4 groups of
+24 channels x 3 x 3 on the forward operands and on both backward GEMMs' operands
+of the 16 residual-block 3x3 convs (stem, shortcuts and classifier stay float32).
+
+After one compile + warm-up step each, the two steps run alternately --steps
+times; reported: median step time, img/s, and FB12/float32 as the ratio of the
+medians and the median of the per-pair ratios (target <= 1.3; BFPsim reports
+about 2x on GPU).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags, logging
+from flax import nnx
+
+import jlp.models as zoo
+from jlp.nn import load_bfpsim_preset, quantize_model
+
+_BATCH = flags.DEFINE_integer("batch", 128, "images per step.")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed (float32, FB12) step pairs after warm-up.")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "untimed steps per model after the compile.")
+_WIDTH = flags.DEFINE_integer("width", 64, "ResNet18 base width (64 = full size).")
+_PRESET = flags.DEFINE_string("preset", "ResNet18_FB12", "BFPsim preset of the candidate.")
+
+
+def build(width: int, seed: int = 0) -> nnx.Module:
+  """ResNet18 with numpy-drawn parameters (skips compiling a threefry draw per shape)."""
+  abstract = nnx.eval_shape(lambda: zoo.resnet18(num_classes=10, width=width))
+  graphdef, state = nnx.split(abstract)
+  rng = np.random.default_rng(seed)
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    sds = var.get_value()
+    if path[-1] in ("scale", "var"):
+      value = np.ones(sds.shape, sds.dtype)
+    elif path[-1] in ("mean", "bias"):
+      value = np.zeros(sds.shape, sds.dtype)
+    else:  # kernels: He-normal-ish
+      fan_in = int(np.prod(sds.shape[:-1]))
+      value = (rng.standard_normal(sds.shape) * np.sqrt(2.0 / fan_in)).astype(sds.dtype)
+    flat.append((path, var.replace(value=jnp.asarray(value))))
+  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  model.train()
+  return model
+
+
+def make_step(model: nnx.Module, tx: optax.GradientTransformation):
+  """(jitted donated step, params, rest, opt_state) for `model`."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  opt_state = tx.init(params)
+
+  def step(params, rest, opt_state, x, y):
+    def loss_fn(p):
+      m = nnx.merge(graphdef, p, rest, copy=True)
+      logits = m(x)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      return loss, nnx.split(m, nnx.Param, ...)[2]
+
+    (loss, new_rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_rest, opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1, 2)), params, rest, opt_state
+
+
+class Runner:
+  def __init__(self, name, model, tx):
+    self.name = name
+    self.step, self.params, self.rest, self.opt_state = make_step(model, tx)
+    self.times: list[float] = []
+    self.loss = float("nan")
+
+  def run(self, x, y) -> float:
+    t0 = time.perf_counter()
+    self.params, self.rest, self.opt_state, loss = self.step(self.params, self.rest, self.opt_state, x, y)
+    jax.block_until_ready((self.params, self.rest, self.opt_state, loss))
+    dt = time.perf_counter() - t0
+    self.loss = float(loss)
+    return dt
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  b, w = _BATCH.value, _WIDTH.value
+  key_x, key_y = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(key_x, (b, 32, 32, 3), jnp.float32)
+  y = jax.random.randint(key_y, (b,), 0, 10)
+  tx = optax.sgd(0.01, momentum=0.9)
+
+  base = build(w)
+  cand = build(w)
+  report = quantize_model(cand, load_bfpsim_preset(_PRESET.value))
+  print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); ResNet18 width {w}, "
+        f"batch {b} x 32x32x3, SGD momentum 0.9, BatchNorm train mode, donated jit")
+  print(f"{_PRESET.value}: {len(report)} of {len(report.kinds)} GEMM layers quantized "
+        f"({', '.join(sorted({str(next(iter(report.values())).x)}))})\n")
+
+  runners = [Runner("float32", base, tx), Runner(_PRESET.value, cand, tx)]
+  for r in runners:
+    t0 = time.perf_counter()
+    r.run(x, y)
+    compile_s = time.perf_counter() - t0
+    for _ in range(_WARMUP.value):
+      r.run(x, y)
+    print(f"{r.name:14s} compile + first step {compile_s:7.2f} s", flush=True)
+
+  for i in range(_STEPS.value):
+    for r in runners:
+      r.times.append(r.run(x, y))
+    print(f"  pair {i}: " + "  ".join(f"{r.name} {r.times[-1]:.3f} s" for r in runners), flush=True)
+
+  print()
+  header = f"{'model':14s} {'median s/step':>13s} {'min s/step':>10s} {'img/s':>8s} {'loss':>8s}"
+  print(header)
+  print("-" * len(header))
+  for r in runners:
+    med = statistics.median(r.times)
+    print(f"{r.name:14s} {med:13.3f} {min(r.times):10.3f} {b / med:8.1f} {r.loss:8.4f}")
+  base_t, cand_t = runners[0].times, runners[1].times
+  ratio_med = statistics.median(cand_t) / statistics.median(base_t)
+  ratio_pair = statistics.median(c / f for c, f in zip(cand_t, base_t))
+  print(f"\n{_PRESET.value}/float32: {ratio_med:.2f}x (ratio of medians), {ratio_pair:.2f}x (median of "
+        f"per-pair ratios); target <= 1.3x")
+
+
+if __name__ == "__main__":
+  app.run(main)

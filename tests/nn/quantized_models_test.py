@@ -1,0 +1,167 @@
+"""Every zoo model, quantized with catch-all rules, forward and backward under jit.
+
+One test per model (tiny configs, parameters drawn with numpy as in tests/models/models_test.py):
+the float32 model and the same model quantized with
+
+  * a catch-all fp8 rule (e4m3 operands, e5m2 gradients) on every Linear / Conv / Einsum, and
+  * on the conv models, a catch-all per-kind BFP rule (m4, truncate; NHWC activation groups
+    (1, 3, 3, 8) on x and both gradients dy, HWIO kernel groups (3, 3, 8, 1) on w; dense layers
+    (1, 8) / (8, 1)),
+
+each give a jitted loss and gradient over all parameters (nnx.split / nnx.merge(copy=True) +
+jax.value_and_grad) that are finite, with every GEMM kernel receiving gradient, and that differ
+from the float32 model's; the QuantReport covers every GEMM layer and leaves no rule unused.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jlp.models as zoo
+from jlp.formats import BFPFormat, FloatFormat
+from jlp.gemm.config import GemmQuant
+from jlp.nn import QuantRule, quantize_model
+
+
+@pytest.fixture(autouse=True)
+def _fast_compile():
+  """XLA:CPU spends most of these tests compiling; without its optimisation passes it takes
+  several times less. Restored after each test."""
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+B = 2
+
+
+def _img(h, c=3):
+  return lambda key: jax.random.normal(key, (B, h, h, c), jnp.float32)
+
+
+def _ids(t, vocab):
+  return lambda key: jax.random.randint(key, (B, t), 0, vocab)
+
+
+# name -> (builder kwargs, input maker)
+TINY = {
+    "resnet18": (dict(num_classes=10, width=4, num_blocks=(1, 1, 1, 1)), _img(8)),
+    "resnet50": (dict(num_classes=7, width=4, num_blocks=(1, 1, 1, 1)), _img(32)),
+    "davidnet": (dict(num_classes=10, width=4), _img(16)),
+    "vgg19": (dict(num_classes=10, width=4), _img(32)),
+    "fcn": (dict(num_classes=5, block="basic", num_blocks=(1, 1, 1, 1), width=4, channels=8, aux_channels=4),
+            _img(16)),
+    "bert_small": (dict(vocab=50, max_len=16, hidden=16, num_layers=2, heads=2, num_classes=3), _ids(8, 50)),
+}
+CONV_MODELS = {"resnet18", "resnet50", "davidnet", "vgg19", "fcn"}
+
+E4M3, E5M2 = FloatFormat(4, 3), FloatFormat(5, 2)
+FP8 = [QuantRule(".*", GemmQuant(x=E4M3, w=E4M3, dgrad_dy=E5M2, wgrad_dy=E5M2), name="fp8")]
+
+
+
+
+def _bfp_cfg(act_block, weight_block):
+  # wgrad_x / dgrad_w left None: with bwd_from_fwd the backward GEMMs already take the BFP x̃, w̃.
+  act, weight = BFPFormat(4, act_block), BFPFormat(4, weight_block)
+  return GemmQuant(x=act, w=weight, wgrad_dy=act, dgrad_dy=act)
+
+
+BFP = [QuantRule(".*", {"conv": _bfp_cfg((1, 3, 3, 8), (3, 3, 8, 1)),
+                        "linear": _bfp_cfg((1, 8), (8, 1))}, name="bfp")]
+
+
+def test_model_list_is_covered():
+  assert set(TINY) == set(zoo.MODELS)
+
+
+def _build(name, seed=0):
+  """Concrete tiny model from an nnx.eval_shape one, filled with numpy random values (the same
+  values for the same seed, so the float32 and quantized copies start identical)."""
+  abstract = nnx.eval_shape(lambda: zoo.get_model(name, rngs=nnx.Rngs(0, dropout=1), **TINY[name][0]))
+  graphdef, state = nnx.split(abstract)
+  rng = np.random.default_rng(seed)
+  flat = []
+  for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+    sds = var.get_value()
+    if isinstance(var, nnx.RngKey):
+      value = jax.random.key(i)
+    elif isinstance(var, nnx.RngCount):
+      value = jnp.zeros(sds.shape, sds.dtype)
+    elif path[-1] in ("scale", "var"):
+      value = np.ones(sds.shape, sds.dtype)
+    elif path[-1] == "mean":
+      value = np.zeros(sds.shape, sds.dtype)
+    else:  # kernels, embeddings, biases
+      fan_in = int(np.prod(sds.shape[:-1])) if len(sds.shape) > 1 else 16
+      value = (rng.standard_normal(sds.shape) / np.sqrt(fan_in)).astype(sds.dtype)
+    flat.append((path, var.replace(value=jnp.asarray(value))))
+  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  model.train()
+  return model
+
+
+def _loss(name, model, x):
+  if name == "fcn":  # per-pixel labels, main and auxiliary heads
+    out, aux = model(x, return_aux=True)
+    labels = jnp.arange(out.shape[1] * out.shape[2]).reshape(1, out.shape[1], out.shape[2]) % 5
+    labels = jnp.broadcast_to(labels, out.shape[:3])
+    ce = optax.softmax_cross_entropy_with_integer_labels
+    return ce(out, labels).mean() + 0.4 * ce(aux, labels).mean()
+  if name == "bert_small":
+    out = model(x, attention_mask=jnp.ones(x.shape, bool).at[:, -2:].set(False))
+  else:
+    out = model(x)
+  labels = jnp.arange(out.shape[0]) % out.shape[-1]
+  return optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
+
+
+def _kernel_key(path):
+  return tuple(int(p) if p.isdigit() else p for p in path.split("/")) + ("kernel",)
+
+
+def _loss_and_grads(name, model, x):
+  """Jitted loss and gradient over every Param; returns (loss, {path: grad ndarray})."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit
+  def value_and_grad(params, rest, x):
+    def loss_fn(p):
+      return _loss(name, nnx.merge(graphdef, p, rest, copy=True), x)
+
+    return jax.value_and_grad(loss_fn)(params)
+
+  loss, grads = value_and_grad(params, rest, x)
+  flat = {path: np.asarray(g.get_value()) for path, g in nnx.to_flat_state(grads)}
+  assert flat.keys() == {path for path, _ in nnx.to_flat_state(params)}
+  return float(loss), flat
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_quantized_forward_and_backward_under_jit(name):
+  x = TINY[name][1](jax.random.key(3))
+  ref_loss, ref_grads = _loss_and_grads(name, _build(name), x)
+  assert np.isfinite(ref_loss)
+
+  variants = {"fp8": FP8, "bfp": BFP} if name in CONV_MODELS else {"fp8": FP8}
+  for label, rules in variants.items():
+    model = _build(name)
+    gemms = zoo.gemm_modules(model)
+    report = quantize_model(model, rules)
+    assert set(report.kinds) == set(gemms), label
+    assert set(report.layers) == set(gemms), label  # every GEMM layer quantized
+    assert not report.unchanged and not report.unused_rules, label
+
+    loss, grads = _loss_and_grads(name, model, x)
+    assert np.isfinite(loss), label
+    assert loss != ref_loss, label
+    for path, g in grads.items():
+      assert g.shape == ref_grads[path].shape and np.all(np.isfinite(g)), (label, path)
+    for path in gemms:
+      g, ref = grads[_kernel_key(path)], ref_grads[_kernel_key(path)]
+      assert np.any(g != 0), (label, path)
+      assert not np.array_equal(g, ref), (label, path)  # the quantized backward reaches every layer
