@@ -81,32 +81,32 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
 
 
 def get_model(name: str, **kwargs) -> nnx.Module:
-    """Build a zoo model by name (see `MODELS`); kwargs go to the builder (e.g. num_classes, width,
+  """Build a zoo model by name (see `MODELS`); kwargs go to the builder (e.g. num_classes, width,
     num_blocks, rngs; BERT: vocab, max_len, hidden, num_layers, heads, mlp_dim)."""
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}") from None
-    return builder(**kwargs)
+  try:
+    builder = MODELS[name]
+  except KeyError:
+    raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}") from None
+  return builder(**kwargs)
 
 
 def module_path(path: tuple) -> str:
-    """NNX path tuple -> jlp path string: ('layer1', 0, 'conv1') -> 'layer1/0/conv1'."""
-    return "/".join(str(p) for p in path)
+  """NNX path tuple -> jlp path string: ('layer1', 0, 'conv1') -> 'layer1/0/conv1'."""
+  return "/".join(str(p) for p in path)
 
 
 def named_modules(model: nnx.Module) -> dict[str, nnx.Module]:
-    """All submodules keyed by path string (in nnx.iter_modules order: children first; root '')."""
-    return {module_path(p): m for p, m in nnx.iter_modules(model)}
+  """All submodules keyed by path string (in nnx.iter_modules order: children first; root '')."""
+  return {module_path(p): m for p, m in nnx.iter_modules(model)}
 
 
 def gemm_modules(model: nnx.Module) -> dict[str, nnx.Module]:
-    """The Linear / Conv / Einsum submodules keyed by path string."""
-    return {k: m for k, m in named_modules(model).items() if isinstance(m, GEMM_TYPES)}
+  """The Linear / Conv / Einsum submodules keyed by path string."""
+  return {k: m for k, m in named_modules(model).items() if isinstance(m, GEMM_TYPES)}
 
 
 def bfpsim_to_path(key: str) -> str:
-    """BFPsim config key -> path string: 'net.layer1.0.conv1' -> 'layer1/0/conv1'."""
-    if key.startswith("net."):
-        key = key[len("net."):]
-    return key.replace(".", "/")
+  """BFPsim config key -> path string: 'net.layer1.0.conv1' -> 'layer1/0/conv1'."""
+  if key.startswith("net."):
+    key = key[len("net."):]
+  return key.replace(".", "/")

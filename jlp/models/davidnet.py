@@ -25,77 +25,93 @@ __all__ = ["ConvBN", "DavidLayer", "DavidNet", "Residual", "davidnet"]
 
 
 class ConvBN(nnx.Module):
-    """3x3 conv (no bias) + BatchNorm + ReLU."""
+  """3x3 conv (no bias) + BatchNorm + ReLU."""
 
-    def __init__(self, c_in, c_out, *, bn_weight_init=1.0, use_running_average=False, rngs):
-        self.conv = conv2d(c_in, c_out, 3, 1, init="torch", rngs=rngs)
-        self.bn = batch_norm(
-            c_out, use_running_average=use_running_average, scale_init=bn_weight_init, rngs=rngs
-        )
+  def __init__(self, c_in, c_out, *, bn_weight_init=1.0, use_running_average=False, rngs):
+    self.conv = conv2d(c_in, c_out, 3, 1, init="torch", rngs=rngs)
+    self.bn = batch_norm(c_out,
+                         use_running_average=use_running_average,
+                         scale_init=bn_weight_init,
+                         rngs=rngs)
 
-    def __call__(self, x):
-        return jax.nn.relu(self.bn(self.conv(x)))
+  def __call__(self, x):
+    return jax.nn.relu(self.bn(self.conv(x)))
 
 
 class Residual(nnx.Module):
-    """x + res2(res1(x))."""
+  """x + res2(res1(x))."""
 
-    def __init__(self, c, *, use_running_average=False, rngs):
-        self.res1 = ConvBN(c, c, use_running_average=use_running_average, rngs=rngs)
-        self.res2 = ConvBN(c, c, use_running_average=use_running_average, rngs=rngs)
+  def __init__(self, c, *, use_running_average=False, rngs):
+    self.res1 = ConvBN(c, c, use_running_average=use_running_average, rngs=rngs)
+    self.res2 = ConvBN(c, c, use_running_average=use_running_average, rngs=rngs)
 
-    def __call__(self, x):
-        return x + self.res2(self.res1(x))
+  def __call__(self, x):
+    return x + self.res2(self.res1(x))
 
 
 class DavidLayer(nnx.Module):
-    """conv_bn, 2x2 max pool, optional residual."""
+  """conv_bn, 2x2 max pool, optional residual."""
 
-    def __init__(self, c_in, c_out, *, residual: bool, use_running_average=False, rngs):
-        self.conv = conv2d(c_in, c_out, 3, 1, init="torch", rngs=rngs)
-        self.bn = batch_norm(c_out, use_running_average=use_running_average, rngs=rngs)
-        self.pool = MaxPool(2)
-        self.residual = (
-            Residual(c_out, use_running_average=use_running_average, rngs=rngs) if residual else None
-        )
+  def __init__(self, c_in, c_out, *, residual: bool, use_running_average=False, rngs):
+    self.conv = conv2d(c_in, c_out, 3, 1, init="torch", rngs=rngs)
+    self.bn = batch_norm(c_out, use_running_average=use_running_average, rngs=rngs)
+    self.pool = MaxPool(2)
+    self.residual = (Residual(c_out, use_running_average=use_running_average, rngs=rngs)
+                     if residual else None)
 
-    def __call__(self, x):
-        x = self.pool(jax.nn.relu(self.bn(self.conv(x))))
-        if self.residual is not None:
-            x = self.residual(x)
-        return x
+  def __call__(self, x):
+    x = self.pool(jax.nn.relu(self.bn(self.conv(x))))
+    if self.residual is not None:
+      x = self.residual(x)
+    return x
 
 
 class DavidNet(nnx.Module):
-    """Myrtle's ResNet-9 ("DavidNet"). Knobs: `width` (prep channels; 64), `num_classes` (10),
+  """Myrtle's ResNet-9 ("DavidNet"). Knobs: `width` (prep channels; 64), `num_classes` (10),
     `weight` (the final logit scale, 0.125), `in_channels` (3)."""
 
-    def __init__(
-        self,
-        num_classes: int = 10,
-        *,
-        width: int = 64,
-        weight: float = 0.125,
-        in_channels: int = 3,
-        use_running_average: bool = False,
-        rngs: nnx.Rngs,
-    ):
-        ura = use_running_average
-        c = {"prep": width, "layer1": 2 * width, "layer2": 4 * width, "layer3": 8 * width}
-        self.prep = ConvBN(in_channels, c["prep"], use_running_average=ura, rngs=rngs)
-        self.layer1 = DavidLayer(c["prep"], c["layer1"], residual=True, use_running_average=ura, rngs=rngs)
-        self.layer2 = DavidLayer(c["layer1"], c["layer2"], residual=False, use_running_average=ura, rngs=rngs)
-        self.layer3 = DavidLayer(c["layer2"], c["layer3"], residual=True, use_running_average=ura, rngs=rngs)
-        self.linear = linear(c["layer3"], num_classes, bias=False, rngs=rngs)
-        self.weight = weight
+  def __init__(
+      self,
+      num_classes: int = 10,
+      *,
+      width: int = 64,
+      weight: float = 0.125,
+      in_channels: int = 3,
+      use_running_average: bool = False,
+      rngs: nnx.Rngs,
+  ):
+    ura = use_running_average
+    c = {"prep": width, "layer1": 2 * width, "layer2": 4 * width, "layer3": 8 * width}
+    self.prep = ConvBN(in_channels, c["prep"], use_running_average=ura, rngs=rngs)
+    self.layer1 = DavidLayer(c["prep"],
+                             c["layer1"],
+                             residual=True,
+                             use_running_average=ura,
+                             rngs=rngs)
+    self.layer2 = DavidLayer(c["layer1"],
+                             c["layer2"],
+                             residual=False,
+                             use_running_average=ura,
+                             rngs=rngs)
+    self.layer3 = DavidLayer(c["layer2"],
+                             c["layer3"],
+                             residual=True,
+                             use_running_average=ura,
+                             rngs=rngs)
+    self.linear = linear(c["layer3"], num_classes, bias=False, rngs=rngs)
+    self.weight = weight
 
-    def __call__(self, x):
-        x = self.layer3(self.layer2(self.layer1(self.prep(x))))
-        x = jnp.max(x, axis=(1, 2))  # MaxPool(4) on the 4x4 map + flatten
-        return self.linear(x) * self.weight
+  def __call__(self, x):
+    x = self.layer3(self.layer2(self.layer1(self.prep(x))))
+    x = jnp.max(x, axis=(1, 2))  # MaxPool(4) on the 4x4 map + flatten
+    return self.linear(x) * self.weight
 
 
-def davidnet(num_classes: int = 10, *, width: int = 64, rngs: nnx.Rngs | None = None, **kwargs) -> DavidNet:
-    """DavidNet (DAWNBench ResNet-9); 6,573,120 parameters at width 64, 10 classes."""
-    rngs = nnx.Rngs(0) if rngs is None else rngs
-    return DavidNet(num_classes, width=width, rngs=rngs, **kwargs)
+def davidnet(num_classes: int = 10,
+             *,
+             width: int = 64,
+             rngs: nnx.Rngs | None = None,
+             **kwargs) -> DavidNet:
+  """DavidNet (DAWNBench ResNet-9); 6,573,120 parameters at width 64, 10 classes."""
+  rngs = nnx.Rngs(0) if rngs is None else rngs
+  return DavidNet(num_classes, width=width, rngs=rngs, **kwargs)

@@ -29,69 +29,70 @@ __all__ = ["FCN", "FCNHead", "ConvModule", "fcn"]
 
 
 class ConvModule(nnx.Module):
-    """mmcv ConvModule: conv (no bias, followed by BN) + BN + ReLU."""
+  """mmcv ConvModule: conv (no bias, followed by BN) + BN + ReLU."""
 
-    def __init__(self, c_in, c_out, kernel=3, dilation=1, *, use_running_average=False, rngs):
-        self.conv = conv2d(c_in, c_out, kernel, 1, dilation=dilation, init="kaiming", rngs=rngs)
-        self.bn = batch_norm(c_out, use_running_average=use_running_average, rngs=rngs)
+  def __init__(self, c_in, c_out, kernel=3, dilation=1, *, use_running_average=False, rngs):
+    self.conv = conv2d(c_in, c_out, kernel, 1, dilation=dilation, init="kaiming", rngs=rngs)
+    self.bn = batch_norm(c_out, use_running_average=use_running_average, rngs=rngs)
 
-    def __call__(self, x):
-        return jax.nn.relu(self.bn(self.conv(x)))
+  def __call__(self, x):
+    return jax.nn.relu(self.bn(self.conv(x)))
 
 
 class FCNHead(nnx.Module):
-    """mmseg FCNHead (convs, optional conv_cat, dropout, conv_seg)."""
+  """mmseg FCNHead (convs, optional conv_cat, dropout, conv_seg)."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        channels: int,
-        num_classes: int,
-        *,
-        num_convs: int = 2,
-        kernel: int = 3,
-        dilation: int = 1,
-        concat_input: bool = True,
-        dropout: float = 0.1,
-        use_running_average: bool = False,
-        rngs: nnx.Rngs,
-    ):
-        ura = use_running_average
-        convs = []
-        for i in range(num_convs):
-            convs.append(
-                ConvModule(in_channels if i == 0 else channels, channels, kernel, dilation,
-                           use_running_average=ura, rngs=rngs)
-            )
-        self.convs = nnx.List(convs)
-        self.conv_cat = (
-            ConvModule(in_channels + channels, channels, kernel, use_running_average=ura, rngs=rngs)
-            if concat_input
-            else None
-        )
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        # mmseg initialises conv_seg with N(0, 0.01), bias 0.
-        self.conv_seg = nnx.Conv(
-            channels,
-            num_classes,
-            (1, 1),
-            padding="VALID",
-            kernel_init=nnx.initializers.normal(0.01),
-            bias_init=nnx.initializers.zeros,
-            rngs=rngs,
-        )
+  def __init__(
+      self,
+      in_channels: int,
+      channels: int,
+      num_classes: int,
+      *,
+      num_convs: int = 2,
+      kernel: int = 3,
+      dilation: int = 1,
+      concat_input: bool = True,
+      dropout: float = 0.1,
+      use_running_average: bool = False,
+      rngs: nnx.Rngs,
+  ):
+    ura = use_running_average
+    convs = []
+    for i in range(num_convs):
+      convs.append(
+          ConvModule(in_channels if i == 0 else channels,
+                     channels,
+                     kernel,
+                     dilation,
+                     use_running_average=ura,
+                     rngs=rngs))
+    self.convs = nnx.List(convs)
+    self.conv_cat = (ConvModule(
+        in_channels +
+        channels, channels, kernel, use_running_average=ura, rngs=rngs) if concat_input else None)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+    # mmseg initialises conv_seg with N(0, 0.01), bias 0.
+    self.conv_seg = nnx.Conv(
+        channels,
+        num_classes,
+        (1, 1),
+        padding="VALID",
+        kernel_init=nnx.initializers.normal(0.01),
+        bias_init=nnx.initializers.zeros,
+        rngs=rngs,
+    )
 
-    def __call__(self, x):
-        out = x
-        for conv in self.convs:
-            out = conv(out)
-        if self.conv_cat is not None:
-            out = self.conv_cat(jnp.concatenate([x, out], axis=-1))
-        return self.conv_seg(self.dropout(out))
+  def __call__(self, x):
+    out = x
+    for conv in self.convs:
+      out = conv(out)
+    if self.conv_cat is not None:
+      out = self.conv_cat(jnp.concatenate([x, out], axis=-1))
+    return self.conv_seg(self.dropout(out))
 
 
 class FCN(nnx.Module):
-    """Fully convolutional network: dilated ResNet backbone + FCNHead (+ auxiliary FCNHead).
+  """Fully convolutional network: dilated ResNet backbone + FCNHead (+ auxiliary FCNHead).
 
     Args:
       num_classes: 19 (Cityscapes).
@@ -103,70 +104,78 @@ class FCN(nnx.Module):
       dropout: head dropout (0.1; switch with model.eval() / model.train()).
     """
 
-    def __init__(
-        self,
-        num_classes: int = 19,
-        *,
-        block: str = "bottleneck",
-        num_blocks: Sequence[int] = (3, 4, 6, 3),
-        width: int = 64,
-        dilated: bool = True,
-        stem: str = "deep",
-        channels: int = 512,
-        aux_channels: int = 256,
-        aux: bool = True,
-        dropout: float = 0.1,
-        in_channels: int = 3,
-        use_running_average: bool = False,
-        rngs: nnx.Rngs,
-    ):
-        strides, dilations = ((1, 2, 1, 1), (1, 1, 2, 4)) if dilated else ((1, 2, 2, 2), (1,) * 4)
-        ura = use_running_average
-        self.backbone = ResNet(
-            block,
-            num_blocks,
-            None,
-            width=width,
-            stem=stem,
-            strides=strides,
-            dilations=dilations,
-            naming="torchvision",
-            init="kaiming",
-            in_channels=in_channels,
-            use_running_average=ura,
-            rngs=rngs,
-        )
-        c3, c4 = self.backbone.stage_channels[2], self.backbone.stage_channels[3]
-        self.decode_head = FCNHead(
-            c4, channels, num_classes, num_convs=2, concat_input=True, dropout=dropout,
-            use_running_average=ura, rngs=rngs,
-        )
-        self.auxiliary_head = (
-            FCNHead(
-                c3, aux_channels, num_classes, num_convs=1, concat_input=False, dropout=dropout,
-                use_running_average=ura, rngs=rngs,
-            )
-            if aux
-            else None
-        )
+  def __init__(
+      self,
+      num_classes: int = 19,
+      *,
+      block: str = "bottleneck",
+      num_blocks: Sequence[int] = (3, 4, 6, 3),
+      width: int = 64,
+      dilated: bool = True,
+      stem: str = "deep",
+      channels: int = 512,
+      aux_channels: int = 256,
+      aux: bool = True,
+      dropout: float = 0.1,
+      in_channels: int = 3,
+      use_running_average: bool = False,
+      rngs: nnx.Rngs,
+  ):
+    strides, dilations = ((1, 2, 1, 1), (1, 1, 2, 4)) if dilated else ((1, 2, 2, 2), (1,) * 4)
+    ura = use_running_average
+    self.backbone = ResNet(
+        block,
+        num_blocks,
+        None,
+        width=width,
+        stem=stem,
+        strides=strides,
+        dilations=dilations,
+        naming="torchvision",
+        init="kaiming",
+        in_channels=in_channels,
+        use_running_average=ura,
+        rngs=rngs,
+    )
+    c3, c4 = self.backbone.stage_channels[2], self.backbone.stage_channels[3]
+    self.decode_head = FCNHead(
+        c4,
+        channels,
+        num_classes,
+        num_convs=2,
+        concat_input=True,
+        dropout=dropout,
+        use_running_average=ura,
+        rngs=rngs,
+    )
+    self.auxiliary_head = (FCNHead(
+        c3,
+        aux_channels,
+        num_classes,
+        num_convs=1,
+        concat_input=False,
+        dropout=dropout,
+        use_running_average=ura,
+        rngs=rngs,
+    ) if aux else None)
 
-    def __call__(self, x, *, return_aux: bool = False):
-        """Logits (N, H, W, classes) at the input resolution; with ``return_aux`` (needs aux=True)
+  def __call__(self, x, *, return_aux: bool = False):
+    """Logits (N, H, W, classes) at the input resolution; with ``return_aux`` (needs aux=True)
         the pair (logits, auxiliary logits)."""
-        n, h, w, _ = x.shape
-        feats = self.backbone.features(x)
-        out = self.decode_head(feats[-1])
-        out = jax.image.resize(out, (n, h, w, out.shape[-1]), "bilinear")
-        if not return_aux:
-            return out
-        if self.auxiliary_head is None:
-            raise ValueError("return_aux=True needs a model built with aux=True")
-        a = self.auxiliary_head(feats[2])
-        a = jax.image.resize(a, (n, h, w, a.shape[-1]), "bilinear")
-        return out, a
+    n, h, w, _ = x.shape
+    feats = self.backbone.features(x)
+    out = self.decode_head(feats[-1])
+    out = jax.image.resize(out, (n, h, w, out.shape[-1]), "bilinear")
+    if not return_aux:
+      return out
+    if self.auxiliary_head is None:
+      raise ValueError("return_aux=True needs a model built with aux=True")
+    a = self.auxiliary_head(feats[2])
+    a = jax.image.resize(a, (n, h, w, a.shape[-1]), "bilinear")
+    return out, a
 
 
 def fcn(num_classes: int = 19, *, rngs: nnx.Rngs | None = None, **kwargs) -> FCN:
-    """FCN-ResNet50-D8 (mmseg fcn_r50-d8) with the knobs of `FCN`."""
-    rngs = nnx.Rngs(0) if rngs is None else rngs
-    return FCN(num_classes, rngs=rngs, **kwargs)
+  """FCN-ResNet50-D8 (mmseg fcn_r50-d8) with the knobs of `FCN`."""
+  rngs = nnx.Rngs(0) if rngs is None else rngs
+  return FCN(num_classes, rngs=rngs, **kwargs)

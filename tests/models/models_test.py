@@ -12,14 +12,15 @@ from flax import nnx
 
 import jlp.models as zoo
 
+
 @pytest.fixture(autouse=True)
 def _fast_compile():
-    """XLA:CPU spends most of these tests compiling (e.g. 14 s for the tiny FCN's gradient);
+  """XLA:CPU spends most of these tests compiling (e.g. 14 s for the tiny FCN's gradient);
     without its optimisation passes it takes ~4x less. Restored after each test."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
 
 
 # name -> (builder kwargs, input maker, expected output shape)
@@ -27,11 +28,11 @@ B = 2
 
 
 def _img(h, c=3):
-    return lambda key: jax.random.normal(key, (B, h, h, c), jnp.float32)
+  return lambda key: jax.random.normal(key, (B, h, h, c), jnp.float32)
 
 
 def _ids(t, vocab):
-    return lambda key: jax.random.randint(key, (B, t), 0, vocab)
+  return lambda key: jax.random.randint(key, (B, t), 0, vocab)
 
 
 TINY = {
@@ -40,7 +41,12 @@ TINY = {
     "davidnet": (dict(num_classes=10, width=4), _img(16), (B, 10)),
     "vgg19": (dict(num_classes=10, width=4), _img(32), (B, 10)),
     "fcn": (
-        dict(num_classes=5, block="basic", num_blocks=(1, 1, 1, 1), width=4, channels=8, aux_channels=4),
+        dict(num_classes=5,
+             block="basic",
+             num_blocks=(1, 1, 1, 1),
+             width=4,
+             channels=8,
+             aux_channels=4),
         _img(16),
         (B, 16, 16, 5),
     ),
@@ -53,121 +59,123 @@ TINY = {
 
 
 def _materialize(abstract, seed=0):
-    """Concrete model from an nnx.eval_shape one, filled with numpy random values.
+  """Concrete model from an nnx.eval_shape one, filled with numpy random values.
 
     Real construction compiles every threefry draw of a new shape (about 1 s each on this CPU, so
     ~15 s for a width-4 ResNet18, jitted or not); the structure under test does not depend on the
     initializer, which test_real_init checks once."""
-    graphdef, state = nnx.split(abstract)
-    rng = np.random.default_rng(seed)
-    flat = []
-    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
-        sds = var.get_value()
-        if isinstance(var, nnx.RngKey):
-            value = jax.random.key(i)
-        elif isinstance(var, nnx.RngCount):
-            value = jnp.zeros(sds.shape, sds.dtype)
-        elif path[-1] in ("scale", "var"):
-            value = np.ones(sds.shape, sds.dtype)
-        elif path[-1] == "mean":
-            value = np.zeros(sds.shape, sds.dtype)
-        else:  # kernels, embeddings, biases
-            fan_in = int(np.prod(sds.shape[:-1])) if len(sds.shape) > 1 else 16
-            value = (rng.standard_normal(sds.shape) / np.sqrt(fan_in)).astype(sds.dtype)
-        flat.append((path, var.replace(value=jnp.asarray(value))))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+  graphdef, state = nnx.split(abstract)
+  rng = np.random.default_rng(seed)
+  flat = []
+  for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+    sds = var.get_value()
+    if isinstance(var, nnx.RngKey):
+      value = jax.random.key(i)
+    elif isinstance(var, nnx.RngCount):
+      value = jnp.zeros(sds.shape, sds.dtype)
+    elif path[-1] in ("scale", "var"):
+      value = np.ones(sds.shape, sds.dtype)
+    elif path[-1] == "mean":
+      value = np.zeros(sds.shape, sds.dtype)
+    else:  # kernels, embeddings, biases
+      fan_in = int(np.prod(sds.shape[:-1])) if len(sds.shape) > 1 else 16
+      value = (rng.standard_normal(sds.shape) / np.sqrt(fan_in)).astype(sds.dtype)
+    flat.append((path, var.replace(value=jnp.asarray(value))))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _build(name):
-    kwargs = TINY[name][0]
-    return _materialize(nnx.eval_shape(lambda: zoo.get_model(name, rngs=nnx.Rngs(0, dropout=1), **kwargs)))
+  kwargs = TINY[name][0]
+  return _materialize(
+      nnx.eval_shape(lambda: zoo.get_model(name, rngs=nnx.Rngs(0, dropout=1), **kwargs)))
 
 
 def _inputs(name):
-    return TINY[name][1](jax.random.key(3))
+  return TINY[name][1](jax.random.key(3))
 
 
 def _batch_stats(model):
-    return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.BatchStat))]
+  return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.BatchStat))]
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_forward_train_and_eval(name):
-    model = _build(name)
-    x = _inputs(name)
-    shape = TINY[name][2]
-    fwd = nnx.jit(lambda m, x: m(x))
+  model = _build(name)
+  x = _inputs(name)
+  shape = TINY[name][2]
+  fwd = nnx.jit(lambda m, x: m(x))
 
-    stats0 = _batch_stats(model)
-    model.train()
-    y_train = fwd(model, x)
-    assert y_train.shape == shape and y_train.dtype == jnp.float32
-    assert bool(jnp.all(jnp.isfinite(y_train)))
-    stats1 = _batch_stats(model)
-    if stats0:  # train mode updates the BatchNorm running statistics
-        assert any(not np.array_equal(a, b) for a, b in zip(stats0, stats1))
+  stats0 = _batch_stats(model)
+  model.train()
+  y_train = fwd(model, x)
+  assert y_train.shape == shape and y_train.dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(y_train)))
+  stats1 = _batch_stats(model)
+  if stats0:  # train mode updates the BatchNorm running statistics
+    assert any(not np.array_equal(a, b) for a, b in zip(stats0, stats1))
 
-    model.eval()
-    y_eval = fwd(model, x)
-    assert y_eval.shape == shape and bool(jnp.all(jnp.isfinite(y_eval)))
-    np.testing.assert_array_equal(np.asarray(fwd(model, x)), np.asarray(y_eval))  # deterministic
-    for a, b in zip(stats1, _batch_stats(model)):  # eval mode leaves the statistics alone
-        np.testing.assert_array_equal(a, b)
-    assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))  # BN batch stats / dropout differ
+  model.eval()
+  y_eval = fwd(model, x)
+  assert y_eval.shape == shape and bool(jnp.all(jnp.isfinite(y_eval)))
+  np.testing.assert_array_equal(np.asarray(fwd(model, x)), np.asarray(y_eval))  # deterministic
+  for a, b in zip(stats1, _batch_stats(model)):  # eval mode leaves the statistics alone
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))  # BN batch stats / dropout differ
 
-    for p in jax.tree.leaves(nnx.state(model, nnx.Param)):
-        assert p.dtype == jnp.float32
+  for p in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    assert p.dtype == jnp.float32
 
 
 def _loss(name, model, x):
-    if name == "fcn":
-        out, aux = model(x, return_aux=True)
-        labels = jnp.arange(out.shape[1] * out.shape[2]).reshape(1, out.shape[1], out.shape[2]) % 5
-        labels = jnp.broadcast_to(labels, out.shape[:3])
-        ce = optax.softmax_cross_entropy_with_integer_labels
-        return ce(out, labels).mean() + 0.4 * ce(aux, labels).mean()
-    if name == "bert_small":
-        mask = jnp.ones(x.shape, bool).at[:, -2:].set(False)  # some padding
-        out = model(x, attention_mask=mask)
-    else:
-        out = model(x)
-    labels = jnp.arange(out.shape[0]) % out.shape[-1]
-    return optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
+  if name == "fcn":
+    out, aux = model(x, return_aux=True)
+    labels = jnp.arange(out.shape[1] * out.shape[2]).reshape(1, out.shape[1], out.shape[2]) % 5
+    labels = jnp.broadcast_to(labels, out.shape[:3])
+    ce = optax.softmax_cross_entropy_with_integer_labels
+    return ce(out, labels).mean() + 0.4 * ce(aux, labels).mean()
+  if name == "bert_small":
+    mask = jnp.ones(x.shape, bool).at[:, -2:].set(False)  # some padding
+    out = model(x, attention_mask=mask)
+  else:
+    out = model(x)
+  labels = jnp.arange(out.shape[0]) % out.shape[-1]
+  return optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_gradients_finite_for_every_param(name):
-    model = _build(name)
-    model.train()
-    x = _inputs(name)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  model = _build(name)
+  model.train()
+  x = _inputs(name)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    @jax.jit
-    def value_and_grad(params, rest, x):
-        def loss_fn(p):
-            m = nnx.merge(graphdef, p, rest, copy=True)  # copy=True: toolchain.md Gotcha 4
-            return _loss(name, m, x)
+  @jax.jit
+  def value_and_grad(params, rest, x):
 
-        return jax.value_and_grad(loss_fn)(params)
+    def loss_fn(p):
+      m = nnx.merge(graphdef, p, rest, copy=True)  # copy=True: toolchain.md Gotcha 4
+      return _loss(name, m, x)
 
-    loss, grads = value_and_grad(params, rest, x)
-    assert np.isfinite(float(loss))
-    flat_p = dict(nnx.to_flat_state(params))
-    flat_g = dict(nnx.to_flat_state(grads))
-    assert flat_g.keys() == flat_p.keys()
-    for path, g in flat_g.items():
-        g = np.asarray(g.get_value() if hasattr(g, "get_value") else g.value)
-        assert g.shape == flat_p[path].shape and np.all(np.isfinite(g)), path
-    # every GEMM kernel receives gradient (all layers are on the loss path)
-    for path, mod in zoo.gemm_modules(model).items():
-        key = tuple(int(p) if p.isdigit() else p for p in path.split("/")) + ("kernel",)
-        g = np.asarray(flat_g[key].get_value())
-        assert np.any(g != 0), path
+    return jax.value_and_grad(loss_fn)(params)
+
+  loss, grads = value_and_grad(params, rest, x)
+  assert np.isfinite(float(loss))
+  flat_p = dict(nnx.to_flat_state(params))
+  flat_g = dict(nnx.to_flat_state(grads))
+  assert flat_g.keys() == flat_p.keys()
+  for path, g in flat_g.items():
+    g = np.asarray(g.get_value() if hasattr(g, "get_value") else g.value)
+    assert g.shape == flat_p[path].shape and np.all(np.isfinite(g)), path
+  # every GEMM kernel receives gradient (all layers are on the loss path)
+  for path, mod in zoo.gemm_modules(model).items():
+    key = tuple(int(p) if p.isdigit() else p for p in path.split("/")) + ("kernel",)
+    g = np.asarray(flat_g[key].get_value())
+    assert np.any(g != 0), path
 
 
 def _param_count(build):
-    abstract = nnx.eval_shape(build)
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  abstract = nnx.eval_shape(build)
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
 @pytest.mark.parametrize(
@@ -181,99 +189,105 @@ def _param_count(build):
     ],
 )
 def test_full_size_param_counts(name, kwargs, expected):
-    assert _param_count(lambda: zoo.get_model(name, **kwargs)) == expected
+  assert _param_count(lambda: zoo.get_model(name, **kwargs)) == expected
 
 
 def test_resnet18_paths_match_bfpsim_names():
-    model = nnx.eval_shape(lambda: zoo.resnet18())
-    raw = [p for p, _ in nnx.iter_modules(model)]
-    assert ("layer1", 0, "conv1") in raw  # flax 0.12: tuple paths, int list indices
-    gemms = zoo.gemm_modules(model)
-    expected = {"conv1", "linear"}
-    for layer in range(1, 5):
-        for blk in range(2):
-            expected |= {f"layer{layer}/{blk}/conv1", f"layer{layer}/{blk}/conv2"}
-        if layer > 1:
-            expected.add(f"layer{layer}/0/shortcut/0")
-    assert set(gemms) == expected and len(expected) == 21
-    assert isinstance(gemms["layer1/0/conv1"], nnx.Conv)
-    assert isinstance(gemms["linear"], nnx.Linear)
-    mods = zoo.named_modules(model)
-    assert isinstance(mods["layer2/0/shortcut/1"], nnx.BatchNorm)
-    assert isinstance(mods["layer3/1/bn2"], nnx.BatchNorm)
-    # BFPsim preset keys (bfp.md §2.6) -> paths
-    for key in ["net.conv1", "net.layer1.0.conv1", "net.layer4.1.conv2", "net.layer2.0.shortcut.0", "net.linear"]:
-        assert zoo.bfpsim_to_path(key) in gemms, key
-    # torchvision naming for ResNet50
-    r50 = zoo.gemm_modules(nnx.eval_shape(lambda: zoo.resnet50()))
-    assert {"conv1", "fc", "layer1/0/downsample/0", "layer4/2/conv3"} <= set(r50)
-    assert len(r50) == 54  # 53 convs + fc
+  model = nnx.eval_shape(lambda: zoo.resnet18())
+  raw = [p for p, _ in nnx.iter_modules(model)]
+  assert ("layer1", 0, "conv1") in raw  # flax 0.12: tuple paths, int list indices
+  gemms = zoo.gemm_modules(model)
+  expected = {"conv1", "linear"}
+  for layer in range(1, 5):
+    for blk in range(2):
+      expected |= {f"layer{layer}/{blk}/conv1", f"layer{layer}/{blk}/conv2"}
+    if layer > 1:
+      expected.add(f"layer{layer}/0/shortcut/0")
+  assert set(gemms) == expected and len(expected) == 21
+  assert isinstance(gemms["layer1/0/conv1"], nnx.Conv)
+  assert isinstance(gemms["linear"], nnx.Linear)
+  mods = zoo.named_modules(model)
+  assert isinstance(mods["layer2/0/shortcut/1"], nnx.BatchNorm)
+  assert isinstance(mods["layer3/1/bn2"], nnx.BatchNorm)
+  # BFPsim preset keys (bfp.md §2.6) -> paths
+  for key in [
+      "net.conv1", "net.layer1.0.conv1", "net.layer4.1.conv2", "net.layer2.0.shortcut.0",
+      "net.linear"
+  ]:
+    assert zoo.bfpsim_to_path(key) in gemms, key
+  # torchvision naming for ResNet50
+  r50 = zoo.gemm_modules(nnx.eval_shape(lambda: zoo.resnet50()))
+  assert {"conv1", "fc", "layer1/0/downsample/0", "layer4/2/conv3"} <= set(r50)
+  assert len(r50) == 54  # 53 convs + fc
 
 
 def test_registry():
-    assert set(zoo.MODELS) == {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small"}
-    with pytest.raises(ValueError, match="nope"):
-        zoo.get_model("nope")
+  assert set(zoo.MODELS) == {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small"}
+  with pytest.raises(ValueError, match="nope"):
+    zoo.get_model("nope")
 
 
 def _count_gemm_eqns(jaxpr):
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-            n += 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _count_gemm_eqns(sub)
-    return n
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      n += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _count_gemm_eqns(sub)
+  return n
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_every_param_gemm_is_a_layer(name):
-    """The traced forward has exactly one GEMM per Linear/Conv/Einsum layer, plus the known
+  """The traced forward has exactly one GEMM per Linear/Conv/Einsum layer, plus the known
     activation-side products: BERT's q·kᵀ and probs·v, FCN's bilinear resizes."""
-    model = nnx.eval_shape(lambda: zoo.get_model(name, **TINY[name][0]))
-    model.eval()
-    x = jax.eval_shape(lambda: _inputs(name))
-    # Route every layer's GEMM through a recording wrapper, as quantization rules do.
-    called = []
-    for path, mod in zoo.gemm_modules(model).items():
-        attr = {nnx.Linear: "dot_general", nnx.Conv: "conv_general_dilated", nnx.Einsum: "einsum_op"}[type(mod)]
-        orig = getattr(mod, attr)
+  model = nnx.eval_shape(lambda: zoo.get_model(name, **TINY[name][0]))
+  model.eval()
+  x = jax.eval_shape(lambda: _inputs(name))
+  # Route every layer's GEMM through a recording wrapper, as quantization rules do.
+  called = []
+  for path, mod in zoo.gemm_modules(model).items():
+    attr = {
+        nnx.Linear: "dot_general",
+        nnx.Conv: "conv_general_dilated",
+        nnx.Einsum: "einsum_op"
+    }[type(mod)]
+    orig = getattr(mod, attr)
 
-        def wrapped(*args, _orig=orig, _path=path, **kw):
-            called.append(_path)
-            return _orig(*args, **kw)
+    def wrapped(*args, _orig=orig, _path=path, **kw):
+      called.append(_path)
+      return _orig(*args, **kw)
 
-        setattr(mod, attr, wrapped)
-    graphdef, state = nnx.split(model)
+    setattr(mod, attr, wrapped)
+  graphdef, state = nnx.split(model)
 
-    def fwd(state, x):
-        m = nnx.merge(graphdef, state, copy=True)
-        return m(x, return_aux=True) if name == "fcn" else m(x)
+  def fwd(state, x):
+    m = nnx.merge(graphdef, state, copy=True)
+    return m(x, return_aux=True) if name == "fcn" else m(x)
 
-    n = _count_gemm_eqns(jax.make_jaxpr(fwd)(state, x).jaxpr)
-    extra = 0
-    if name == "bert_small":
-        extra = 2 * TINY[name][0]["num_layers"]
-    if name == "fcn":
-        resize = jax.make_jaxpr(lambda a: jax.image.resize(a, (B, 16, 16, 5), "bilinear"))(
-            jax.ShapeDtypeStruct((B, 2, 2, 5), jnp.float32)
-        )
-        extra = 2 * _count_gemm_eqns(resize.jaxpr)
-    assert n == len(zoo.gemm_modules(model)) + extra
-    assert sorted(called) == sorted(zoo.gemm_modules(model))  # each layer used once, via its op
+  n = _count_gemm_eqns(jax.make_jaxpr(fwd)(state, x).jaxpr)
+  extra = 0
+  if name == "bert_small":
+    extra = 2 * TINY[name][0]["num_layers"]
+  if name == "fcn":
+    resize = jax.make_jaxpr(lambda a: jax.image.resize(a, (B, 16, 16, 5), "bilinear"))(
+        jax.ShapeDtypeStruct((B, 2, 2, 5), jnp.float32))
+    extra = 2 * _count_gemm_eqns(resize.jaxpr)
+  assert n == len(zoo.gemm_modules(model)) + extra
+  assert sorted(called) == sorted(zoo.gemm_modules(model))  # each layer used once, via its op
 
 
 def test_real_init():
-    """One real (jitted) construction: PyTorch-default init bounds, BN gamma 1, float32."""
-    key = jax.random.key(0, impl="rbg")  # threefry init compiles ~1 s per distinct shape on CPU
-    model = nnx.jit(lambda: zoo.resnet18(width=4, rngs=nnx.Rngs(key)))()
-    k = np.asarray(model.layer1[0].conv1.kernel.get_value())
-    assert k.shape == (3, 3, 4, 4) and k.dtype == np.float32
-    assert np.abs(k).max() <= 1 / np.sqrt(36) and k.std() > 0.05
-    np.testing.assert_array_equal(np.asarray(model.bn1.scale.get_value()), np.ones(4, np.float32))
-    b = np.asarray(model.linear.bias.get_value())
-    assert np.abs(b).max() <= 1 / np.sqrt(32) and np.any(b != 0)
-    assert model.layer1[0].bn1.momentum == 0.9 and model.layer1[0].bn1.epsilon == 1e-5
+  """One real (jitted) construction: PyTorch-default init bounds, BN gamma 1, float32."""
+  key = jax.random.key(0, impl="rbg")  # threefry init compiles ~1 s per distinct shape on CPU
+  model = nnx.jit(lambda: zoo.resnet18(width=4, rngs=nnx.Rngs(key)))()
+  k = np.asarray(model.layer1[0].conv1.kernel.get_value())
+  assert k.shape == (3, 3, 4, 4) and k.dtype == np.float32
+  assert np.abs(k).max() <= 1 / np.sqrt(36) and k.std() > 0.05
+  np.testing.assert_array_equal(np.asarray(model.bn1.scale.get_value()), np.ones(4, np.float32))
+  b = np.asarray(model.linear.bias.get_value())
+  assert np.abs(b).max() <= 1 / np.sqrt(32) and np.any(b != 0)
+  assert model.layer1[0].bn1.momentum == 0.9 and model.layer1[0].bn1.epsilon == 1e-5
 
 
 @pytest.mark.parametrize(
@@ -288,13 +302,13 @@ def test_real_init():
     ],
 )
 def test_full_size_output_shapes(name, shape, expected):
-    """Default (paper-size) models, traced only (nnx.eval_shape: no memory, no compute)."""
-    dtype = jnp.int32 if name == "bert_small" else jnp.float32
+  """Default (paper-size) models, traced only (nnx.eval_shape: no memory, no compute)."""
+  dtype = jnp.int32 if name == "bert_small" else jnp.float32
 
-    def fwd():
-        model = zoo.get_model(name)
-        model.eval()
-        return model(jnp.zeros(shape, dtype))
+  def fwd():
+    model = zoo.get_model(name)
+    model.eval()
+    return model(jnp.zeros(shape, dtype))
 
-    out = nnx.eval_shape(fwd)
-    assert out.shape == expected and out.dtype == jnp.float32
+  out = nnx.eval_shape(fwd)
+  assert out.shape == expected and out.dtype == jnp.float32
