@@ -11,6 +11,7 @@ from jlp.gemm.config import GemmQuant
 from jlp.gemm.qdot import biw_zse_block, bwo_zse_block, qconv, qdot_general
 from jlp.nn.rules import (BFPWidths, QuantRule, ZSEProbe, bfp_zse_metrics, get_widths,
                           quantize_model, set_widths)
+from jlp.nn.controller import SimpleController
 from jlp.nn.zse import zero_setting_error
 
 DN = (((1,), (0,)), ((), ()))
@@ -210,3 +211,21 @@ def test_probe_is_not_a_param():
   assert all("zse_probe" not in p and "bfp_widths" not in p for p in flat)
   plain = Net(nnx.Rngs(0))
   assert len(flat) == len(list(nnx.to_flat_state(nnx.state(plain, nnx.Param))))
+
+
+def test_controller_closes_the_loop_without_recompiling():
+  """ZSE metrics of a jitted step -> SimpleController -> set_widths -> the same compiled step."""
+  model, report = _model(8)
+  counter = [0]
+  step = _make_step(report, counter)
+  # lo = hi = 2.0: every window's ZSE (<= 1) is below lo, so each window steps 8 -> 4, then stays.
+  controller = SimpleController(2.0, 2.0, window=1, bits=get_widths(model, report))
+  seen = []
+  for _ in range(3):
+    _, _, metrics = step(model, X)
+    controller.update({p: {k: float(v) for k, v in m.items()} for p, m in metrics.items()})
+    set_widths(model, report, controller.bits)
+    seen.append(get_widths(model, report)["conv"])
+  assert seen[0]["w"] == seen[0]["x"] == 4 and seen[0]["dgrad_w"] == seen[0]["dgrad_dy"] == 4
+  assert seen[2] == seen[0]
+  assert counter[0] == 1
