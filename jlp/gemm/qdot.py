@@ -557,7 +557,8 @@ def _static_conv_dn(dn):
 def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding, cfg: GemmQuant,
           *, lhs_dilation: Sequence[int] | None = None, rhs_dilation: Sequence[int] | None = None,
           dimension_numbers=None, feature_group_count: int = 1,
-          key: jax.Array | None = None, widths: dict[str, jax.Array] | None = None,
+          key: jax.Array | None = None, precision=None, preferred_element_type=None,
+          widths: dict[str, jax.Array] | None = None,
           zse_probe: jax.Array | None = None) -> jax.Array:
   """Quantized `lax.conv_general_dilated` with the roles of `cfg` (bfp.md §2.8).
 
@@ -573,11 +574,15 @@ def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding
       dimension_numbers, feature_group_count: as `lax.conv_general_dilated`.
     cfg: the GemmQuant (static).
     key: PRNG key, required when any role rounds stochastically.
+    precision: passed to lax with an identity cfg; quantized convolutions
+      always run at HIGHEST (accepted so that Flax Linen's `nn.Conv(...,
+      conv_general_dilated=partial(qconv, cfg=cfg))` can call it).
+    preferred_element_type: the output dtype (default: result_type(lhs, rhs)).
     widths, zse_probe: traced BFP widths and the "biw" ZSE probe, as
       `qdot_general`.
 
   Returns:
-    The convolution output (dtype result_type(lhs, rhs)).
+    The convolution output.
 
   Raises:
     ValueError: as `qdot_general`, and string padding with lhs_dilation.
@@ -594,10 +599,12 @@ def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding
   if isinstance(cfg, GemmQuant) and cfg.is_identity:
     return lax.conv_general_dilated(lhs, rhs, strides, padding, lhs_dilation=lhs_dil,
                                     rhs_dilation=rhs_dil, dimension_numbers=dn,
-                                    feature_group_count=feature_group_count)
+                                    feature_group_count=feature_group_count, precision=precision,
+                                    preferred_element_type=preferred_element_type)
   pads = _canonical_padding(padding, lhs.shape, rhs.shape, strides, lhs_dil, rhs_dil, dn)
   params = (strides, pads, lhs_dil, rhs_dil, dn, int(feature_group_count))
   out_shape = jax.eval_shape(_plain_op("conv", params), lhs.astype(jnp.float32),
                              rhs.astype(jnp.float32)).shape
   _validate(cfg, key, lhs.shape, rhs.shape, out_shape, "qconv")
-  return _run(lhs, rhs, key, "conv", params, cfg, jnp.result_type(lhs, rhs), widths, zse_probe)
+  out_dtype = jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
+  return _run(lhs, rhs, key, "conv", params, cfg, out_dtype, widths, zse_probe)
