@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jlp.formats import BFPFormat
 from jlp.numerics.bfp import bfp_rows_bits, group_rows
-from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
+from pallas_kernels.tiling import checked_rbits, is_power_of_two, next_power_of_two, num_warps
 
 # Elements per tile when rows_per_tile is not given: as the float cast kernel,
 # 4096 float32 (16 KiB) per tile, which Triton keeps in registers with 8 warps.
@@ -61,14 +61,8 @@ def bfp_quantize(x: jax.Array, fmt: BFPFormat, rbits: jax.Array | None = None, *
                      "expected None or a power of two >= 1.")
   x = jnp.asarray(x, jnp.float32)
   fmt.check_rank(x.ndim)
-  stochastic = fmt.rounding == "stochastic"
-  if stochastic:
-    if rbits is None:
-      raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
-    rbits = jnp.asarray(rbits)
-    if rbits.shape != x.shape or rbits.dtype != jnp.uint32:
-      raise ValueError(f"rbits has shape {rbits.shape} and dtype {rbits.dtype}; "
-                       f"expected {x.shape} and uint32.")
+  rbits = checked_rbits(x, rbits, fmt.rounding)
+  stochastic = rbits is not None
   if x.size == 0:
     return x
 

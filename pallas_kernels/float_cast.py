@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jlp.formats import FloatFormat
 from jlp.numerics.float_cast import cast_bits
-from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
+from pallas_kernels.tiling import checked_rbits, is_power_of_two, next_power_of_two, num_warps
 
 # 4096 float32 = 16 KiB in + 16 KiB out per tile: with 8 warps, 16 elements
 # (four 128-bit loads) per thread, enough in flight to saturate H100 HBM while
@@ -57,14 +57,8 @@ def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None, *
   x = jnp.asarray(x)
   if x.dtype != jnp.float32:
     raise ValueError(f"x has dtype {x.dtype}; expected float32.")
-  stochastic = fmt.rounding == "stochastic"
-  if stochastic:
-    if rbits is None:
-      raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
-    rbits = jnp.asarray(rbits)
-    if rbits.shape != x.shape or rbits.dtype != jnp.uint32:
-      raise ValueError(f"rbits has shape {rbits.shape} and dtype {rbits.dtype}; "
-                       f"expected {x.shape} and uint32.")
+  rbits = checked_rbits(x, rbits, fmt.rounding)
+  stochastic = rbits is not None
   n = x.size
   if n == 0:
     return x
