@@ -6,40 +6,23 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import jlp.models as zoo
+from tiny_models import BATCH as B
+from tiny_models import build, classification_loss, images, token_ids
 
 
-@pytest.fixture(autouse=True)
-def _fast_compile():
-  """XLA:CPU spends most of these tests compiling (e.g. 14 s for the tiny FCN's gradient);
-    without its optimisation passes it takes ~4x less. Restored after each test."""
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 # name -> (builder kwargs, input maker, expected output shape)
-B = 2
-
-
-def _img(h, c=3):
-  return lambda key: jax.random.normal(key, (B, h, h, c), jnp.float32)
-
-
-def _ids(t, vocab):
-  return lambda key: jax.random.randint(key, (B, t), 0, vocab)
-
-
 TINY = {
-    "resnet18": (dict(num_classes=10, width=4), _img(8), (B, 10)),
-    "resnet50": (dict(num_classes=7, width=4, num_blocks=(1, 1, 1, 1)), _img(32), (B, 7)),
-    "davidnet": (dict(num_classes=10, width=4), _img(16), (B, 10)),
-    "vgg19": (dict(num_classes=10, width=4), _img(32), (B, 10)),
+    "resnet18": (dict(num_classes=10, width=4), images(8), (B, 10)),
+    "resnet50": (dict(num_classes=7, width=4, num_blocks=(1, 1, 1, 1)), images(32), (B, 7)),
+    "davidnet": (dict(num_classes=10, width=4), images(16), (B, 10)),
+    "vgg19": (dict(num_classes=10, width=4), images(32), (B, 10)),
     "fcn": (
         dict(num_classes=5,
              block="basic",
@@ -47,47 +30,19 @@ TINY = {
              width=4,
              channels=8,
              aux_channels=4),
-        _img(16),
+        images(16),
         (B, 16, 16, 5),
     ),
     "bert_small": (
         dict(vocab=50, max_len=16, hidden=16, num_layers=2, heads=2, num_classes=3),
-        _ids(8, 50),
+        token_ids(8, 50),
         (B, 3),
     ),
 }
 
 
-def _materialize(abstract, seed=0):
-  """Concrete model from an nnx.eval_shape one, filled with numpy random values.
-
-    Real construction compiles every threefry draw of a new shape (about 1 s each on this CPU, so
-    ~15 s for a width-4 ResNet18, jitted or not); the structure under test does not depend on the
-    initializer, which test_real_init checks once."""
-  graphdef, state = nnx.split(abstract)
-  rng = np.random.default_rng(seed)
-  flat = []
-  for i, (path, var) in enumerate(nnx.to_flat_state(state)):
-    sds = var.get_value()
-    if isinstance(var, nnx.RngKey):
-      value = jax.random.key(i)
-    elif isinstance(var, nnx.RngCount):
-      value = jnp.zeros(sds.shape, sds.dtype)
-    elif path[-1] in ("scale", "var"):
-      value = np.ones(sds.shape, sds.dtype)
-    elif path[-1] == "mean":
-      value = np.zeros(sds.shape, sds.dtype)
-    else:  # kernels, embeddings, biases
-      fan_in = int(np.prod(sds.shape[:-1])) if len(sds.shape) > 1 else 16
-      value = (rng.standard_normal(sds.shape) / np.sqrt(fan_in)).astype(sds.dtype)
-    flat.append((path, var.replace(value=jnp.asarray(value))))
-  return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
 def _build(name):
-  kwargs = TINY[name][0]
-  return _materialize(
-      nnx.eval_shape(lambda: zoo.get_model(name, rngs=nnx.Rngs(0, dropout=1), **kwargs)))
+  return build(name, TINY[name][0])
 
 
 def _inputs(name):
@@ -126,20 +81,7 @@ def test_forward_train_and_eval(name):
     assert p.dtype == jnp.float32
 
 
-def _loss(name, model, x):
-  if name == "fcn":
-    out, aux = model(x, return_aux=True)
-    labels = jnp.arange(out.shape[1] * out.shape[2]).reshape(1, out.shape[1], out.shape[2]) % 5
-    labels = jnp.broadcast_to(labels, out.shape[:3])
-    ce = optax.softmax_cross_entropy_with_integer_labels
-    return ce(out, labels).mean() + 0.4 * ce(aux, labels).mean()
-  if name == "bert_small":
-    mask = jnp.ones(x.shape, bool).at[:, -2:].set(False)  # some padding
-    out = model(x, attention_mask=mask)
-  else:
-    out = model(x)
-  labels = jnp.arange(out.shape[0]) % out.shape[-1]
-  return optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
+_loss = classification_loss
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -16,7 +16,6 @@ from the float32 model's; the QuantReport covers every GEMM layer and leaves no 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -24,38 +23,19 @@ import jlp.models as zoo
 from jlp.formats import BFPFormat, FloatFormat
 from jlp.gemm.config import GemmQuant
 from jlp.nn import QuantRule, quantize_model
+from tiny_models import build, classification_loss, images, token_ids
 
 
-@pytest.fixture(autouse=True)
-def _fast_compile():
-  """XLA:CPU spends most of these tests compiling; without its optimisation passes it takes
-  several times less. Restored after each test."""
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
-
-B = 2
-
-
-def _img(h, c=3):
-  return lambda key: jax.random.normal(key, (B, h, h, c), jnp.float32)
-
-
-def _ids(t, vocab):
-  return lambda key: jax.random.randint(key, (B, t), 0, vocab)
-
-
-# name -> (builder kwargs, input maker)
 TINY = {
-    "resnet18": (dict(num_classes=10, width=4, num_blocks=(1, 1, 1, 1)), _img(8)),
-    "resnet50": (dict(num_classes=7, width=4, num_blocks=(1, 1, 1, 1)), _img(32)),
-    "davidnet": (dict(num_classes=10, width=4), _img(16)),
-    "vgg19": (dict(num_classes=10, width=4), _img(32)),
+    "resnet18": (dict(num_classes=10, width=4, num_blocks=(1, 1, 1, 1)), images(8)),
+    "resnet50": (dict(num_classes=7, width=4, num_blocks=(1, 1, 1, 1)), images(32)),
+    "davidnet": (dict(num_classes=10, width=4), images(16)),
+    "vgg19": (dict(num_classes=10, width=4), images(32)),
     "fcn": (dict(num_classes=5, block="basic", num_blocks=(1, 1, 1, 1), width=4, channels=8, aux_channels=4),
-            _img(16)),
-    "bert_small": (dict(vocab=50, max_len=16, hidden=16, num_layers=2, heads=2, num_classes=3), _ids(8, 50)),
+            images(16)),
+    "bert_small": (dict(vocab=50, max_len=16, hidden=16, num_layers=2, heads=2, num_classes=3), token_ids(8, 50)),
 }
 CONV_MODELS = {"resnet18", "resnet50", "davidnet", "vgg19", "fcn"}
 
@@ -80,44 +60,13 @@ def test_model_list_is_covered():
 
 
 def _build(name, seed=0):
-  """Concrete tiny model from an nnx.eval_shape one, filled with numpy random values (the same
-  values for the same seed, so the float32 and quantized copies start identical)."""
-  abstract = nnx.eval_shape(lambda: zoo.get_model(name, rngs=nnx.Rngs(0, dropout=1), **TINY[name][0]))
-  graphdef, state = nnx.split(abstract)
-  rng = np.random.default_rng(seed)
-  flat = []
-  for i, (path, var) in enumerate(nnx.to_flat_state(state)):
-    sds = var.get_value()
-    if isinstance(var, nnx.RngKey):
-      value = jax.random.key(i)
-    elif isinstance(var, nnx.RngCount):
-      value = jnp.zeros(sds.shape, sds.dtype)
-    elif path[-1] in ("scale", "var"):
-      value = np.ones(sds.shape, sds.dtype)
-    elif path[-1] == "mean":
-      value = np.zeros(sds.shape, sds.dtype)
-    else:  # kernels, embeddings, biases
-      fan_in = int(np.prod(sds.shape[:-1])) if len(sds.shape) > 1 else 16
-      value = (rng.standard_normal(sds.shape) / np.sqrt(fan_in)).astype(sds.dtype)
-    flat.append((path, var.replace(value=jnp.asarray(value))))
-  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  """The same values for the same seed, so the float32 and quantized copies start identical."""
+  model = build(name, TINY[name][0], seed)
   model.train()
   return model
 
 
-def _loss(name, model, x):
-  if name == "fcn":  # per-pixel labels, main and auxiliary heads
-    out, aux = model(x, return_aux=True)
-    labels = jnp.arange(out.shape[1] * out.shape[2]).reshape(1, out.shape[1], out.shape[2]) % 5
-    labels = jnp.broadcast_to(labels, out.shape[:3])
-    ce = optax.softmax_cross_entropy_with_integer_labels
-    return ce(out, labels).mean() + 0.4 * ce(aux, labels).mean()
-  if name == "bert_small":
-    out = model(x, attention_mask=jnp.ones(x.shape, bool).at[:, -2:].set(False))
-  else:
-    out = model(x)
-  labels = jnp.arange(out.shape[0]) % out.shape[-1]
-  return optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
+_loss = classification_loss
 
 
 def _kernel_key(path):
