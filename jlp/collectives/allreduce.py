@@ -1,0 +1,191 @@
+"""Custom-precision gradient all-reduce inside `jax.shard_map` (CPD, cpd.md §3.1, §4).
+
+`allreduce(tree, axis_name, fmt=..., algorithm=..., kahan=..., aps=..., mean=...)`
+sums a pytree of float32 leaves over the W ranks of `axis_name`; every rank gets
+the same bits. q is `jlp.numerics.float_cast.float_cast(., fmt)` (identity for
+fmt=None), and every arithmetic operation is one float32 operation.
+
+algorithm="sequential" (CPD's `normal_sum_gradients` / `kahan_sum_gradients`,
+drcut/CPD `dist_util.py`): `lax.all_gather` of every rank's leaf, then on every
+rank the fold in rank order 0..W-1 of `jlp.numerics.sums`:
+    plain:  s = 0;  s = q(s + g_r)
+    kahan:  s = c = 0;  y = q(g_r - c), t = q(s + y), c = q(q(t - s) - y), s = t
+The raw g_r enters each add (without APS), so g_0 ends up as q(g_0).
+
+algorithm="ring": a bandwidth-optimal ring (reduce-scatter, then all-gather) in
+which every value that crosses the wire is a value of fmt. Each leaf is
+flattened, padded with zeros to W·C elements (C = ceil(size / W)) and cut into
+W chunks; chunk k is reduced along the ring starting at rank k:
+    rank k computes s = q(0 + x_k[k]) (Kahan: one Kahan step from s = c = 0) and
+    sends it to rank k+1, which computes s = q(s + x_{k+1}[k]) and forwards it,
+    ... until rank k-1 (mod W) adds its own chunk;
+so chunk k is the same fold as above over the ranks in the rotated order
+k, k+1, ..., W-1, 0, ..., k-1. With kahan=True the compensation c (a value of
+fmt) travels beside s. The reduced chunks are then all-gathered (values of fmt,
+no further arithmetic). The first hop is q(0 + x) rather than q(x) so that the
+ring is exactly this fold (they differ only for x = -0.0, which becomes +0.0).
+With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
+rounding (psum's own order is the backend's).
+
+aps=True / "cpd": see `jlp.collectives.aps`: one exponent per leaf, all leaves'
+exponents agreed in a single `lax.pmax`, q(g · 2^shift) summed as above, the sum
+divided by 2^shift in float32. mean=True divides the (unscaled) float32 sum by W.
+
+The result is identical on every rank but, like `lax.all_gather`'s, typed as
+varying over `axis_name`: return it with out_specs naming the axis, or use
+`check_vma=False` for out_specs=P().
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jlp.collectives import aps as aps_lib
+from jlp.formats import FloatFormat, as_format
+from jlp.numerics import sums
+from jlp.numerics.float_cast import float_cast
+
+ALGORITHMS = ("sequential", "ring")
+
+
+def _invalid(field: str, given: Any, allowed: str) -> ValueError:
+  return ValueError(f"{field}={given!r} is not allowed; expected {allowed}.")
+
+
+def check_options(fmt: Any, algorithm: Any, kahan: Any, aps: Any, mean: Any) -> FloatFormat | None:
+  """Validates the shared options; returns the FloatFormat (or None)."""
+  if algorithm not in ALGORITHMS:
+    raise _invalid("algorithm", algorithm, "one of " + ", ".join(map(repr, ALGORITHMS)))
+  for field, value in (("kahan", kahan), ("mean", mean)):
+    if not isinstance(value, bool):
+      raise _invalid(field, value, "True or False")
+  if not any(aps is m for m in aps_lib.APS_MODES):
+    raise _invalid("aps", aps, "False, True or 'cpd'")
+  if fmt is not None:
+    given = fmt
+    if isinstance(fmt, str):
+      try:
+        fmt = as_format(fmt)
+      except ValueError as e:
+        raise _invalid("fmt", given, "None, a FloatFormat or a float format name such as 'e5m2'") from e
+    if not isinstance(fmt, FloatFormat):
+      raise _invalid("fmt", given, "None, a FloatFormat or a float format name such as 'e5m2' "
+                     "(BFP / MX formats cannot be all-reduce wire formats)")
+    if fmt.rounding == "stochastic":
+      raise _invalid("fmt.rounding", fmt.rounding, "'nearest' or 'truncate' (stochastic "
+                     "all-reduce formats are not supported)")
+  if aps and fmt is None:
+    raise _invalid("aps", aps, "False when fmt=None (APS scales to a low-precision format)")
+  return fmt
+
+
+def check_leaves(tree: Any, field: str = "tree") -> tuple[list[jax.Array], Any]:
+  """Flattens `tree`; every leaf must be a float32 array."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = []
+  for path, x in with_paths:
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+      raise _invalid(f"{field}{jax.tree_util.keystr(path)}.dtype", str(x.dtype), "float32")
+    leaves.append(x)
+  return leaves, treedef
+
+
+def axis_size(axis_name: Any, field: str = "axis_name") -> int:
+  """The size of a mesh axis bound by an enclosing shard_map (ValueError if none is)."""
+  try:
+    return lax.axis_size(axis_name)
+  except (NameError, KeyError, TypeError) as e:
+    raise _invalid(field, axis_name, "the name of a mesh axis of an enclosing jax.shard_map") from e
+
+
+def quantizer(fmt: FloatFormat | None) -> Callable[[jax.Array], jax.Array]:
+  return (lambda v: v) if fmt is None else (lambda v: float_cast(v, fmt))
+
+
+def fold_step(fmt: FloatFormat | None, kahan: bool):
+  """One step of the fold of `jlp.numerics.sums` (deterministic fmt), on a carry (s, c)."""
+  q = quantizer(fmt)
+
+  def step(carry, x):
+    s, c = carry
+    if not kahan:
+      return q(s + x), c
+    y = q(x - c)
+    t = q(s + y)
+    return t, q(q(t - s) - y)
+  return step
+
+
+def fold_stacked(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Array:
+  """The fold over the leading axis in index order (jlp.numerics.sums)."""
+  return (sums.kahan_sum if kahan else sums.sequential_sum)(xs, fmt=fmt)
+
+
+def ring_chunks(flat: jax.Array, n: int) -> tuple[jax.Array, int]:
+  """flat (size,) -> (n, C) chunks, zero padded; returns (chunks, size)."""
+  size = flat.shape[0]
+  c = -(-size // n) if size else 1
+  return jnp.pad(flat, (0, n * c - size)).reshape(n, c), size
+
+
+def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | None,
+                    kahan: bool) -> jax.Array:
+  chunks, size = ring_chunks(x.reshape(-1), n)
+  step = fold_step(fmt, kahan)
+  rank = lax.axis_index(axis_name)
+  zeros = jnp.zeros(chunks.shape[1:], jnp.float32)
+  own = lambda k: lax.dynamic_index_in_dim(chunks, k % n, keepdims=False)
+  carry = step((zeros, zeros), own(rank))
+  to_next = [(i, (i + 1) % n) for i in range(n)]
+  for t in range(n - 1):
+    wire = lax.ppermute(carry if kahan else carry[0], axis_name, to_next)
+    received = wire if kahan else (wire, zeros)
+    carry = step(received, own(rank - 1 - t))
+  # Rank r now holds the reduced chunk (r + 1) mod n.
+  gathered = lax.all_gather(carry[0], axis_name)
+  return jnp.roll(gathered, 1, axis=0).reshape(-1)[:size].reshape(x.shape)
+
+
+def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None,
+              algorithm: str = "sequential", kahan: bool = False,
+              aps: aps_lib.ApsMode = False, mean: bool = False) -> Any:
+  """Sum (or mean) over `axis_name` of a pytree of float32 leaves, inside jax.shard_map.
+
+  Args:
+    tree: this rank's float32 leaves (e.g. gradients).
+    axis_name: a mesh axis of the enclosing shard_map.
+    fmt: the wire/accumulation format (a FloatFormat or a name such as "e5m2";
+      None: float32). Stochastic formats are rejected.
+    algorithm: "sequential" (all_gather + fold in rank order, CPD) or "ring".
+    kahan: Kahan-compensated fold (the compensation travels in fmt in the ring).
+    aps: False, True (exact guarded APS) or "cpd" (CPD's log2f rule, bugs included).
+    mean: divide the float32 result by the number of ranks.
+
+  Returns:
+    The reduced tree, bit-identical on every rank (see the module docstring).
+  """
+  fmt = check_options(fmt, algorithm, kahan, aps, mean)
+  leaves, treedef = check_leaves(tree)
+  n = axis_size(axis_name)
+  if aps:
+    exps = jnp.stack([aps_lib.leaf_exponent(g, n, aps) for g in leaves]) if leaves else None
+    factors = aps_lib.shift_factors(lax.pmax(exps, axis_name), fmt, aps) if leaves else None
+  q = quantizer(fmt)
+  out = []
+  for i, g in enumerate(leaves):
+    x = q(g * factors[i]) if aps else g
+    if algorithm == "sequential":
+      s = fold_stacked(lax.all_gather(x, axis_name), fmt, kahan)
+    else:
+      s = _ring_allreduce(x, axis_name, n, fmt, kahan)
+    if aps:
+      s = s / factors[i]
+    if mean:
+      s = s / jnp.float32(n)
+    out.append(s)
+  return jax.tree.unflatten(treedef, out)
