@@ -1,0 +1,25 @@
+"""Input data: loaders (digits, CIFAR-10/100, ImageNet folders, Cityscapes), augmentation,
+and the deterministic, per-process input pipeline with prefetching.
+
+  ds = jlp.data.get_dataset("cifar10", root="data", split="train")
+  pipe = jlp.data.Pipeline(ds, global_batch_size=512, seed=0)
+  with pipe.prefetch(start_step=step, sharding=sharding) as batches:
+    for batch in batches: ...        # {"image": NHWC float32, "label": int32, "mask": bool}
+"""
+
+from jlp.data.dataset import ArrayDataset, CropFlip, Dataset, Normalization
+from jlp.data.pipeline import SAMPLERS, Pipeline, Prefetcher, Sampler
+from jlp.data.registry import DATASETS, get_dataset
+
+__all__ = [
+    "ArrayDataset",
+    "CropFlip",
+    "DATASETS",
+    "Dataset",
+    "Normalization",
+    "Pipeline",
+    "Prefetcher",
+    "SAMPLERS",
+    "Sampler",
+    "get_dataset",
+]
