@@ -38,23 +38,24 @@ RESIZED_CROP_ATTEMPTS = 10
 
 def normalize(images: np.ndarray, mean: Sequence[float], std: Sequence[float],
               scale: float = 255.0) -> np.ndarray:
-  """(float32(x) / scale - mean[c]) / std[c], each step one float32 operation; NHWC in, float32 out.
+  """(float32(x) / scale - mean[c]) / std[c], each step one float32 operation.
 
-  Integer images in 0..255 go through a per-channel lookup table (the same
-  values, computed once per call).
+  NHWC (or any ...WC) images in, float32 out of the same shape.
   """
   images = np.asarray(images)
   mean32 = np.asarray(mean, np.float32)
   std32 = np.asarray(std, np.float32)
-  if images.shape[-1] != mean32.shape[0]:
+  if images.ndim < 2 or images.shape[-1] != mean32.shape[0]:
     raise ValueError(f"images.shape={images.shape} is not allowed; expected {mean32.shape[0]} "
                      "channels (the length of mean) in the last dimension.")
-  if images.dtype == np.uint8:
-    levels = np.arange(256, dtype=np.float32)[None, :]
-    table = (levels / np.float32(scale) - mean32[:, None]) / std32[:, None]  # (C, 256)
-    return table[np.arange(mean32.shape[0]), images]
-  x = images.astype(np.float32) / np.float32(scale)
-  return (x - mean32) / std32
+  # Rows of W * C values with the constants tiled along them: numpy's inner loops
+  # are slow over a last axis of length 3.
+  w, c = images.shape[-2:]
+  x = images.astype(np.float32).reshape(-1, w * c)
+  x /= np.float32(scale)
+  x -= np.tile(mean32, w)
+  x /= np.tile(std32, w)
+  return x.reshape(images.shape)
 
 
 # ----------------------------------------------------------------------------- crop / flip
@@ -85,10 +86,10 @@ def pad(images: np.ndarray, padding: int, mode: str = "constant") -> np.ndarray:
 
 def crop(images: np.ndarray, top: np.ndarray, left: np.ndarray, size: int) -> np.ndarray:
   """images[i, top[i]:top[i]+size, left[i]:left[i]+size] for every i (NHWC)."""
-  n = images.shape[0]
-  rows = np.asarray(top)[:, None] + np.arange(size)  # (n, size)
-  cols = np.asarray(left)[:, None] + np.arange(size)
-  return images[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+  out = np.empty((images.shape[0], size, size) + images.shape[3:], images.dtype)
+  for i, (t, l) in enumerate(zip(np.asarray(top).tolist(), np.asarray(left).tolist())):
+    out[i] = images[i, t:t + size, l:l + size]
+  return out
 
 
 def pad_crop(images: np.ndarray, top: np.ndarray, left: np.ndarray, size: int, padding: int,
@@ -98,9 +99,11 @@ def pad_crop(images: np.ndarray, top: np.ndarray, left: np.ndarray, size: int, p
 
 
 def flip(images: np.ndarray, flags: np.ndarray) -> np.ndarray:
-  """Images with the W axis reversed where flags is True (NHWC or NHW)."""
-  flags = np.asarray(flags, bool).reshape((-1,) + (1,) * (images.ndim - 1))
-  return np.where(flags, images[:, :, ::-1], images)
+  """A copy of the images with the W axis reversed where flags is True (NHWC or NHW)."""
+  flags = np.asarray(flags, bool)
+  out = np.array(images, copy=True)
+  out[flags] = images[flags][:, :, ::-1]
+  return out
 
 
 def cutout(images: np.ndarray, top: np.ndarray, left: np.ndarray, size: int) -> np.ndarray:

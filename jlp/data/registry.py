@@ -1,11 +1,11 @@
 """`get_dataset(name, root, split, **options)`: the data sets by the names configs use.
 
-  name          splits            root holds                          options (besides augment)
-  "digits"      train / test      nothing (ships with scikit-learn)   variant, crop, padding, pad_mode, flip
-  "cifar10"     train / test      cifar-10-batches-py/                recipe, mean, std, crop, padding, ...
-  "cifar100"    train / test      cifar-100-python/                   recipe, label, mean, std, ...
-  "imagenet"    train / val       train/<wnid>/, val/<wnid>/          crop_size, resize_size, scale, ratio, ...
-  "cityscapes"  train / val       leftImg8bit/, gtFine/               crop_size, scale_range, eval_scale, ...
+  name          splits        root holds                         options (besides augment)
+  "digits"      train, test   nothing (ships with scikit-learn)  variant, crop, padding, flip
+  "cifar10"     train, test   cifar-10-batches-py/               recipe, mean, std, crop, ...
+  "cifar100"    train, test   cifar-100-python/                  recipe, label, mean, std, ...
+  "imagenet"    train, val    train/<wnid>/, val/<wnid>/         crop_size, resize_size, ...
+  "cityscapes"  train, val    leftImg8bit/, gtFine/              crop_size, scale_range, ...
 
 `split` may also be "eval" (the evaluation split: "test" or "val"). `root`
 defaults to $JLP_DATA_DIR, else "data" (the seeds' `--data ./data`). `augment`
@@ -60,7 +60,8 @@ DATASETS: dict[str, DatasetInfo] = {
     "cifar100": DatasetInfo(lambda root, split, **kw: cifar(root, split, num_classes=100, **kw),
                             "train", "test",
                             tuple(o for o in _CIFAR_OPTIONS if o != "num_classes")),
-    "imagenet": DatasetInfo(imagenet, "train", "val", _keyword_options(ImageFolderDataset)),
+    "imagenet": DatasetInfo(imagenet, "train", "val",
+                            tuple(o for o in _keyword_options(ImageFolderDataset) if o != "name")),
     "cityscapes": DatasetInfo(cityscapes, "train", "val", _keyword_options(CityscapesDataset)),
 }
 

@@ -105,7 +105,8 @@ def test_missing_folders_and_labels_show_the_layout(tmp_path):
     get_dataset("cityscapes", root=tmp_path)
   assert "leftImg8bit/" in str(e.value) and "_gtFine_labelTrainIds.png" in str(e.value)
   write_cityscapes(tmp_path)
-  os.remove(tmp_path / "gtFine" / "val" / "zurich" / "zurich_000001_000019_gtFine_labelTrainIds.png")
+  os.remove(tmp_path / "gtFine" / "val" / "zurich" /
+            "zurich_000001_000019_gtFine_labelTrainIds.png")
   with pytest.raises(FileNotFoundError, match="zurich_000001_000019_leftImg8bit.png"):
     get_dataset("cityscapes", root=tmp_path, split="val")
   with pytest.raises(ValueError, match="crop_size"):
