@@ -9,9 +9,9 @@ Registry::
 
     model = jlp.models.get_model("resnet18", num_classes=10, width=8, rngs=nnx.Rngs(0))
 
-names: "resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small" (`MODELS` maps each to its
-builder; `rngs` defaults to ``nnx.Rngs(0)``). Train/eval: ``model.train()`` / ``model.eval()``
-(BatchNorm ``use_running_average``, Dropout ``deterministic``).
+names: "resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small", "small_cnn" (`MODELS` maps
+each to its builder; `rngs` defaults to ``nnx.Rngs(0)``). Train/eval: ``model.train()`` /
+``model.eval()`` (BatchNorm ``use_running_average``, Dropout ``deterministic``).
 
 Module paths (flax 0.12.12, checked)
 ------------------------------------
@@ -42,6 +42,7 @@ from jlp.models.bert import Bert, bert_small
 from jlp.models.davidnet import DavidNet, davidnet
 from jlp.models.fcn import FCN, fcn
 from jlp.models.resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
+from jlp.models.small_cnn import SmallCNN, small_cnn
 from jlp.models.vgg import VGG, vgg19
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "DavidNet",
     "FCN",
     "ResNet",
+    "SmallCNN",
     "VGG",
     "bert_small",
     "bfpsim_to_path",
@@ -64,6 +66,7 @@ __all__ = [
     "named_modules",
     "resnet18",
     "resnet50",
+    "small_cnn",
     "vgg19",
 ]
 
@@ -77,6 +80,7 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
     "vgg19": vgg19,
     "fcn": fcn,
     "bert_small": bert_small,
+    "small_cnn": small_cnn,
 }
 
 

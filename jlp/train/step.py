@@ -1,0 +1,285 @@
+"""The data-parallel train step: per-node gradients in `jax.shard_map`, a custom-precision
+gradient all-reduce (`jlp.collectives`), an optax update on float32 master weights.
+
+One step, for W devices on the mesh axis ("data") and N = `GradSync.emulate_nodes` virtual nodes
+per device (cpd.md §3.2, §6.1):
+
+  1. The global batch (leading dimension B) is split over the devices (device d holds rows
+     [d*B/W, (d+1)*B/W)) and each device's rows into N consecutive micro-batches of b = B/(W*N)
+     rows. Micro-batch v of device d is node n = d*N + v.
+  2. Every node merges the model from the (replicated) state and computes, on its micro-batch,
+     `loss_fn(model, micro_batch) -> (loss, aux)` with BatchNorm in training mode (batch
+     statistics of the node's own micro-batch, like unsynchronised DDP), and the gradient of
+         loss / (W*N) * loss_scale
+     with respect to the float32 parameters, so that the sum of the W*N node gradients is
+     loss_scale times the gradient of the mean of the node losses (CPD's convention, cpd.md §6.1).
+     With node_map="scan" (default) a device runs its nodes one after the other in a loop whose
+     body is the same program for every N (N = 1 included), so a node's gradient does not depend
+     on how many nodes its device runs; node_map="vmap" batches them (faster, but XLA compiles
+     the batched convolutions differently: gradients differ in the last bits, measured).
+  3. The gradients are summed over all nodes with `jlp.collectives` as `GradSync` says (module
+     `jlp.train.sync`), the same sum on every device, then divided by loss_scale in float32
+     (skipped when loss_scale == 1).
+  4. `optimizer.update` (any optax transformation, see `jlp.train.optim`) and
+     `optax.apply_updates` on the replicated float32 parameters, outside the shard_map.
+
+The state after a step is a deterministic function of the state and the global batch:
+  * BatchNorm running statistics: every node updates its own copy from its micro-batch; the new
+    statistics are the mean over all W*N nodes, summed in node order (all_gather, then a float32
+    fold n = 0, 1, ..., then one division by W*N). So one device emulating N nodes, and W devices
+    with N/W nodes each, give the same statistics bit for bit.
+  * PRNG state (`nnx.RngKey` variables, e.g. stochastic-rounding streams of a quantized model):
+    node n draws from its keys folded with n (`jax.random.fold_in(key, n)`); the stored keys do
+    not change. Other non-parameter state (RNG counters, BFP widths, ...) is taken from node 0;
+    it evolves identically on every node.
+  * Metrics: `loss` (the mean of the node losses, without loss_scale) and the mean over the nodes
+    of every entry of `aux`, each summed in node order as above.
+
+`TrainState` is a NamedTuple of replicated arrays and `nnx.State`s (a plain pytree: orbax saves it
+once typed PRNG keys are turned into key data). Build it with `init_train_state`; the model for
+evaluation is `merge_model(graphdef, state)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jlp.numerics.sums import sequential_sum
+from jlp.train.mesh import batch_sharding, replicate, replicated
+from jlp.train.sync import GradSync, reduce_gradients
+
+__all__ = [
+    "LossFn",
+    "TrainState",
+    "TrainStep",
+    "cross_entropy_loss",
+    "init_train_state",
+    "merge_model",
+    "split_model",
+]
+
+#: loss_fn(model, micro_batch) -> (mean loss over the micro-batch, {name: float32 scalar}).
+LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class TrainState(NamedTuple):
+  """Everything a step reads and writes (replicated on the mesh)."""
+  step: jax.Array  # int32 scalar: steps taken
+  params: nnx.State  # nnx.Param variables, float32 master weights
+  batch_stats: nnx.State  # nnx.BatchStat variables (BatchNorm running mean / var)
+  rng_keys: nnx.State  # nnx.RngKey variables
+  model_state: nnx.State  # every other variable (RNG counters, BFP widths, ...)
+  opt_state: optax.OptState
+
+
+def split_model(model: nnx.Module):
+  """(graphdef, params, batch_stats, rng_keys, model_state) of an NNX model."""
+  return nnx.split(model, nnx.Param, nnx.BatchStat, nnx.RngKey, ...)
+
+
+def merge_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
+  """The NNX model of a TrainState (e.g. for evaluation: `merge_model(...).eval()`)."""
+  return nnx.merge(graphdef, state.params, state.batch_stats, state.rng_keys, state.model_state)
+
+
+def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
+                     mesh: Mesh | None = None) -> tuple[nnx.GraphDef, TrainState]:
+  """The model's graphdef and its initial TrainState, replicated on `mesh` when one is given.
+
+  In a multi-process run every process must pass the same model values (same seed).
+  """
+  graphdef, params, batch_stats, rng_keys, model_state = split_model(model)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if jnp.asarray(leaf).dtype != jnp.float32:
+      raise ValueError(f"params{jax.tree_util.keystr(path)}.dtype={jnp.asarray(leaf).dtype} is not "
+                       "allowed; expected float32 master weights.")
+  state = TrainState(jnp.zeros((), jnp.int32), params, batch_stats, rng_keys, model_state,
+                     optimizer.init(params))
+  if mesh is not None:
+    state = replicate(state, mesh)
+  return graphdef, state
+
+
+def cross_entropy_loss(model: nnx.Module, batch: dict[str, jax.Array]
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Softmax cross-entropy (mean over the batch) of model(batch["image"]) against the integer
+  batch["label"]; aux: {"accuracy": top-1 accuracy}."""
+  logits = model(batch["image"])
+  labels = batch["label"]
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32))
+  return loss, {"accuracy": accuracy}
+
+
+def _check_loss_scale(loss_scale: Any) -> float:
+  if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+    raise ValueError(f"loss_scale={loss_scale!r} is not allowed; expected a positive finite float.")
+  if not (math.isfinite(loss_scale) and loss_scale > 0):
+    raise ValueError(f"loss_scale={loss_scale!r} is not allowed; expected a positive finite float.")
+  return float(loss_scale)
+
+
+def _node_loop(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int) -> Any:
+  """node(per_node[v], first + v) for v = 0..n-1, stacked; one node after the other.
+
+  Written so that a node's results are the same bits whatever n is (n = 1 included), which the
+  "W devices x N nodes = W*N devices" exactness needs (each case below was measured on XLA:CPU):
+  * the trip count is hidden from the compiler (an optimization barrier), so the loop stays a
+    loop for every n: XLA inlines a visible one-trip loop, and the inlined program (other
+    convolution layouts and fusions) gives gradients that differ in the last bits;
+  * the node's inputs and outputs pass through optimization barriers, so the body compiles the
+    same way whatever the shapes of the stacked buffers around it are;
+  * whatever varies with n must come in through `per_node` (the caller also passes the
+    BatchNorm statistics there, as n copies): a loop-invariant operand lets XLA hoist or fuse
+    its arithmetic (e.g. momentum * running_mean) differently for different n.
+  """
+  one = jax.eval_shape(node, jax.tree.map(lambda x: x[0], per_node), first)
+  init = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), one)
+
+  def body(v, acc):
+    inputs = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, v, keepdims=False), per_node)
+    out = lax.optimization_barrier(node(lax.optimization_barrier(inputs), first + v))
+    return jax.tree.map(lambda a, o: lax.dynamic_update_index_in_dim(a, o, v, 0), acc, out)
+
+  return lax.fori_loop(0, lax.optimization_barrier(jnp.asarray(n, first.dtype)), body, init)
+
+
+class TrainStep:
+  """`step(state, batch) -> (state, metrics)`: one data-parallel step, jitted (module docstring).
+
+  Args:
+    graphdef: the model's graphdef from `init_train_state`.
+    optimizer: an optax GradientTransformation (applied to the summed, unscaled gradient).
+    mesh: the data mesh (`jlp.train.data_mesh()`).
+    sync: the gradient reduction (`GradSync`); its axis_name must be a mesh axis.
+    loss_fn: `loss_fn(model, micro_batch) -> (mean loss, aux dict of float32 scalars)`.
+    loss_scale: static loss scale: the node losses are multiplied by it before differentiation
+      and the summed gradient is divided by it (float32) before the optimizer.
+    donate: donate the input state's buffers to the output state.
+
+  The batch is any pytree of arrays with a common leading dimension B, a multiple of
+  W * emulate_nodes (in a multi-process run: a global array, see `jlp.train.shard_batch`).
+  """
+
+  def __init__(self,
+               graphdef: nnx.GraphDef,
+               optimizer: optax.GradientTransformation,
+               mesh: Mesh,
+               sync: GradSync = GradSync(),
+               *,
+               loss_fn: LossFn = cross_entropy_loss,
+               loss_scale: float = 1.0,
+               donate: bool = False):
+    if not isinstance(sync, GradSync):
+      raise ValueError(f"sync={sync!r} is not allowed; expected a jlp.train.GradSync.")
+    if not isinstance(mesh, Mesh):
+      raise ValueError(f"mesh={mesh!r} is not allowed; expected a jax.sharding.Mesh.")
+    self.num_devices = sync.check_mesh(mesh)
+    if not callable(loss_fn):
+      raise ValueError(f"loss_fn={loss_fn!r} is not allowed; expected a callable.")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+      raise ValueError(f"optimizer={optimizer!r} is not allowed; expected an optax "
+                       "GradientTransformation.")
+    self.graphdef = graphdef
+    self.optimizer = optimizer
+    self.mesh = mesh
+    self.sync = sync
+    self.loss_fn = loss_fn
+    self.loss_scale = _check_loss_scale(loss_scale)
+    self.num_nodes = self.num_devices * sync.emulate_nodes
+    state_sharding = replicated(mesh)
+    self.jitted = jax.jit(self._step,
+                          in_shardings=(state_sharding, batch_sharding(mesh, sync.axis_name)),
+                          out_shardings=(state_sharding, state_sharding),
+                          donate_argnums=(0,) if donate else ())
+
+  def check_batch(self, batch: Any) -> int:
+    """The global batch size B; ValueError unless every leaf has it and W*N divides it."""
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+      raise ValueError("batch has no arrays; expected a pytree of arrays (e.g. image, label).")
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if len(sizes) != 1 or None in sizes:
+      raise ValueError(f"batch leading dimensions={sorted(sizes, key=str)} are not allowed; "
+                       "expected one common batch dimension on every leaf.")
+    size = sizes.pop()
+    if size % self.num_devices:
+      raise ValueError(f"batch size={size} is not allowed; expected a multiple of the "
+                       f"{self.num_devices} devices on mesh axis {self.sync.axis_name!r}.")
+    per_device = size // self.num_devices
+    if per_device % self.sync.emulate_nodes or per_device == 0:
+      raise ValueError(f"emulate_nodes={self.sync.emulate_nodes} is not allowed for a per-device "
+                       f"batch of {per_device}; expected a divisor of it.")
+    return size
+
+  def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    self.check_batch(batch)
+    return self.jitted(state, batch)
+
+  # -- the traced program ---------------------------------------------------------------------
+  def _node(self, params, batch_stats, rng_keys, model_state, micro_batch, node):
+    """(gradient of the scaled node loss, loss, aux, new batch stats, new model state)."""
+    keys = jax.tree.map(lambda k: jax.random.fold_in(k, node), rng_keys)
+
+    def scaled_loss(p):
+      model = nnx.merge(self.graphdef, p, batch_stats, keys, model_state, copy=True)
+      loss, aux = self.loss_fn(model, micro_batch)
+      _, _, new_stats, _, new_state = split_model(model)
+      scaled = loss / self.num_nodes
+      if self.loss_scale != 1.0:
+        scaled = scaled * self.loss_scale
+      return scaled, (loss, aux, new_stats, new_state)
+
+    grads, (loss, aux, new_stats, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
+    return grads, loss, aux, new_stats, new_state
+
+  def _node_mean(self, stacked: jax.Array) -> jax.Array:
+    """Mean over all W*N nodes of a per-node value stacked [N, ...] on each device, summed in
+    node order (all_gather over the devices, then a float32 fold)."""
+    everything = lax.all_gather(stacked, self.sync.axis_name, tiled=True)
+    return sequential_sum(everything.astype(jnp.float32)) / self.num_nodes
+
+  def _device(self, params, batch_stats, rng_keys, model_state, batch):
+    sync, n = self.sync, self.sync.emulate_nodes
+    first = lax.axis_index(sync.axis_name) * n
+    micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+    # Every node gets its own copy of the BatchNorm statistics (see _node_loop).
+    stats_copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), batch_stats)
+    node = lambda mb, v: self._node(params, mb[1], rng_keys, model_state, mb[0], v)
+    if sync.node_map == "vmap":
+      out = jax.vmap(node)((micro, stats_copies), first + jnp.arange(n, dtype=first.dtype))
+    else:
+      out = _node_loop(node, (micro, stats_copies), first, n)
+    grads, loss, aux, stats, state = out
+    if not sync.uses_emulation:
+      grads = jax.tree.map(lambda g: g[0], grads)
+    grads = reduce_gradients(grads, sync)
+    metrics = {"loss": self._node_mean(loss), **jax.tree.map(self._node_mean, aux)}
+    stats = jax.tree.map(self._node_mean, stats)
+    state = jax.tree.map(lambda x: x[0], state)
+    return grads, stats, state, metrics
+
+  def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    grads, batch_stats, model_state, metrics = jax.shard_map(
+        self._device,
+        mesh=self.mesh,
+        in_specs=(P(), P(), P(), P(), P(self.sync.axis_name)),
+        out_specs=(P(), P(), P(), P()),
+        check_vma=False)(state.params, state.batch_stats, state.rng_keys, state.model_state, batch)
+    if self.loss_scale != 1.0:
+      grads = jax.tree.map(lambda g: g / self.loss_scale, grads)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = TrainState(state.step + 1, params, batch_stats, state.rng_keys, model_state,
+                           opt_state)
+    return new_state, metrics
