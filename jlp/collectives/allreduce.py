@@ -7,7 +7,7 @@ fmt=None), and every arithmetic operation is one float32 operation.
 
 algorithm="sequential" (CPD's `normal_sum_gradients` / `kahan_sum_gradients`,
 drcut/CPD `dist_util.py`): `lax.all_gather` of every rank's leaf, then on every
-rank the fold in rank order 0..W-1 of `jlp.numerics.sums`:
+rank the fold in rank order 0..W-1 of `jlp.numerics.sums` (`fold_stacked`):
     plain:  s = 0;  s = q(s + g_r)
     kahan:  s = c = 0;  y = q(g_r - c), t = q(s + y), c = q(q(t - s) - y), s = t
 The raw g_r enters each add (without APS), so g_0 ends up as q(g_0).
@@ -46,7 +46,6 @@ from jax import lax
 
 from jlp.collectives import aps as aps_lib
 from jlp.formats import FloatFormat, as_format
-from jlp.numerics import sums
 from jlp.numerics.float_cast import float_cast
 
 ALGORITHMS = ("sequential", "ring")
@@ -122,8 +121,17 @@ def fold_step(fmt: FloatFormat | None, kahan: bool):
 
 
 def fold_stacked(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Array:
-  """The fold over the leading axis in index order (jlp.numerics.sums)."""
-  return (sums.kahan_sum if kahan else sums.sequential_sum)(xs, fmt=fmt)
+  """The fold over the leading axis in index order: `jlp.numerics.sums.sequential_sum` /
+  `kahan_sum` (deterministic fmt), bit for bit.
+
+  Its own `lax.scan` because the carry starts as zeros_like(xs[0]): inside
+  shard_map with check_vma the carry must be typed varying like the gathered
+  values, which the zeros of `sums` are not.
+  """
+  step = fold_step(fmt, kahan)
+  zeros = jnp.zeros_like(xs[0])
+  (s, _), _ = lax.scan(lambda carry, x: (step(carry, x), None), (zeros, zeros), xs)
+  return s
 
 
 def ring_chunks(flat: jax.Array, n: int) -> tuple[jax.Array, int]:
@@ -142,10 +150,12 @@ def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | Non
   own = lambda k: lax.dynamic_index_in_dim(chunks, k % n, keepdims=False)
   carry = step((zeros, zeros), own(rank))
   to_next = [(i, (i + 1) % n) for i in range(n)]
-  for t in range(n - 1):
+
+  def hop(t, carry):
     wire = lax.ppermute(carry if kahan else carry[0], axis_name, to_next)
-    received = wire if kahan else (wire, zeros)
-    carry = step(received, own(rank - 1 - t))
+    return step(wire if kahan else (wire, carry[1]), own(rank - 1 - t))
+  if n > 1:
+    carry = lax.fori_loop(0, n - 1, hop, carry)
   # Rank r now holds the reduced chunk (r + 1) mod n.
   gathered = lax.all_gather(carry[0], axis_name)
   return jnp.roll(gathered, 1, axis=0).reshape(-1)[:size].reshape(x.shape)

@@ -72,7 +72,7 @@ def ring_emulated(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Ar
   chunk = jnp.arange(n)[None, :]
   rotated = chunks[(chunk + hop) % n, chunk]  # [hop, chunk, C]: hop t of chunk k is node k + t
   step = fold_step(fmt, kahan)
-  zeros = jnp.zeros(chunks.shape[1:], jnp.float32)
+  zeros = jnp.zeros_like(rotated[0])
   (s, _), _ = lax.scan(lambda carry, x: (step(carry, x), None), (zeros, zeros), rotated)
   return s.reshape(-1)[:size].reshape(xs.shape[1:])
 

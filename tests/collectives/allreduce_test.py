@@ -1,0 +1,292 @@
+"""jlp.collectives.allreduce on emulated CPU devices, against plain-Python references.
+
+References: the literal cases of cpd.md §3.1 and §4, and `collective_refs`
+(Python loops over the ranks written from the spec, numpy float32 arithmetic,
+`references.round_to_format` as the per-element cast, never jlp code), the
+float64 sum (error bounds) and `lax.psum`.
+
+Error bound used below (sequential fold and ring, no Kahan). Let u = 2^-(man+1)
+be the format's unit roundoff, u32 = 2^-24 and eta = 2^(emin-man-1) half its
+smallest subnormal. One step computes s_i = q(fl32(s_{i-1} + x_i)); with no
+overflow and no float32 underflow, |fl32(z) - z| <= u32|z| and
+|q(y) - y| <= u|y| + eta, so the step's error is at most d|s_{i-1} + x_i| + eta
+with d = u + u32 + u*u32. The error e_i of the partial sum then obeys
+|e_i| <= (1 + d)|e_{i-1}| + d*A + eta (A = sum |x_j|, since
+|s_{i-1} + x_i| <= A + |e_{i-1}|), and from e_0 = 0 over n steps (the first one,
+q(0 + x_0), included):
+    |s_n - sum x| <= ((1 + d)^n - 1) * (A + eta / d).
+The ring folds each chunk in a rotated rank order, to which the same bound
+applies. With APS each x_i is first replaced by q(x_i 2^s), adding at most
+(u|x_i| 2^s + eta) per rank, and the unscale by 2^-s is exact, so the bound
+becomes 2^-s [n*eta + u*A*2^s + ((1 + d)^n - 1)((1 + u) A 2^s + n*eta + eta/d)].
+fmt=None: d = u32, eta = 0.
+"""
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(__file__))  # collective_refs (--import-mode=importlib)
+import collective_refs as cref  # noqa: E402
+import references as ref
+from jlp import BFPFormat, FloatFormat
+from jlp.collectives import allreduce, emulated_allreduce
+
+F32 = np.float32
+ALGORITHMS = ("sequential", "ring")
+
+
+def mesh_of(w: int) -> Mesh:
+  return Mesh(np.array(jax.devices()[:w]), ("r",))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(w, options):
+  def body(*xs):
+    out = allreduce([x[0] for x in xs], "r", **dict(options))
+    return tuple(o[None] for o in out)
+  return jax.jit(jax.shard_map(body, mesh=mesh_of(w), in_specs=P("r"), out_specs=P("r")))
+
+
+def on_ranks(leaves_per_rank, **options):
+  """allreduce over len(leaves_per_rank) devices; returns per leaf an array [W, ...] (every rank's result)."""
+  w = len(leaves_per_rank)
+  stacked = [np.stack([r[i] for r in leaves_per_rank]) for i in range(len(leaves_per_rank[0]))]
+  return [np.asarray(o) for o in _compiled(w, tuple(sorted(options.items())))(*stacked)]
+
+
+def reduced(leaves_per_rank, **options):
+  """The (checked identical) result on every rank, per leaf."""
+  outs = on_ranks(leaves_per_rank, **options)
+  for o in outs:
+    for r in range(1, o.shape[0]):
+      ref.assert_same_bits(o[r], o[0], msg=f"rank {r} differs from rank 0")
+  return [o[0] for o in outs]
+
+
+def random_ranks(w, shapes, seed=0, scale_exp=(-3, 3)):
+  rng = np.random.default_rng(seed)
+  return [[(rng.standard_normal(s) * 2.0 ** rng.integers(*scale_exp, s)).astype(F32)
+           for s in shapes] for _ in range(w)]
+
+
+# Leaf shapes whose sizes do not divide by 8 (nor 3), a scalar included.
+SHAPES = [(5, 7), (3,), (), (16,)]
+
+
+@pytest.mark.parametrize("values, fmt, plain, kahan", [
+    ([1.0, 0.3, 0.3, 0.3], "e5m2", 1.75, 2.0),
+    ([0.3] * 8, "e3m0", 1.0, 2.0),
+])
+def test_cpd_reference_cases_sequential(values, fmt, plain, kahan):
+  ranks = [[np.array([v], F32)] for v in values]
+  for use_kahan, want in ((False, plain), (True, kahan)):
+    got = reduced(ranks, fmt=fmt, kahan=use_kahan)[0]
+    assert float(got[0]) == want
+    ref.assert_same_bits(got, cref.fold([r[0] for r in ranks], FloatFormat.from_name(fmt), use_kahan))
+
+
+def test_cpd_reference_case_sixteen_ranks():
+  """16 x 0.1 in e5m2 (cpd.md §3.1) over 8 devices x 2 nodes, node order d*2 + v."""
+  mesh = mesh_of(8)
+  x = np.full((16, 1), 0.1, F32)
+  for kahan, want in ((False, 1.0), (True, 1.5)):
+    fn = jax.jit(jax.shard_map(
+        lambda g, k=kahan: emulated_allreduce(g, fmt="e5m2", kahan=k, axis_name="r")[None],
+        mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+    got = np.asarray(fn(x))
+    assert (got == want).all()
+
+
+def test_aps_two_rank_e4m3_case():
+  """cpd.md §4: rank0 [0.001, -0.0003], rank1 [0.0007, 0.0002] in e4m3."""
+  ranks = [[np.array([0.001, -0.0003], F32)], [np.array([0.0007, 0.0002], F32)]]
+  fmt = FloatFormat(4, 3)
+  want = np.array([0.001708984375, -0.0001068115234375], F32)
+  for aps in (True, "cpd"):
+    for algorithm in ALGORITHMS:
+      got = reduced(ranks, fmt=fmt, aps=aps, algorithm=algorithm)[0]
+      ref.assert_same_bits(got, want, msg=f"aps={aps} {algorithm}")
+  ref.assert_same_bits(reduced(ranks, fmt=fmt)[0], np.array([0.001953125, 0.0], F32))
+  ref.assert_same_bits(cref.allreduce(ranks, fmt, aps=True)[0], want)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("fmt, kahan, aps, mean", [
+    (None, False, False, False), (None, True, False, True), (FloatFormat(5, 2), False, False, False),
+    (FloatFormat(5, 2), True, False, False), (FloatFormat(4, 3), False, True, True),
+    (FloatFormat(4, 3), True, "cpd", False)], ids=str)
+def test_matches_python_reference(algorithm, fmt, kahan, aps, mean):
+  ranks = random_ranks(8, SHAPES, seed=1)
+  got = reduced(ranks, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=aps, mean=mean)
+  want = cref.allreduce(ranks, fmt, algorithm, kahan, aps, mean=mean)
+  for g, w in zip(got, want):
+    ref.assert_same_bits(g, w, msg=f"{algorithm} kahan={kahan} {fmt} aps={aps}")
+
+
+def test_cpd_compat_format_equals_ieee_format_away_from_quirks():
+  """compat='cpd' e5m2 only differs from IEEE e5m2 near overflow, FP32 subnormals and subnormal
+  ties with sticky bits; well-scaled data gives the same sum (a smoke test of the plumbing)."""
+  ranks = random_ranks(8, [(64,)], seed=2)
+  a = reduced(ranks, fmt=FloatFormat(5, 2, compat="cpd"), aps=True)[0]
+  b = reduced(ranks, fmt=FloatFormat(5, 2), aps=True)[0]
+  ref.assert_same_bits(a, b)
+
+
+def test_ring_float32_close_to_psum():
+  ranks = random_ranks(8, SHAPES, seed=3)
+  stacked = [np.stack([r[i] for r in ranks]) for i in range(len(SHAPES))]
+  fn = jax.jit(jax.shard_map(lambda *xs: tuple(lax.psum(x[0], "r")[None] for x in xs),
+                             mesh=mesh_of(8), in_specs=P("r"), out_specs=P("r")))
+  psum = [np.asarray(o)[0] for o in fn(*stacked)]
+  got = reduced(ranks, algorithm="ring")
+  for g, p, s in zip(got, psum, stacked):
+    bound = 2 * 7 * 2.0 ** -24 * np.abs(s.astype(np.float64)).sum(0)  # both within (n-1)u32·A
+    assert (np.abs(g.astype(np.float64) - p) <= bound).all()
+    assert np.allclose(g, s.astype(np.float64).sum(0), rtol=0, atol=1e-5)
+
+
+def fold_bound(x, fmt, factor=1.0):
+  """The bound of the module docstring, per element; x [n, ...] float64, factor = 2^s (APS)."""
+  n = x.shape[0]
+  if fmt is None:
+    d, eta, u = 2.0 ** -24, 0.0, 0.0
+  else:
+    u = 2.0 ** -(fmt.man + 1)
+    d = u + 2.0 ** -24 + u * 2.0 ** -24
+    eta = 2.0 ** (1 - (2 ** (fmt.exp - 1) - 1) - fmt.man - 1)
+  a = np.abs(x).sum(0) * factor
+  growth = (1 + d) ** n - 1
+  if factor == 1.0:
+    return growth * (a + eta / d)
+  return (n * eta + u * a + growth * ((1 + u) * a + n * eta + eta / d)) / factor
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("fmt", [None, FloatFormat(5, 2), FloatFormat(4, 3), FloatFormat(8, 7)],
+                         ids=str)
+def test_error_within_proven_bound(algorithm, fmt):
+  ranks = random_ranks(8, [(300,)], seed=4, scale_exp=(-2, 2))
+  x = np.stack([r[0] for r in ranks]).astype(np.float64)
+  exact = x.sum(0)
+  got = reduced(ranks, fmt=fmt, algorithm=algorithm)[0].astype(np.float64)
+  err = np.abs(got - exact)
+  assert (err <= fold_bound(x, fmt)).all(), float((err / fold_bound(x, fmt)).max())
+  if fmt is not None:
+    assert err.max() > 0  # the format does round here
+    got_aps = reduced(ranks, fmt=fmt, algorithm=algorithm, aps=True)[0].astype(np.float64)
+    m = np.max(np.abs(x)) * 8
+    shift = min(max(fmt.emax - int(np.ceil(np.log2(m))), -126), 126)
+    assert (np.abs(got_aps - exact) <= fold_bound(x, fmt, 2.0 ** shift)).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("kahan", [False, True])
+def test_aps_equivariant_to_power_of_two_scaling(algorithm, kahan):
+  fmt = FloatFormat(4, 3)
+  ranks = random_ranks(8, [(40,), (3, 3)], seed=5)
+  base = reduced(ranks, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=True)
+  for k in (40, -40):
+    scaled = [[(g * F32(2.0 ** k)).astype(F32) for g in r] for r in ranks]
+    got = reduced(scaled, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=True)
+    for g, b in zip(got, base):
+      ref.assert_same_bits(g, (b * F32(2.0 ** k)).astype(F32), msg=f"2^{k}")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_aps_huge_and_tiny_gradients_neither_overflow_nor_vanish(algorithm):
+  fmt = FloatFormat(5, 2)
+  for k in (100, -100):
+    ranks = random_ranks(8, [(50,)], seed=6)
+    ranks = [[(g * F32(2.0 ** k)).astype(F32) for g in r] for r in ranks]
+    x = np.stack([r[0] for r in ranks]).astype(np.float64)
+    got = reduced(ranks, fmt=fmt, algorithm=algorithm, aps=True)[0]
+    assert np.isfinite(got).all()
+    rel = np.abs(got - x.sum(0)) / np.abs(x).sum(0)
+    assert rel.max() < 0.5 and np.count_nonzero(got) > 40
+    plain = reduced(ranks, fmt=fmt, algorithm=algorithm)[0]  # without APS they do
+    assert (not np.isfinite(plain).all()) if k > 0 else (plain == 0).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_aps_all_zero_leaves_give_zeros(algorithm):
+  ranks = random_ranks(8, [(10,), (4,)], seed=7)
+  for r in ranks:
+    r[1] = np.zeros(4, F32)
+  got = reduced(ranks, fmt="e4m3", algorithm=algorithm, aps=True, kahan=True)
+  assert (got[1] == 0).all() and not np.signbit(got[1]).any()
+  alone = reduced([[r[0]] for r in ranks], fmt="e4m3", algorithm=algorithm, aps=True, kahan=True)
+  ref.assert_same_bits(got[0], alone[0])  # each leaf has its own exponent
+
+
+def test_aps_cpd_reproduces_nan_on_all_zero_gradients():
+  ranks = [[np.zeros(3, F32)] for _ in range(4)]
+  assert np.isnan(reduced(ranks, fmt="e5m2", aps="cpd")[0]).all()
+  assert (reduced(ranks, fmt="e5m2", aps=True)[0] == 0).all()
+
+
+def test_aps_with_8_bit_exponent_is_finite_and_cpd_mode_is_not():
+  """e8m7: emax = 127, so CPD's shift 127 - e exceeds 127 whenever max|gW| <= 1/2 (cpd.md §4)."""
+  ranks = random_ranks(4, [(20,)], seed=8, scale_exp=(-12, -8))
+  x = np.stack([r[0] for r in ranks]).astype(np.float64)
+  got = reduced(ranks, fmt="e8m7", aps=True)[0]
+  assert np.isfinite(got).all()
+  assert (np.abs(got - x.sum(0)) <= fold_bound(x, FloatFormat(8, 7), 2.0 ** 126)).all()
+  assert not np.isfinite(reduced(ranks, fmt="e8m7", aps="cpd")[0]).any()
+
+
+def test_kahan_beats_plain_fold_on_adversarial_inputs():
+  """One large value and many small ones per element: the plain e5m2 fold drops the small ones."""
+  rng = np.random.default_rng(9)
+  big = rng.uniform(1, 2, 200).astype(F32)
+  ranks = [[big]] + [[rng.uniform(0.05, 0.15, 200).astype(F32)] for _ in range(7)]
+  exact = np.stack([r[0] for r in ranks]).astype(np.float64).sum(0)
+  for algorithm in ALGORITHMS:
+    plain = reduced(ranks, fmt="e5m2", algorithm=algorithm)[0]
+    kahan = reduced(ranks, fmt="e5m2", algorithm=algorithm, kahan=True)[0]
+    e_plain, e_kahan = np.abs(plain - exact).sum(), np.abs(kahan - exact).sum()
+    assert e_kahan < 0.5 * e_plain, (algorithm, e_kahan, e_plain)
+
+
+def test_identical_on_every_rank_and_run_to_run():
+  ranks = random_ranks(8, SHAPES, seed=10)
+  for algorithm in ALGORITHMS:
+    first = on_ranks(ranks, fmt="e4m3", algorithm=algorithm, kahan=True, aps=True)
+    second = on_ranks(ranks, fmt="e4m3", algorithm=algorithm, kahan=True, aps=True)
+    for a, b in zip(first, second):
+      ref.assert_same_bits(a, b)
+      for r in range(8):
+        ref.assert_same_bits(a[r], a[0])
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(algorithm="tree"), "algorithm="),
+    (dict(aps=True), "aps="),
+    (dict(fmt=BFPFormat(4, (4,))), "fmt="),
+    (dict(fmt="e9m2"), "fmt="),
+    (dict(fmt=FloatFormat(5, 2, rounding="stochastic")), "fmt.rounding="),
+    (dict(fmt="e5m2", aps="yes"), "aps="),
+    (dict(kahan=1), "kahan="),
+])
+def test_bad_options_raise(options, field):
+  with pytest.raises(ValueError, match=field):
+    on_ranks([[np.ones(3, F32)]] * 2, **options)
+
+
+def test_bad_axis_and_dtype_raise():
+  with pytest.raises(ValueError, match="axis_name='nope'"):
+    jax.shard_map(lambda x: allreduce(x, "nope"), mesh=mesh_of(2), in_specs=P("r"),
+                  out_specs=P("r"))(np.ones(2, F32))
+  with pytest.raises(ValueError, match="axis_name='r'"):
+    allreduce(jnp.ones(3), "r")  # outside shard_map
+  with pytest.raises(ValueError, match=r"tree\['g'\].dtype"):
+    jax.shard_map(lambda x: allreduce({"g": x}, "r")["g"], mesh=mesh_of(2), in_specs=P("r"),
+                  out_specs=P("r"))(np.ones(2, np.int32))
