@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jlp.data.dataset import ArrayDataset, CropFlip, Normalization, check_split
+from jlp.data.dataset import ArrayDataset, CropFlip, Dataset, Normalization, check_split
 
 DIGITS_SIZE = 1797
 DIGITS_TEST_SIZE = 360
@@ -69,3 +69,56 @@ def digits(root: Any = None, split: str = "train", *, variant: str = "8x8x1",
   normalization = Normalization((DIGITS_MEAN,) * channels, (DIGITS_STD,) * channels, scale=16.0)
   crop_flip = CropFlip(crop, padding, pad_mode, flip) if augment else None
   return ArrayDataset("digits", split, images, labels, 10, normalization, crop_flip)
+
+
+#: Pixels brighter than this (of 16) belong to the digit in `digits_segmentation`.
+SEGMENTATION_THRESHOLD = 4
+
+
+class DigitsSegmentation(Dataset):
+  """The digits as a segmentation task: every pixel brighter than SEGMENTATION_THRESHOLD / 16 is
+  labelled with its image's digit (0..9), every other pixel with the background class 10.
+
+  A small real-data stand-in for Cityscapes-style training (11 classes, label shape (H, W)); no
+  augmentation. Variants as `digits` (the 32x32x3 labels are the 8x8 ones repeated 4x4).
+  """
+
+  def __init__(self, split: str = "train", variant: str = "8x8x1"):
+    images, labels = load_digits_arrays(split, variant)
+    self.name, self.split = "digits_segmentation", split
+    self.num_classes = 11
+    self.augment = False
+    self.images = images
+    self.masks = np.where(images[..., 0] > SEGMENTATION_THRESHOLD,
+                          labels[:, None, None], 10).astype(np.int32)
+    channels = images.shape[-1]
+    self.normalization = Normalization((DIGITS_MEAN,) * channels, (DIGITS_STD,) * channels,
+                                       scale=16.0)
+
+  @property
+  def size(self) -> int:
+    return self.images.shape[0]
+
+  @property
+  def image_shape(self) -> tuple[int, int, int]:
+    return tuple(self.images.shape[1:])
+
+  @property
+  def label_shape(self) -> tuple[int, int]:
+    return tuple(self.masks.shape[1:])
+
+  def draw(self, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    del rng, n
+    return {}
+
+  def get(self, indices: np.ndarray, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    del params
+    return {"image": self.normalization(self.images[indices]), "label": self.masks[indices]}
+
+
+def digits_segmentation(root: Any = None, split: str = "train", *,
+                        variant: str = "8x8x1") -> DigitsSegmentation:
+  """The digits segmentation split (`root` is ignored; see DigitsSegmentation)."""
+  del root
+  check_split(split, ("train", "test"))
+  return DigitsSegmentation(split, variant)

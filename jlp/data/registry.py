@@ -2,6 +2,7 @@
 
   name          splits        root holds                         options (besides augment)
   "digits"      train, test   nothing (ships with scikit-learn)  variant, crop, padding, flip
+  "digits_segmentation"       (the same; per-pixel labels)       variant
   "cifar10"     train, test   cifar-10-batches-py/               recipe, mean, std, crop, ...
   "cifar100"    train, test   cifar-100-python/                  recipe, label, mean, std, ...
   "imagenet"    train, val    train/<wnid>/, val/<wnid>/         crop_size, resize_size, ...
@@ -25,7 +26,7 @@ from typing import Any
 from jlp.data.cifar import cifar
 from jlp.data.cityscapes import CityscapesDataset, cityscapes
 from jlp.data.dataset import Dataset
-from jlp.data.digits import digits
+from jlp.data.digits import digits, digits_segmentation
 from jlp.data.imagenet import ImageFolderDataset, imagenet
 
 DATA_DIR_ENV = "JLP_DATA_DIR"
@@ -54,6 +55,8 @@ _CIFAR_OPTIONS = _keyword_options(cifar) + ("mean", "std", "crop", "padding", "p
                                             "cutout")
 DATASETS: dict[str, DatasetInfo] = {
     "digits": DatasetInfo(digits, "train", "test", _keyword_options(digits)),
+    "digits_segmentation": DatasetInfo(digits_segmentation, "train", "test",
+                                       _keyword_options(digits_segmentation)),
     "cifar10": DatasetInfo(lambda root, split, **kw: cifar(root, split, num_classes=10, **kw),
                            "train", "test",
                            tuple(o for o in _CIFAR_OPTIONS if o not in ("num_classes", "label"))),

@@ -1,0 +1,57 @@
+r"""BFPsim's ResNet18 / CIFAR-100 recipe with FlexBlock presets (bfp.md §5.1, §5.3).
+
+The kuangliu CIFAR ResNet18, batch 128, 200 epochs, SGD lr 0.1 momentum 0.9 weight decay 5e-4 (every
+parameter), cosine annealing stepped once per epoch, RandomCrop 32 pad 4 + flip, CIFAR-100 mean/std;
+BFP on every GEMM by a BFPsim preset, switched at epoch boundaries by the precision schedule
+`ResNet18_CIFAR100_Mixed` (FB16 for epochs 0-19, FB12LG16 for 20-179, FB16 from 180) with the
+intended semantics (optimizer state and schedule continue; BFPsim's code always re-applied the
+epoch-0 preset and restarted the optimizer, bfp.md §5.3). BatchNorm trains in train mode and the
+test set uses the test transform (bfp.md §5.1 bugs 1 and 2 are not copied).
+
+  python -m experiments.train --config=configs/bfp_resnet18_cifar100.py --workdir=W \
+      --config.dataset.root=DATA      # needs DATA/cifar-100-python/{train,test,meta}
+      --config.bfp.controller=Simple/0.1/0.3/0/1   # BFPsim's dynamic precision control
+      --config.bfp.preset=ResNet18_FB12            # a fixed preset instead of the schedule
+
+`:local` is a CPU smoke run on digits at 32x32x3, width 8, with the schedule switching at step 4.
+"""
+
+from jlp.train.config import base_config, parse_arg
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, local=False)
+  c = base_config()
+  c.model.name = "resnet18"
+  c.dataset.name = "cifar100"
+  c.dataset.root = "data"
+  c.batch_size = 128
+  c.eval_batch_size = 100
+  c.max_steps = 78200                # 200 epochs x 391 steps
+  c.log_every = 50
+  c.eval_every = 391
+  c.checkpoint_every = 391
+  c.lr = 0.1
+  c.schedule.name = "cosine_epochs"  # CosineAnnealingLR(T_max=200) stepped per epoch
+  c.schedule.epochs = 200
+  c.momentum = 0.9
+  c.weight_decay = 5e-4
+  c.bfp.preset = "ResNet18_FB16"
+  c.bfp.schedule = {"0": "ResNet18_FB16", "20": "ResNet18_FB12LG16", "180": "ResNet18_FB16"}
+  c.bfp.window = 0                   # controller window: one epoch (len(trainloader))
+  if arg.local:
+    c.dataset.name = "digits"
+    c.dataset.root = ""
+    c.dataset.kwargs = {"variant": "32x32x3"}
+    c.model.kwargs.width = 8
+    c.batch_size = 64
+    c.eval_batch_size = 120
+    c.max_steps = 8
+    c.log_every = 2
+    c.eval_every = 4
+    c.checkpoint_every = 4
+    c.schedule.epochs = 1
+    c.bfp.schedule = {"0": "ResNet18_FB16", "1": "ResNet18_FB12LG16"}
+    c.bfp.controller = "Simple/0.1/0.3/0/1"
+    c.bfp.window = 2
+  return c

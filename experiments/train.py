@@ -1,0 +1,49 @@
+r"""Train an experiment config: python -m experiments.train --config=configs/NAME.py[:ARG] --workdir=DIR
+
+  python -m experiments.train --config=configs/digits.py --workdir=/tmp/jlp/digits
+  python -m experiments.train --config=configs/cpd_resnet18_cifar10.py:local --workdir=/tmp/r18 \
+      --config.grad_exp=4 --config.grad_man=3 --config.use_aps
+
+Running the same command on the same workdir resumes from its last checkpoint (bit-exact). Ctrl-C
+writes a checkpoint and exits (status 130). `--multiprocess` joins a multi-process run first
+(jax.distributed: SLURM is detected under srun; else --coordinator, --num_processes, --process_id).
+The logic lives in jlp.train.loop.train_and_evaluate, which notebooks call directly.
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:ARG]).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (metrics, TensorBoard, checkpoints).")
+_MULTIPROCESS = flags.DEFINE_bool("multiprocess", False, "Call jlp.train.initialize() first.")
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0 (explicit multi-process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (explicit multi-process).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (explicit multi-process).")
+_PROGRESS = flags.DEFINE_enum("progress", "auto", ["auto", "bar", "lines"],
+                              "tqdm bar (auto: on a terminal) or plain log lines.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  if _MULTIPROCESS.value:
+    from jlp.train import distributed  # pylint: disable=g-import-not-at-top
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from jlp.train import loop  # pylint: disable=g-import-not-at-top
+  progress = {"auto": None, "bar": True, "lines": False}[_PROGRESS.value]
+  try:
+    result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, progress=progress)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if result["interrupted"]:
+    sys.exit(130)
+
+
+if __name__ == "__main__":
+  app.run(main)

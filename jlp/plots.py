@@ -1,0 +1,85 @@
+"""Figures people look at: training curves of several runs, quantization error against value.
+
+`plot_runs` reads each run's `metrics.jsonl` (jlp.train.metrics) and draws loss and accuracy
+against step, one line per run, like CPD's `draw_curve.py`; `plot_quantization_error` draws the
+relative error of `jlp.quantize` over a log-spaced range of values for several formats (the
+notebook's formats explorer). Both return the matplotlib Figure and optionally save it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from jlp.train.metrics import read_metrics
+
+#: (metric in metrics.jsonl, axis title) drawn by `plot_runs`, where present.
+CURVES = (("train_loss", "train loss"), ("eval_loss", "eval loss"),
+          ("eval_accuracy", "eval accuracy"))
+
+
+def plot_runs(workdirs: Sequence[str], out: str | None = None,
+              labels: Sequence[str] | None = None):
+  """Loss and accuracy against step for each run directory, one panel per metric.
+
+  Raises:
+    FileNotFoundError: a directory without metrics.jsonl (or with no rows).
+  """
+  if labels is not None and len(labels) != len(workdirs):
+    raise ValueError(f"labels has {len(labels)} entries; expected one per run ({len(workdirs)}).")
+  runs = []
+  for d in workdirs:
+    rows = read_metrics(d)
+    if not rows:
+      raise FileNotFoundError(f"{d!r} holds no metrics.jsonl rows; expected a jlp run directory "
+                              "(python -m experiments.train --workdir=DIR ...).")
+    runs.append(rows)
+  names = list(labels) if labels is not None else [os.path.basename(os.path.normpath(d)) for d in workdirs]
+  present = [(k, t) for k, t in CURVES if any(k in r for rows in runs for r in rows)]
+  fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.8), squeeze=False)
+  for ax, (key, title) in zip(axes[0], present):
+    for name, rows in zip(names, runs):
+      pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+      if pts:
+        steps, values = zip(*pts)
+        ax.plot(steps, values, label=name, marker="." if len(pts) < 30 else None)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    if key.endswith("loss"):
+      ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize="small")
+  fig.tight_layout()
+  if out:
+    fig.savefig(out, dpi=120)
+  return fig
+
+
+def plot_quantization_error(formats: Sequence, lo: float = 2.0 ** -20, hi: float = 2.0 ** 20,
+                            n: int = 4096, out: str | None = None):
+  """|q(x) - x| / x for x log-spaced in [lo, hi], one line per FloatFormat.
+
+  Overflow (q(x) = inf) and flush to zero (q(x) = 0, relative error 1) show as the right and
+  left walls of each curve.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jlp.quantize import quantize  # pylint: disable=g-import-not-at-top
+  x = np.geomspace(lo, hi, n).astype(np.float32)
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for fmt in formats:
+    q = np.asarray(quantize(jnp.asarray(x), fmt), np.float64)
+    err = np.where(np.isfinite(q), np.abs(q - x) / x, np.nan)
+    ax.plot(x, np.maximum(err, 2.0 ** -30), label=getattr(fmt, "name", str(fmt)))
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log", base=2)
+  ax.set_xlabel("x")
+  ax.set_ylabel("relative error |q(x) - x| / x")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  if out:
+    fig.savefig(out, dpi=120)
+  return fig

@@ -1,0 +1,181 @@
+"""The experiment config schema (ml_collections) shared by every `configs/*.py`, and its checks.
+
+Every config starts from `base_config()` and overrides fields; `python -m experiments.train
+--config=configs/NAME.py[:ARG] --config.FIELD=VALUE` changes any of them (unknown fields and wrong
+types are rejected by ml_collections). `validate(config)` checks values before anything is built
+or compiled and raises ValueError naming the field, the value given and what is allowed.
+
+Fields (see `base_config` for defaults):
+  seed                          PRNG seed: initialisation, data order, augmentation, stochastic rounding.
+  task                          "classification" or "segmentation" (per-pixel, label 255 ignored).
+  model.name, model.kwargs      a jlp.models.MODELS name and its builder's arguments (num_classes
+                                comes from the dataset).
+  dataset.name, dataset.root, dataset.kwargs
+                                a jlp.data dataset ("digits" needs no root) and its options.
+  batch_size, eval_batch_size   global batch sizes (all devices and processes together).
+  max_steps, log_every, eval_every, checkpoint_every
+                                loop cadence in steps (0 disables eval / periodic checkpoints; a
+                                checkpoint is always written at the end).
+  lr, schedule                  peak learning rate and schedule (`schedule.name` plus its fields;
+                                see jlp.train.optim).
+  optimizer fields              momentum, nesterov, weight_decay, wd_exclude (regex over parameter
+                                paths without decay, e.g. "bn|bias"), use_lars.
+  gradient sync (CPD)           grad_exp, grad_man (the all-reduce format; (8, 23) = float32),
+                                grad_algorithm ("sequential" | "ring"), use_aps, aps_mode
+                                ("exact" | "cpd"), use_kahan, emulate_nodes, emulate_form
+                                ("flat" | "cpd"); grad_format is derived from grad_exp/grad_man
+                                unless set to a format name directly ("e4m3", "float8_e5m2", ...).
+  loss_scale                    static loss scale (the reduced gradient is divided by it).
+  bfp.preset                    BFPsim preset name or JSON path applied with jlp.nn rules ("" = none).
+  bfp.schedule                  {epoch: preset} switched at epoch boundaries (BFPsim's
+                                bfp-layer-conf-dict, intended semantics: optimizer state and LR
+                                schedule continue).
+  bfp.controller, bfp.window    "Simple/<lo>/<hi>/<init>/<hold>" dynamic precision control over
+                                windows of `window` steps ("" = off; 0 = one epoch).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ml_collections
+
+from jlp.formats import FloatFormat, as_format
+
+TASKS = ("classification", "segmentation")
+ALGORITHMS = ("sequential", "ring")
+APS_MODES = ("exact", "cpd")
+EMULATE_FORMS = ("flat", "cpd")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """The defaults every experiment config starts from."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.task = "classification"
+  c.model = ml_collections.ConfigDict({"name": "small_cnn", "kwargs": ml_collections.ConfigDict()})
+  c.dataset = ml_collections.ConfigDict(
+      {"name": "digits", "root": "", "kwargs": ml_collections.ConfigDict()})
+  c.batch_size = 128
+  c.eval_batch_size = 256
+  c.max_steps = 100
+  c.log_every = 10
+  c.eval_every = 50
+  c.checkpoint_every = 50
+
+  c.lr = 0.1
+  c.schedule = ml_collections.ConfigDict({"name": "constant"})
+  c.momentum = 0.9
+  c.nesterov = False
+  c.weight_decay = 0.0
+  c.wd_exclude = ""
+  c.use_lars = False
+
+  c.grad_exp = 8
+  c.grad_man = 23
+  c.grad_format = "e" + c.get_ref("grad_exp").to_str() + "m" + c.get_ref("grad_man").to_str()
+  c.grad_algorithm = "sequential"
+  c.use_aps = False
+  c.aps_mode = "exact"
+  c.use_kahan = False
+  c.emulate_nodes = 1
+  c.emulate_form = "flat"
+  c.loss_scale = 1.0
+
+  c.bfp = ml_collections.ConfigDict({
+      "preset": "", "schedule": ml_collections.ConfigDict(), "controller": "", "window": 0})
+  return c
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+  """big_vision's `--config=file.py:a=1,b` convention: "k=v" pairs and bare flags (True).
+
+  Values take the type of their default; unknown keys raise ValueError.
+  """
+  out = dict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, eq, raw = item.partition("=")
+    key = key.strip()
+    if key not in defaults:
+      raise ValueError(f"config argument {key!r} is not allowed; expected one of {sorted(defaults)}.")
+    default = defaults[key]
+    if not eq:
+      value: Any = True
+    elif isinstance(default, bool):
+      if raw.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"config argument {key}={raw!r} is not allowed; expected true or false.")
+      value = raw.lower() in ("true", "1")
+    else:
+      try:
+        value = type(default)(raw)
+      except ValueError:
+        raise ValueError(f"config argument {key}={raw!r} is not allowed; expected a "
+                         f"{type(default).__name__}.") from None
+    out[key] = value
+  return ml_collections.ConfigDict(out)
+
+
+def grad_format(config: ml_collections.ConfigDict) -> FloatFormat | None:
+  """The gradient all-reduce format, None for float32 (e8m23, as CPD's plain all-reduce)."""
+  name = config.grad_format
+  try:
+    fmt = as_format(name)
+  except ValueError as e:
+    raise ValueError(f"config.grad_format={name!r} does not parse ({e}); expected a float "
+                     "format name such as 'e4m3', 'e5m2', 'float8_e4m3fn' (grad_exp/grad_man "
+                     "2..8 / 0..23).") from None
+  if not isinstance(fmt, FloatFormat):
+    raise ValueError(f"config.grad_format={name!r} is not allowed; expected a float format.")
+  return None if (fmt.exp, fmt.man) == (8, 23) else fmt
+
+
+def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
+  if not ok:
+    raise ValueError(f"config.{field}={value!r} is not allowed; expected {allowed}.")
+
+
+def _int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks every field that can be checked without building anything (ValueError)."""
+  from jlp import models  # pylint: disable=g-import-not-at-top
+  from jlp.nn import controller as bfp_controller  # pylint: disable=g-import-not-at-top
+
+  _check(config.task in TASKS, "task", config.task, f"one of {TASKS}")
+  _check(config.model.name in models.MODELS, "model.name", config.model.name,
+         f"one of {sorted(models.MODELS)}")
+  for field in ("batch_size", "eval_batch_size", "max_steps", "log_every"):
+    _check(_int(config[field]) and config[field] >= 1, field, config[field], "an int >= 1")
+  for field in ("eval_every", "checkpoint_every"):
+    _check(_int(config[field]) and config[field] >= 0, field, config[field], "an int >= 0 (0: off)")
+  _check(_int(config.seed), "seed", config.seed, "an int")
+  _check(config.lr >= 0, "lr", config.lr, "a learning rate >= 0")
+  _check(0 <= config.momentum < 1, "momentum", config.momentum, "a value in [0, 1)")
+  _check(config.weight_decay >= 0, "weight_decay", config.weight_decay, "a value >= 0")
+  try:
+    re.compile(config.wd_exclude)
+  except re.error as e:
+    raise ValueError(f"config.wd_exclude={config.wd_exclude!r} is not a valid regex: {e}.") from None
+  _check(config.loss_scale > 0, "loss_scale", config.loss_scale, "a value > 0")
+
+  fmt = grad_format(config)
+  _check(config.grad_algorithm in ALGORITHMS, "grad_algorithm", config.grad_algorithm,
+         f"one of {ALGORITHMS}")
+  _check(config.aps_mode in APS_MODES, "aps_mode", config.aps_mode, f"one of {APS_MODES}")
+  _check(config.emulate_form in EMULATE_FORMS, "emulate_form", config.emulate_form,
+         f"one of {EMULATE_FORMS}")
+  _check(not (config.use_aps and fmt is None), "use_aps", config.use_aps,
+         "False with a float32 all-reduce (grad_exp=8, grad_man=23): APS needs a low-precision format")
+  _check(_int(config.emulate_nodes) and config.emulate_nodes >= 1, "emulate_nodes",
+         config.emulate_nodes, "an int >= 1")
+
+  if config.bfp.controller:
+    bfp_controller.SimpleController.from_string(config.bfp.controller)  # raises on a bad string
+  _check(_int(config.bfp.window) and config.bfp.window >= 0, "bfp.window", config.bfp.window,
+         "an int >= 0 (0: one epoch)")
+  for epoch in config.bfp.schedule:
+    _check(str(epoch).isdigit(), "bfp.schedule", dict(config.bfp.schedule),
+           "a mapping {epoch (int >= 0): preset name}")

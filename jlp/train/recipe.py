@@ -1,0 +1,227 @@
+"""Config -> the objects of a run: data pipelines, model (+ quantization rules), learning-rate
+schedule, optimizer, gradient sync and loss. Each builder reads only the config fields it names
+(jlp.train.config documents them), so notebooks can build one piece at a time.
+
+Schedules (`config.schedule.name`), as functions of the optax update count c (0-based), with
+E = steps per epoch of the training pipeline:
+  constant          lr.
+  cosine            linear warm-up 0 -> lr over `warmup_steps`, then cosine decay to 0 at max_steps.
+  cosine_epochs     torch CosineAnnealingLR(T_max=`epochs`) stepped once per epoch (BFPsim):
+                    lr * (1 + cos(pi * floor(c / E) / epochs)) / 2.
+  cpd_resnet18      CPD ResNet18's rule (`jlp.train.cpd_resnet18_lr`: 0.1 -> 1.6 warm-up over 5
+                    epochs, x0.1 after epochs 40 and 80); lr must be its peak, 1.6.
+  piecewise_linear  DavidNet: lr * interp(c / E, `epochs`, `values`), times (c + 1) / warmup_steps
+                    while c + 1 <= `warmup_steps` (CPD's per-step warm-up factor).
+  warmup_step       ResNet50: linear warm-up `init_lr` -> lr over `warmup_epochs`, then x0.1 after
+                    each of `decay_epochs`.
+  poly              mmcv's poly: (lr - min_lr) * (1 - c / max_steps) ** power + min_lr.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from jlp import data as jdata
+from jlp import models
+from jlp.train import optim
+from jlp.train.config import grad_format
+from jlp.train.sync import GradSync
+
+SCHEDULES = ("constant", "cosine", "cosine_epochs", "cpd_resnet18", "piecewise_linear",
+             "warmup_step", "poly")
+#: Weight of FCN's auxiliary head in the segmentation loss (mmseg's default).
+AUX_LOSS_WEIGHT = 0.4
+IGNORE_LABEL = 255
+
+
+def _bad(field: str, value: Any, allowed: str) -> ValueError:
+  return ValueError(f"config.{field}={value!r} is not allowed; expected {allowed}.")
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Dataset]:
+  """(train, eval) splits; a missing data folder raises here, showing the expected layout."""
+  name = config.dataset.name
+  if name not in jdata.DATASETS:
+    raise _bad("dataset.name", name, f"one of {sorted(jdata.DATASETS)}")
+  root = config.dataset.root or None
+  kwargs = dict(config.dataset.kwargs)
+  train = jdata.get_dataset(name, root, split="train", **kwargs)
+  evaluation = jdata.get_dataset(name, root, split="eval", **kwargs)
+  return train, evaluation
+
+
+def pipelines(config: ml_collections.ConfigDict, train: jdata.Dataset, evaluation: jdata.Dataset
+              ) -> tuple[jdata.Pipeline, jdata.Pipeline]:
+  """The training pipeline (reshuffled every epoch, drop_last) and the evaluation one
+  (sequential, last batch padded and masked); both pure functions of (seed, step)."""
+  train_pipe = jdata.Pipeline(train, config.batch_size, seed=config.seed)
+  eval_pipe = jdata.Pipeline(evaluation, config.eval_batch_size, seed=config.seed,
+                             sampler="sequential", drop_last=False)
+  return train_pipe, eval_pipe
+
+
+# -- model --------------------------------------------------------------------------------------
+
+
+def model(config: ml_collections.ConfigDict, dataset: jdata.Dataset) -> nnx.Module:
+  """The zoo model with the dataset's class count (and input channels where the model takes them)."""
+  kwargs = dict(config.model.kwargs)
+  for key, value in kwargs.items():
+    if isinstance(value, list):
+      kwargs[key] = tuple(value)
+  channels = dataset.image_shape[-1]
+  if config.model.name == "small_cnn" or (config.model.name == "fcn" and channels != 3):
+    kwargs.setdefault("in_channels", channels)
+  rngs = nnx.Rngs(config.seed, dropout=config.seed + 1, quant=config.seed + 2)
+  return models.get_model(config.model.name, num_classes=dataset.num_classes, rngs=rngs, **kwargs)
+
+
+# -- schedule and optimizer ---------------------------------------------------------------------
+
+
+def schedule(config: ml_collections.ConfigDict, steps_per_epoch: int,
+             train_size: int) -> optax.Schedule:
+  """The learning rate as a function of the optax update count (module docstring)."""
+  s = config.schedule
+  name, lr = s.name, float(config.lr)
+  spe = steps_per_epoch
+  if name == "constant":
+    return optax.constant_schedule(lr)
+  if name == "cosine":
+    warmup = int(s.get("warmup_steps", 0))
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(config.max_steps, warmup + 1))
+  if name == "cosine_epochs":
+    epochs = int(s.epochs)
+    return lambda c: lr * (1 + jnp.cos(jnp.pi * (c // spe) / epochs)) / 2
+  if name == "cpd_resnet18":
+    if lr != 1.6:
+      raise _bad("lr", lr, "1.6 with schedule 'cpd_resnet18' (the rule's fixed peak)")
+    return optim.cpd_resnet18_lr(1, config.batch_size, 1, train_size)
+  if name == "piecewise_linear":
+    epochs = np.asarray(s.epochs, np.float32)
+    values = np.asarray(s.values, np.float32) * lr
+    warmup = int(s.get("warmup_steps", 0))
+
+    def piecewise(c):
+      value = jnp.interp(c / spe, epochs, values)
+      if warmup:
+        value = value * jnp.where(c + 1 <= warmup, (c + 1) / warmup, 1.0)
+      return value
+    return piecewise
+  if name == "warmup_step":
+    warm = int(s.warmup_epochs) * spe
+    bounds = {int(e) * spe: 0.1 for e in s.decay_epochs}
+    return optim.warmup_step_schedule(lr, warm, bounds, warmup_init=float(s.init_lr))
+  if name == "poly":
+    return optax.polynomial_schedule(lr, float(s.min_lr), float(s.power), config.max_steps)
+  raise _bad("schedule.name", name, f"one of {SCHEDULES}")
+
+
+def optimizer(config: ml_collections.ConfigDict, lr: optax.Schedule) -> optax.GradientTransformation:
+  """torch-style SGD (momentum, Nesterov, decoupled mask for wd_exclude) or optax LARS."""
+  if config.use_lars:
+    return optim.lars(lr, config.momentum, weight_decay=config.weight_decay)
+  mask = None
+  if config.wd_exclude:
+    pattern = re.compile(config.wd_exclude)
+    mask = optim.decay_mask(lambda path: bool(pattern.search(path)))
+  return optim.torch_sgd(lr, config.momentum, nesterov=config.nesterov,
+                         weight_decay=config.weight_decay, decay_mask=mask)
+
+
+def grad_sync(config: ml_collections.ConfigDict) -> GradSync:
+  """The gradient all-reduce of the CPD fields (grad_format, use_aps, aps_mode, use_kahan, ...)."""
+  fmt = grad_format(config)
+  aps: bool | str = bool(config.use_aps)
+  if aps and config.aps_mode == "cpd":
+    aps = "cpd"
+  return GradSync(fmt=fmt, algorithm=config.grad_algorithm, kahan=bool(config.use_kahan), aps=aps,
+                  emulate_nodes=int(config.emulate_nodes), form=config.emulate_form,
+                  cast_single=config.emulate_form == "cpd" and config.model.name == "resnet50")
+
+
+# -- loss and evaluation ------------------------------------------------------------------------
+
+
+def _masked_cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sum of per-pixel cross-entropies over pixels whose label is not IGNORE_LABEL, their count)."""
+  valid = labels != IGNORE_LABEL
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+  return jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid).astype(jnp.float32)
+
+
+def segmentation_loss(model: nnx.Module, batch: dict[str, jax.Array]
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Per-pixel cross-entropy (label 255 ignored) + 0.4 x the auxiliary head's, as mmseg's FCN;
+  aux: {"accuracy": pixel accuracy}."""
+  out = model(batch["image"], return_aux=True)
+  logits, aux_logits = out if isinstance(out, tuple) else (out, None)
+  total, count = _masked_cross_entropy(logits, batch["label"])
+  count = jnp.maximum(count, 1.0)
+  loss = total / count
+  if aux_logits is not None:
+    loss = loss + AUX_LOSS_WEIGHT * _masked_cross_entropy(aux_logits, batch["label"])[0] / count
+  valid = batch["label"] != IGNORE_LABEL
+  correct = jnp.sum(jnp.where(valid, jnp.argmax(logits, -1) == batch["label"], False))
+  return loss, {"accuracy": correct / count}
+
+
+def loss_fn(config: ml_collections.ConfigDict):
+  from jlp.train.step import cross_entropy_loss  # pylint: disable=g-import-not-at-top
+  return segmentation_loss if config.task == "segmentation" else cross_entropy_loss
+
+
+def eval_sums(model: nnx.Module, batch: dict[str, jax.Array], task: str,
+              num_classes: int) -> dict[str, jax.Array]:
+  """Sums over the valid examples of one (padded) evaluation batch: loss, correct, count and,
+  for segmentation, the confusion matrix (true class x predicted class) for the mIoU."""
+  logits = model(batch["image"])
+  labels, mask = batch["label"], batch["mask"]
+  if task == "segmentation":
+    valid = (labels != IGNORE_LABEL) & mask[:, None, None]
+  else:
+    valid = mask
+  safe = jnp.where(valid, labels, 0)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+  pred = jnp.argmax(logits, -1)
+  out = {"loss": jnp.sum(jnp.where(valid, ce, 0.0)),
+         "correct": jnp.sum(jnp.where(valid, pred == labels, False)).astype(jnp.float32),
+         "count": jnp.sum(valid).astype(jnp.float32)}
+  if task == "segmentation":
+    flat = jnp.where(valid, safe * num_classes + pred, num_classes * num_classes).reshape(-1)
+    out["confusion"] = jnp.zeros(num_classes * num_classes + 1, jnp.float32).at[flat].add(1.0)[:-1]
+  return out
+
+
+def eval_metrics(sums: dict[str, np.ndarray], task: str, num_classes: int) -> dict[str, float]:
+  """eval_loss, eval_accuracy (pixel accuracy for segmentation) and eval_miou from summed counts."""
+  count = max(float(sums["count"]), 1.0)
+  out = {"eval_loss": float(sums["loss"]) / count, "eval_accuracy": float(sums["correct"]) / count}
+  if task == "segmentation":
+    conf = np.asarray(sums["confusion"], np.float64).reshape(num_classes, num_classes)
+    inter = np.diag(conf)
+    union = conf.sum(0) + conf.sum(1) - inter
+    present = union > 0
+    out["eval_miou"] = float(np.mean(inter[present] / union[present])) if present.any() else 0.0
+  return out
+
+
+def check_batch_sizes(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Batch sizes that split over the devices (and emulated nodes), before anything compiles."""
+  nodes = num_devices * config.emulate_nodes
+  if config.batch_size % nodes:
+    raise _bad("batch_size", config.batch_size,
+               f"a multiple of {num_devices} devices x emulate_nodes={config.emulate_nodes} = {nodes}")
+  if config.eval_batch_size % num_devices:
+    raise _bad("eval_batch_size", config.eval_batch_size, f"a multiple of {num_devices} devices")
