@@ -164,7 +164,7 @@ def test_resnet18_paths_match_bfpsim_names():
 
 
 def test_registry():
-  assert set(zoo.MODELS) == {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small"}
+  assert set(zoo.MODELS) == {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small", "small_cnn"}
   with pytest.raises(ValueError, match="nope"):
     zoo.get_model("nope")
 
