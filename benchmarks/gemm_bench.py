@@ -13,6 +13,7 @@ is a correctness tool).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -59,7 +60,8 @@ def main(argv):
   reference = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
   print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); "
         f"{n}x{n}x{n}, e5m2 accumulator, impl={_IMPL.value}, median of {_REPEATS.value}, "
-        f"reference = float32 jnp.matmul (HIGHEST)\n")
+        f"reference = float32 jnp.matmul (HIGHEST); load average before: "
+        f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}\n")
   header = f"{'case':22s} {'ms':>9s} {'f32 ms':>9s} {'ratio':>8s}"
   print(header)
   print("-" * len(header))
@@ -70,6 +72,7 @@ def main(argv):
       tc, tr, ratio = compare(cand, reference, a, b, _REPEATS.value)
       name = f"chunk={chunk} " + ("kahan" if kahan else "plain")
       print(f"{name:22s} {tc * 1e3:9.2f} {tr * 1e3:9.3f} {ratio:7.1f}x", flush=True)
+  print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -28,13 +28,21 @@ q is `jlp.numerics.float_cast.float_cast(., fmt)` (the bit-exact cast of
   additions (and the chunk sum itself) are quantized; chunk = 1 is the exact
   mode, and chunk >= K is one float32 dot product per element cast once.
 
-The XLA path (`impl="xla"`) is a `lax.scan` over the chunks carrying (s, c) of
-shape (M, N): each step builds the chunk's partial sums from rank-1 updates
-a[:, k] ⊗ b[k, :] and applies the casts in a few fused loops per step (with
-Kahan, p and y are materialised so that XLA does not recompute them). The
-Pallas kernel (`pallas_kernels/accum_matmul.py`, `impl="pallas"`) tiles M and N
-and runs the same per-element sequence over k inside the kernel; the two agree
-bit for bit.
+The XLA path (`impl="xla"`), chunk = 1, is a `lax.scan` over k carrying
+(s, c) of shape (M, N), with a few fused loops per step (with Kahan, p and y
+are materialised so that XLA does not recompute them). chunk > 1 is a
+`fori_loop` over pairs of chunks (single chunks when chunk > 32), one fused
+loop per step; the two chunk sums are independent, so the CPU overlaps their
+addition chains. Rows i and i + ceil(M/2) travel as the real and imaginary
+parts of one complex64 array: complex addition and subtraction are exactly the
+float32 operations on the parts, so each loop iteration runs two more
+independent addition chains, sharing the b loads (XLA:CPU's fused loop would
+otherwise be bound by the latency of one chain of float32 adds per output
+vector). When N is a multiple of 64, the b rows of each step get 64 bytes of
+padding so that they do not all map to the same few L1 cache sets. None of
+this changes any operation or its order. The Pallas kernel
+(`pallas_kernels/accum_matmul.py`, `impl="pallas"`) tiles M and N and runs the
+same per-element sequence over k inside the kernel; the two agree bit for bit.
 
 Float32 subnormals: the cast q is exact on bits (integer ops), but the float32
 products and sums are computed by the backend, and XLA:CPU flushes float32
@@ -68,6 +76,11 @@ _EXACT_UNROLL = 1
 # Chunks up to this size are summed with an unrolled expression; longer ones
 # with an inner fori_loop.
 _MAX_UNROLLED_CHUNK = 64
+# Chunked mode: chunks per loop step (one fused loop; their partial sums are
+# independent, so the CPU overlaps their addition chains).
+_MAX_CHUNKS_PER_STEP = 2
+# Extra float32 per row of the chunked mode's b slices (see _matmul_xla_chunked).
+_B_ROW_PAD = 16
 
 
 def _invalid(field: str, given: Any, allowed: str) -> ValueError:
@@ -90,6 +103,13 @@ def rounded_product(x: jax.Array, y: jax.Array, zero: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(p, jnp.float32)
 
 
+def cast(x: jax.Array, fmt: FloatFormat) -> jax.Array:
+  """float_cast(x, fmt); a complex64 x has its real and imaginary parts cast separately."""
+  if x.dtype == jnp.complex64:
+    return lax.complex(float_cast(jnp.real(x), fmt), float_cast(jnp.imag(x), fmt))
+  return float_cast(x, fmt)
+
+
 def accumulate(s: jax.Array, c: jax.Array | None, p: jax.Array, fmt: FloatFormat,
                barrier: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """One accumulator step with the (already cast) addend p: plain or Kahan (c not None).
@@ -97,16 +117,18 @@ def accumulate(s: jax.Array, c: jax.Array | None, p: jax.Array, fmt: FloatFormat
   Plain: s = q(s + p). Kahan (cpd.md §2.1): y = q(p - c), t = q(s + y),
   c = q(q(t - s) - y), s = t. `barrier` materialises p and y (XLA would otherwise
   recompute them inside each of the Kahan step's fused consumers); values are unchanged.
+  complex64 operands hold two independent accumulators (complex addition and
+  subtraction are the float32 operations on the parts).
   """
   if c is None:
-    return float_cast(s + p, fmt), None
+    return cast(s + p, fmt), None
   if barrier:
     p = lax.optimization_barrier(p)
-  y = float_cast(p - c, fmt)
+  y = cast(p - c, fmt)
   if barrier:
     y = lax.optimization_barrier(y)
-  t = float_cast(s + y, fmt)
-  c = float_cast(float_cast(t - s, fmt) - y, fmt)
+  t = cast(s + y, fmt)
+  c = cast(cast(t - s, fmt) - y, fmt)
   return t, c
 
 
@@ -143,43 +165,76 @@ def _matmul_xla(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: bool, chunk
                 ) -> jax.Array:
   m, k = a.shape
   n = b.shape[1]
-  s0 = jnp.zeros((m, n), jnp.float32)
-  c0 = jnp.zeros((m, n), jnp.float32) if kahan else None
   if k == 0:
-    return s0
+    return jnp.zeros((m, n), jnp.float32)
   chunk = min(chunk, k)
-  at = a.T  # (K, M): row k is the column a[:, k]
-
-  if chunk == 1:
-    def step(carry, xs):
-      s, c = carry
-      a_k, b_k = xs
-      p = float_cast(a_k[:, None] * b_k[None, :], fmt)
-      return accumulate(s, c, p, fmt, barrier=True), None
-
-    (s, _), _ = lax.scan(step, (s0, c0), (at, b), unroll=min(_EXACT_UNROLL, k))
-    return s
-
-  num_chunks = -(-k // chunk)
-  pad = num_chunks * chunk - k  # zero products in the last chunk: P + (±0) = P exactly
-  at = jnp.pad(at, ((0, pad), (0, 0))).reshape(num_chunks, chunk, m)
-  bp = jnp.pad(b, ((0, pad), (0, 0))).reshape(num_chunks, chunk, n)
-  zero = opaque_zero()
+  if chunk > 1:
+    return _matmul_xla_chunked(a, b, fmt, kahan, chunk)
 
   def step(carry, xs):
     s, c = carry
-    a_c, b_c = xs  # (chunk, M), (chunk, N)
-    term = lambda j: rounded_product(a_c[j][:, None], b_c[j][None, :], zero)
-    if chunk <= _MAX_UNROLLED_CHUNK:
-      partial = term(0)
-      for j in range(1, chunk):
-        partial = partial + term(j)
-    else:
-      partial = lax.fori_loop(1, chunk, lambda j, acc: acc + term(j), term(0), unroll=8)
-    return accumulate(s, c, float_cast(partial, fmt), fmt, barrier=True), None
+    a_k, b_k = xs
+    p = float_cast(a_k[:, None] * b_k[None, :], fmt)
+    return accumulate(s, c, p, fmt, barrier=True), None
 
-  (s, _), _ = lax.scan(step, (s0, c0), (at, bp))
+  s0 = jnp.zeros((m, n), jnp.float32)
+  c0 = jnp.zeros((m, n), jnp.float32) if kahan else None
+  # a.T: row k is the column a[:, k].
+  (s, _), _ = lax.scan(step, (s0, c0), (a.T, b), unroll=min(_EXACT_UNROLL, k))
   return s
+
+
+def _matmul_xla_chunked(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: bool, chunk: int
+                        ) -> jax.Array:
+  """chunk > 1 (module docstring): rows i and i + ceil(M/2) as one complex64 array."""
+  m, k = a.shape
+  n = b.shape[1]
+  num_chunks = -(-k // chunk)
+  pad_k = num_chunks * chunk - k  # zero products in the last chunk: P + (±0) = P exactly
+  half = -(-m // 2)
+  a = jnp.pad(a, ((0, 2 * half - m), (0, pad_k)))  # an odd M gets one zero row, sliced off
+  b = jnp.pad(b, ((0, pad_k), (0, 0)))
+  # b rows 256 B-multiples apart map to a few L1 sets; 64 B more per row spreads them.
+  b_row = n + _B_ROW_PAD if n % 64 == 0 else n
+  zero = opaque_zero()
+  per_step = max(1, min(_MAX_CHUNKS_PER_STEP, _MAX_UNROLLED_CHUNK // chunk))
+
+  def chunk_sum(a_s, b_s, k0):
+    def term(kk):
+      b_k = b_s[kk, :n][None, :]
+      return lax.complex(rounded_product(a_s[:half, kk][:, None], b_k, zero),
+                         rounded_product(a_s[half:, kk][:, None], b_k, zero))
+    if chunk <= _MAX_UNROLLED_CHUNK:
+      partial = term(k0)
+      for j in range(1, chunk):
+        partial = partial + term(k0 + j)
+      return partial
+    return lax.fori_loop(1, chunk, lambda j, acc: acc + term(k0 + j), term(k0), unroll=8)
+
+  def chunks(carry, a_s, b_s, count):
+    b_s = jnp.pad(b_s, ((0, 0), (0, b_row - n)))
+    a_s, b_s = lax.optimization_barrier((a_s, b_s))  # fused slices would not be vectorised
+    for g in range(count):
+      carry = accumulate(*carry, cast(chunk_sum(a_s, b_s, g * chunk), fmt), fmt, barrier=kahan)
+    return carry
+
+  width = per_step * chunk
+  num_steps = num_chunks // per_step
+
+  def step(i, carry):
+    a_s = lax.dynamic_slice_in_dim(a, i * width, width, 1)
+    b_s = lax.dynamic_slice_in_dim(b, i * width, width, 0)
+    return chunks(carry, a_s, b_s, per_step)
+
+  s0 = jnp.zeros((half, n), jnp.complex64)
+  carry = (s0, s0 if kahan else None)
+  if num_steps:
+    carry = lax.fori_loop(0, num_steps, step, carry)
+  if num_chunks % per_step:
+    done = num_steps * width
+    carry = chunks(carry, a[:, done:], b[done:], num_chunks % per_step)
+  s = lax.optimization_barrier(carry[0])  # a fused concatenate would not be vectorised
+  return jnp.concatenate([jnp.real(s), jnp.imag(s)], 0)[:m]
 
 
 def matmul(a: jax.Array, b: jax.Array, *, accum: FloatFormat | str, kahan: bool = False,

@@ -102,6 +102,20 @@ def test_chunked_matches_triple_loop(chunk, kahan, xla_matmul):
   ref.assert_same_bits(got, triple_loop(a, b, fmt, kahan, chunk))
 
 
+@pytest.mark.parametrize("kahan", [False, True], ids=["plain", "kahan"])
+@pytest.mark.parametrize("shape,chunk", [
+    ((3, 150, 2), 70),  # chunks longer than the unrolled limit: 70, 70, 10
+    ((4, 40, 64), 8),  # N a multiple of 64 (padded b rows); 5 chunks: two loop steps and a tail
+    ((1, 33, 3), 32),  # one row (paired with a padding row); one loop-free step and a tail
+], ids=str)
+def test_chunked_shapes_match_triple_loop(shape, chunk, kahan, xla_matmul):
+  m, k, n = shape
+  fmt = FloatFormat.from_name("e4m3")
+  a, b = operands(m, k, n, seed=chunk, scale=0.5)
+  got = np.asarray(xla_matmul(a, b, accum=fmt, kahan=kahan, chunk=chunk, impl="xla"))
+  ref.assert_same_bits(got, triple_loop(a, b, fmt, kahan, chunk))
+
+
 def test_chunk_products_not_fused():
   """The chunk's float32 sum rounds each product first (an FMA would round once)."""
   fmt = FloatFormat(8, 23)
