@@ -22,7 +22,6 @@ becomes 2^-s [n*eta + u*A*2^s + ((1 + d)^n - 1)((1 + u) A 2^s + n*eta + eta/d)].
 fmt=None: d = u32, eta = 0.
 """
 
-import functools
 import os
 import sys
 
@@ -31,36 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))  # collective_refs (--import-mode=importlib)
 import collective_refs as cref  # noqa: E402
-import references as ref
-from jlp import BFPFormat, FloatFormat
-from jlp.collectives import allreduce, emulated_allreduce
+import device_runs as dev  # noqa: E402
+from device_runs import SHAPES, mesh_of, on_ranks  # noqa: E402
+import references as ref  # noqa: E402
+from jlp import BFPFormat, FloatFormat  # noqa: E402
+from jlp.collectives import allreduce, emulated_allreduce  # noqa: E402
 
+# XLA optimisations off: most of these tests' time is compiling (values do not change:
+# every operation is an exactly rounded float32 op or an integer op).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 F32 = np.float32
 ALGORITHMS = ("sequential", "ring")
-
-
-def mesh_of(w: int) -> Mesh:
-  return Mesh(np.array(jax.devices()[:w]), ("r",))
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(w, options):
-  def body(*xs):
-    out = allreduce([x[0] for x in xs], "r", **dict(options))
-    return tuple(o[None] for o in out)
-  return jax.jit(jax.shard_map(body, mesh=mesh_of(w), in_specs=P("r"), out_specs=P("r")))
-
-
-def on_ranks(leaves_per_rank, **options):
-  """allreduce over len(leaves_per_rank) devices; returns per leaf an array [W, ...] (every rank's result)."""
-  w = len(leaves_per_rank)
-  stacked = [np.stack([r[i] for r in leaves_per_rank]) for i in range(len(leaves_per_rank[0]))]
-  return [np.asarray(o) for o in _compiled(w, tuple(sorted(options.items())))(*stacked)]
 
 
 def reduced(leaves_per_rank, **options):
@@ -73,13 +57,7 @@ def reduced(leaves_per_rank, **options):
 
 
 def random_ranks(w, shapes, seed=0, scale_exp=(-3, 3)):
-  rng = np.random.default_rng(seed)
-  return [[(rng.standard_normal(s) * 2.0 ** rng.integers(*scale_exp, s)).astype(F32)
-           for s in shapes] for _ in range(w)]
-
-
-# Leaf shapes whose sizes do not divide by 8 (nor 3), a scalar included.
-SHAPES = [(5, 7), (3,), (), (16,)]
+  return dev.random_nodes(w, shapes, seed, scale_exp)
 
 
 @pytest.mark.parametrize("values, fmt, plain, kahan", [
@@ -121,9 +99,8 @@ def test_aps_two_rank_e4m3_case():
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("fmt, kahan, aps, mean", [
-    (None, False, False, False), (None, True, False, True), (FloatFormat(5, 2), False, False, False),
-    (FloatFormat(5, 2), True, False, False), (FloatFormat(4, 3), False, True, True),
-    (FloatFormat(4, 3), True, "cpd", False)], ids=str)
+    (None, True, False, True), (FloatFormat(5, 2), True, False, False),
+    (FloatFormat(4, 3), False, True, True), (FloatFormat(4, 3), True, "cpd", False)], ids=str)
 def test_matches_python_reference(algorithm, fmt, kahan, aps, mean):
   ranks = random_ranks(8, SHAPES, seed=1)
   got = reduced(ranks, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=aps, mean=mean)
@@ -171,8 +148,7 @@ def fold_bound(x, fmt, factor=1.0):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("fmt", [None, FloatFormat(5, 2), FloatFormat(4, 3), FloatFormat(8, 7)],
-                         ids=str)
+@pytest.mark.parametrize("fmt", [None, FloatFormat(4, 3), FloatFormat(8, 7)], ids=str)
 def test_error_within_proven_bound(algorithm, fmt):
   ranks = random_ranks(8, [(300,)], seed=4, scale_exp=(-2, 2))
   x = np.stack([r[0] for r in ranks]).astype(np.float64)
