@@ -16,8 +16,8 @@ Modules: `mesh` (data_mesh, shardings, shard_batch, replicate), `sync` (GradSync
 
 from jlp.train.distributed import initialize
 from jlp.train.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
-from jlp.train.optim import (cpd_lars, cpd_resnet18_lr, decay_mask, is_bn_or_bias, lars, path_contains,
-                             step_schedule, torch_sgd, warmup_step_schedule)
+from jlp.train.optim import (cpd_lars, cpd_resnet18_lr, decay_mask, is_bn_or_bias, lars,
+                             path_contains, step_schedule, torch_sgd, warmup_step_schedule)
 from jlp.train.step import (TrainState, TrainStep, cross_entropy_loss, init_train_state,
                             merge_model, split_model)
 from jlp.train.sync import GradSync

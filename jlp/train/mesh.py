@@ -11,8 +11,8 @@ split along their leading dimension (`batch_sharding`), device d holding rows
 `jax.make_array_from_process_local_data`: process p passes the rows of its own devices (in
 `jax.devices()` order the devices of one process are consecutive here, since the mesh is built
 from `jax.devices()`), so the global batch is the concatenation of the processes' local batches in
-process order. In a single process it is the same as `jax.device_put`. `replicate` places host values (the initial train state) on every device of
-every process.
+process order. In a single process it is the same as `jax.device_put`. `replicate` places host
+values (the initial train state) on every device of every process.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def _invalid(field: str, given: Any, allowed: str) -> ValueError:
 
 
 def _check_nonneg(field: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or not math.isfinite(value):
+  if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
+      or not math.isfinite(value)):
     raise _invalid(field, value, "a finite float >= 0")
   return float(value)
 
@@ -222,7 +223,7 @@ def _check_boundaries(boundaries_and_scales: Mapping[int, float] | None) -> dict
 
 def step_schedule(base_lr: float, boundaries_and_scales: Mapping[int, float] | None = None
                   ) -> optax.Schedule:
-  """base_lr times the product of the scales of every boundary b < count (optax's
+  """base_lr times the product of the scales of every boundary b <= count (optax's
   piecewise_constant_schedule)."""
   return optax.piecewise_constant_schedule(_check_nonneg("base_lr", base_lr),
                                            _check_boundaries(boundaries_and_scales))
@@ -234,7 +235,8 @@ def warmup_step_schedule(base_lr: float,
                          *,
                          warmup_init: float = 0.0) -> optax.Schedule:
   """Linear warm-up from warmup_init (count 0) to base_lr (count warmup_steps), then base_lr
-  with the step decays of `boundaries_and_scales` (boundaries in absolute update counts)."""
+  with the step decays of `boundaries_and_scales` (absolute update counts; the scale applies
+  from count b on, b >= warmup_steps)."""
   base_lr = _check_nonneg("base_lr", base_lr)
   if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
     raise _invalid("warmup_steps", warmup_steps, "an int >= 0")

@@ -5,7 +5,8 @@
   fmt          None (float32) or the format of every value of the reduction (a FloatFormat or a
                name such as "e4m3"; CPD's numerics: FloatFormat(4, 3, compat="cpd")).
   algorithm    "sequential" (CPD: all_gather, then a fold in rank order with a cast after each add)
-               or "ring" (reduce-scatter + all-gather over ppermute, every value on the wire in fmt).
+               or "ring" (reduce-scatter + all-gather over ppermute, every value on the wire in
+               fmt).
   kahan        Kahan-compensated fold (cpd.md §3.1).
   aps          False, True (APS with exact exponents, cpd.md §4) or "cpd" (CPD's log2/ceil rule).
   emulate_nodes  N virtual nodes per device (cpd.md §3.2): each device's batch is split into N
@@ -72,7 +73,8 @@ class GradSync:
       try:
         fmt = as_format(fmt)
       except ValueError as e:
-        raise _invalid("fmt", self.fmt, f"None, a FloatFormat or a float format name ({e})") from None
+        raise _invalid("fmt", self.fmt,
+                       f"None, a FloatFormat or a float format name ({e})") from None
       if not isinstance(fmt, FloatFormat):
         raise _invalid("fmt", self.fmt, "None or a FloatFormat (block formats cannot hold a sum)")
       object.__setattr__(self, "fmt", fmt)
