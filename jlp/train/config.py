@@ -26,6 +26,10 @@ Fields (see `base_config` for defaults):
                                 ("flat" | "cpd"); grad_format is derived from grad_exp/grad_man
                                 unless set to a format name directly ("e4m3", "float8_e5m2", ...).
   loss_scale                    static loss scale (the reduced gradient is divided by it).
+  quant_rules                   ((regex, {GemmQuant field: format name or value}), ...): jlp.nn
+                                quantization rules over module paths, first match wins (checked
+                                before the preset's rules), e.g. ((".*", {"x": "e4m3", "w": "e4m3",
+                                "dgrad_dy": "e5m2", "wgrad_dy": "e5m2"}),) for an fp8 model.
   bfp.preset                    BFPsim preset name or JSON path applied with jlp.nn rules ("" = none).
   bfp.schedule                  {epoch: preset} switched at epoch boundaries (BFPsim's
                                 bfp-layer-conf-dict, intended semantics: optimizer state and LR
@@ -83,6 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.emulate_form = "flat"
   c.loss_scale = 1.0
 
+  c.quant_rules = ()
   c.bfp = ml_collections.ConfigDict({
       "preset": "", "schedule": ml_collections.ConfigDict(), "controller": "", "window": 0})
   return c
@@ -130,6 +135,22 @@ def grad_format(config: ml_collections.ConfigDict) -> FloatFormat | None:
   return None if (fmt.exp, fmt.man) == (8, 23) else fmt
 
 
+def quant_rules(config: ml_collections.ConfigDict) -> list[Any]:
+  """config.quant_rules as jlp.nn QuantRules (ValueError naming the bad rule)."""
+  from jlp.gemm.config import GemmQuant  # pylint: disable=g-import-not-at-top
+  from jlp.nn.rules import QuantRule  # pylint: disable=g-import-not-at-top
+  out = []
+  for i, rule in enumerate(config.quant_rules):
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ValueError(f"config.quant_rules[{i}]={rule!r} is not allowed; expected a pair "
+                       "(module-path regex, {GemmQuant field: format}).")
+    try:
+      out.append(QuantRule(rule[0], GemmQuant.from_dict(dict(rule[1]))))
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"config.quant_rules[{i}]={rule!r} is not allowed: {e}") from None
+  return out
+
+
 def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
   if not ok:
     raise ValueError(f"config.{field}={value!r} is not allowed; expected {allowed}.")
@@ -172,6 +193,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(_int(config.emulate_nodes) and config.emulate_nodes >= 1, "emulate_nodes",
          config.emulate_nodes, "an int >= 1")
 
+  quant_rules(config)
   if config.bfp.controller:
     bfp_controller.SimpleController.from_string(config.bfp.controller)  # raises on a bad string
   _check(_int(config.bfp.window) and config.bfp.window >= 0, "bfp.window", config.bfp.window,

@@ -40,7 +40,7 @@ from flax import nnx
 from jlp.nn import bfpsim, controller as bfp_controller, rules as nn_rules
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
-from jlp.train.config import validate
+from jlp.train.config import quant_rules, validate
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
 from jlp.train.step import TrainState, TrainStep, init_train_state, merge_model, split_model
@@ -51,10 +51,12 @@ logger = logging.getLogger("jlp.train")
 # -- BFP presets, precision schedule and controller ---------------------------------------------
 
 
-class BFPPlan:
-  """Which BFPsim preset is in force at each epoch, and the Simple controller (config.bfp)."""
+class QuantPlan:
+  """The model's quantization: config.quant_rules, the BFPsim preset in force at each epoch and
+  the Simple controller (config.bfp)."""
 
   def __init__(self, config: ml_collections.ConfigDict, steps_per_epoch: int):
+    self.rules = quant_rules(config)
     entries = dict(config.bfp.schedule) or ({0: config.bfp.preset} if config.bfp.preset else {})
     for preset in entries.values():
       if preset and preset not in bfpsim.PRESETS and not os.path.isfile(preset):
@@ -72,11 +74,12 @@ class BFPPlan:
     return None if self.schedule is None else self.schedule.at(epoch) or None
 
   def quantize(self, model: nnx.Module, preset: str | None) -> nn_rules.QuantReport | None:
-    """Puts `preset`'s rules on `model` in place (after removing any earlier ones)."""
+    """Puts the config's rules, then `preset`'s, on `model` in place (earlier ones removed)."""
     nn_rules.unquantize_model(model)
-    if preset is None:
+    rules = self.rules + (bfpsim.load_bfpsim_preset(preset) if preset else [])
+    if not rules:
       return None
-    report = nn_rules.quantize_model(model, bfpsim.load_bfpsim_preset(preset))
+    report = nn_rules.quantize_model(model, rules)
     if self.controller_spec:
       bits = bfp_controller.bits_from_configs(dict(report))
       if self.controller is None:
@@ -120,7 +123,7 @@ class Run:
   model: nnx.Module
   optimizer: Any
   lr: Any
-  bfp: BFPPlan
+  quant: QuantPlan
   report: nn_rules.QuantReport | None = None
   preset: str | None = None
   step_fn: TrainStep | None = None
@@ -164,7 +167,7 @@ class Run:
   def switch_preset(self, state: TrainState, preset: str | None) -> TrainState:
     """Re-quantizes the model with `preset`, keeping parameters, statistics and optimizer state."""
     self.model = merge_model(self.graphdef, state)
-    self.report = self.bfp.quantize(self.model, preset)
+    self.report = self.quant.quantize(self.model, preset)
     self.preset = preset
     _, params, stats, keys, model_state = split_model(self.model)
     self.compile_step()
@@ -181,9 +184,9 @@ def setup(config: ml_collections.ConfigDict) -> Run:
   train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
   spe = max(1, train_pipe.steps_per_epoch)
   lr = recipe.schedule(config, spe, train_ds.size)
-  bfp = BFPPlan(config, spe)
+  quant = QuantPlan(config, spe)
   model = recipe.model(config, train_ds)
-  return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, bfp)
+  return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, quant)
 
 
 def _host(tree: Any) -> Any:
@@ -197,9 +200,9 @@ def _bfp_metrics(run: Run, zse: dict[str, dict[str, float]] | None) -> dict[str,
       vals = [d[key] for d in zse.values() if key in d]
       if vals:
         out[f"zse_{key}"] = float(np.mean(vals))
-  if run.bfp.controller is not None:
+  if run.quant.controller is not None:
     for role in bfp_controller.CONTROLLED_ROLES:
-      bits = [r[role] for r in run.bfp.controller.bits.values() if role in r]
+      bits = [r[role] for r in run.quant.controller.bits.values() if role in r]
       if bits:
         out[f"bits_{role}"] = float(np.mean(bits))
   return out
@@ -246,16 +249,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   checkpoints = Checkpointer(workdir)
   start = checkpoints.latest_step() or 0
   spe = run.steps_per_epoch
-  run.preset = run.bfp.preset_at(start // spe)
-  run.report = run.bfp.quantize(run.model, run.preset)
+  run.preset = run.quant.preset_at(start // spe)
+  run.report = run.quant.quantize(run.model, run.preset)
   run.model.train()
   graphdef, state = init_train_state(run.model, run.optimizer, run.mesh)
   run.graphdef = graphdef
   if start:
     saved, meta = checkpoints.restore(start, saveable(state))
     state = from_saveable(saved, state)
-    if run.bfp.controller is not None and meta.get("controller"):
-      run.bfp.controller.load_state_dict(meta["controller"])
+    if run.quant.controller is not None and meta.get("controller"):
+      run.quant.controller.load_state_dict(meta["controller"])
     logger.info("resumed %s from step %d", workdir, start)
   run.compile_step()
   writer = MetricsWriter(workdir, resume_step=start or None, enabled=jax.process_index() == 0)
@@ -271,8 +274,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     with _Interrupt() as stop, run.train_pipe.prefetch(
         start, config.max_steps - start, sharding=batch_sharding(run.mesh)) as batches:
       for batch in batches:
-        if step % spe == 0 and run.bfp.schedule is not None:
-          preset = run.bfp.preset_at(step // spe)
+        if step % spe == 0 and run.quant.schedule is not None:
+          preset = run.quant.preset_at(step // spe)
           if preset != run.preset:
             state = run.switch_preset(state, preset)
         state, metrics = run.step_fn(state, batch)
@@ -280,10 +283,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         zse = metrics.pop("zse", None)
         if zse is not None:
           zse = _host(zse)
-        if run.bfp.controller is not None and zse:
-          if run.bfp.controller.update(zse):
+        if run.quant.controller is not None and zse:
+          if run.quant.controller.update(zse):
             model = merge_model(run.graphdef, state)
-            nn_rules.set_widths(model, run.report, run.bfp.controller.bits)
+            nn_rules.set_widths(model, run.report, run.quant.controller.bits)
             state = state._replace(model_state=split_model(model)[4])
         if bar is not None:
           bar.update(1)
@@ -326,7 +329,7 @@ def _save(checkpoints: Checkpointer, step: int, state: TrainState, run: Run,
           config: ml_collections.ConfigDict) -> None:
   meta = {"step": step, "preset": run.preset,
           "config": json.loads(config.to_json_best_effort()),
-          "controller": run.bfp.controller.state_dict() if run.bfp.controller else None}
+          "controller": run.quant.controller.state_dict() if run.quant.controller else None}
   checkpoints.save(step, saveable(state), meta)
 
 

@@ -1,0 +1,177 @@
+"""The experiment runner (jlp.train.loop): resume exactness, Ctrl-C, bad configs before compile."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import digits
+from jlp.train import loop, recipe
+from jlp.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOLATILE = ("time", "throughput")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """The runs below compile the same programs again: a persistent cache makes that cheap."""
+  old = (jax.config.jax_compilation_cache_dir,
+         jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  yield
+  jax.config.update("jax_compilation_cache_dir", old[0])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+def small_config(**overrides):
+  c = digits.get_config()
+  c.model.kwargs.width = 8
+  c.batch_size = 64
+  c.max_steps = 12
+  c.log_every = 2
+  c.eval_every = 6
+  c.checkpoint_every = 4
+  c.grad_exp, c.grad_man, c.use_aps = 4, 3, True  # a low-precision all-reduce with APS
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+def stable(rows):
+  return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
+
+
+def final_checkpoint(workdir):
+  """The arrays of the newest checkpoint, flattened (restored without a target)."""
+  directory = os.path.join(workdir, "checkpoints")
+  step = max(int(d) for d in os.listdir(directory) if d.isdigit())
+  with ocp.CheckpointManager(directory, item_names=("state", "meta")) as mgr:
+    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                         meta=ocp.args.JsonRestore()))
+  leaves = jax.tree_util.tree_flatten_with_path(restored.state)[0]
+  return step, {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+  result = loop.train_and_evaluate(small_config(), workdir, progress=False)
+  return workdir, result
+
+
+def test_uninterrupted_run_logs_every_field(reference_run):
+  workdir, result = reference_run
+  rows = read_metrics(workdir)
+  assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]
+  for r in rows:
+    assert {"step", "time", "train_loss", "learning_rate", "throughput"} <= set(r)
+    assert np.isfinite(r["train_loss"])
+  assert [r["step"] for r in rows if "eval_accuracy" in r] == [6, 12]
+  assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+  assert result["step"] == 12 and not result["interrupted"]
+  assert os.path.exists(os.path.join(workdir, "config.json"))
+  assert os.listdir(os.path.join(workdir, "tensorboard"))
+
+
+def test_resume_after_a_lost_tail_is_bit_exact(reference_run, tmp_path):
+  """A run that died after its step-8 checkpoint (rows 10 and 12 logged, checkpoint 12 lost)
+  resumes from step 8: its metrics and final state equal the uninterrupted run's."""
+  ref_dir, _ = reference_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(ref_dir, workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "12"))
+  rows_before = read_metrics(workdir)
+  result = loop.train_and_evaluate(small_config(), workdir, progress=False)
+  assert result["step"] == 12
+  rows = read_metrics(workdir)
+  assert stable(rows) == stable(read_metrics(ref_dir))
+  assert rows[-1]["time"] > rows_before[-1]["time"]  # rows 10 and 12 were written again
+  ref_step, ref_state = final_checkpoint(ref_dir)
+  step, state = final_checkpoint(workdir)
+  assert step == ref_step == 12 and state.keys() == ref_state.keys()
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="SIGINT handlers need the main thread")
+def test_ctrl_c_checkpoints_and_the_resumed_run_is_bit_exact(reference_run, tmp_path):
+  ref_dir, _ = reference_run
+  workdir = str(tmp_path / "run")
+
+  def interrupt_after_first_row():
+    deadline = time.time() + 120
+    while time.time() < deadline and not read_metrics(workdir):
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+
+  killer = threading.Thread(target=interrupt_after_first_row)
+  killer.start()
+  first = loop.train_and_evaluate(small_config(), workdir, progress=False)
+  killer.join()
+  assert first["interrupted"] and 2 <= first["step"] < 12
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", str(first["step"])))
+  second = loop.train_and_evaluate(small_config(), workdir, progress=False)
+  assert second["step"] == 12 and not second["interrupted"]
+  assert stable(read_metrics(workdir)) == stable(read_metrics(ref_dir))
+  _, ref_state = final_checkpoint(ref_dir)
+  _, state = final_checkpoint(workdir)
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"lr": -0.1}, r"config.lr=-0.1 is not allowed"),
+    ({"grad_format": "e9m2"}, r"config.grad_format='e9m2' does not parse"),
+    ({"grad_exp": 8, "grad_man": 23, "use_aps": True}, r"config.use_aps=True .* APS needs"),
+    ({"model": {"name": "resnet7", "kwargs": {}}}, r"config.model.name='resnet7'"),
+    ({"batch_size": 100}, r"config.batch_size=100 .* multiple of 8 devices"),
+    ({"emulate_nodes": 3}, r"emulate_nodes=3 = 24"),
+    ({"bfp": {"preset": "FB13", "schedule": {}, "controller": "", "window": 0}},
+     r"preset 'FB13' is not allowed"),
+    ({"quant_rules": ((".*", {"xx": "e4m3"}),)}, r"quant_rules\[0\].*no role 'xx'"),
+    ({"schedule": {"name": "linear"}}, r"config.schedule.name='linear'"),
+])
+def test_bad_config_fails_before_the_model_is_built(overrides, message, monkeypatch, tmp_path):
+  def no_model(*args, **kwargs):
+    raise AssertionError("the model was built before the config was checked")
+  monkeypatch.setattr(recipe, "model", no_model)
+  c = small_config()
+  c.unlock()
+  for k, v in overrides.items():
+    c[k] = v
+  with pytest.raises(ValueError, match=message):
+    loop.train_and_evaluate(c, str(tmp_path), progress=False)
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_missing_data_directory_shows_the_expected_layout(monkeypatch, tmp_path):
+  monkeypatch.setattr(recipe, "model", lambda *a, **k: pytest.fail("model built"))
+  c = small_config()
+  c.dataset.name, c.dataset.root = "cifar10", str(tmp_path / "nowhere")
+  with pytest.raises(FileNotFoundError, match="cifar-10-batches-py") as e:
+    loop.train_and_evaluate(c, str(tmp_path / "run"), progress=False)
+  assert "data_batch_1" in str(e.value)
+
+
+def run_cli(*args, timeout=120):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_rejects_an_unknown_field_and_a_bad_value(tmp_path):
+  r = run_cli("--config=configs/digits.py", f"--workdir={tmp_path}", "--config.grad_expo=4")
+  assert r.returncode != 0 and "grad_expo" in r.stderr
+  r = run_cli("--config=configs/digits.py:local", f"--workdir={tmp_path}", "--config.lr=-1")
+  assert r.returncode == 2 and "config.lr=-1" in r.stderr and "Traceback" not in r.stderr
