@@ -15,15 +15,17 @@ The raw g_r enters each add (without APS), so g_0 ends up as q(g_0).
 algorithm="ring": a bandwidth-optimal ring (reduce-scatter, then all-gather) in
 which every value that crosses the wire is a value of fmt. Each leaf is
 flattened, padded with zeros to W·C elements (C = ceil(size / W)) and cut into
-W chunks; chunk k is reduced along the ring starting at rank k:
-    rank k computes s = q(0 + x_k[k]) (Kahan: one Kahan step from s = c = 0) and
-    sends it to rank k+1, which computes s = q(s + x_{k+1}[k]) and forwards it,
-    ... until rank k-1 (mod W) adds its own chunk;
+W chunks; chunk k is reduced along the ring starting at rank k+1 and ending at
+rank k (all mod W), which then holds it:
+    rank k+1 computes s = q(0 + x_{k+1}[k]) (Kahan: one Kahan step from
+    s = c = 0) and sends it to rank k+2, which computes s = q(s + x_{k+2}[k])
+    and forwards it, ... until rank k adds its own chunk last;
 so chunk k is the same fold as above over the ranks in the rotated order
-k, k+1, ..., W-1, 0, ..., k-1. With kahan=True the compensation c (a value of
+k+1, k+2, ..., W-1, 0, ..., k. With kahan=True the compensation c (a value of
 fmt) travels beside s. The reduced chunks are then all-gathered (values of fmt,
-no further arithmetic). The first hop is q(0 + x) rather than q(x) so that the
-ring is exactly this fold (they differ only for x = -0.0, which becomes +0.0).
+no further arithmetic; rank k's gathered row is chunk k). The first hop is
+q(0 + x) rather than q(x) so that the ring is exactly this fold (they differ
+only for x = -0.0, which becomes +0.0).
 With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
 rounding (psum's own order is the backend's).
 
@@ -148,17 +150,17 @@ def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | Non
   rank = lax.axis_index(axis_name)
   zeros = jnp.zeros(chunks.shape[1:], jnp.float32)
   own = lambda k: lax.dynamic_index_in_dim(chunks, k % n, keepdims=False)
-  carry = step((zeros, zeros), own(rank))
+  carry = step((zeros, zeros), own(rank - 1))  # rank r starts chunk r - 1
   to_next = [(i, (i + 1) % n) for i in range(n)]
 
-  def hop(t, carry):
+  def hop(t, carry):  # receives chunk r - 2 - t from rank r - 1
     wire = lax.ppermute(carry if kahan else carry[0], axis_name, to_next)
-    return step(wire if kahan else (wire, carry[1]), own(rank - 1 - t))
+    return step(wire if kahan else (wire, carry[1]), own(rank - 2 - t))
   if n > 1:
     carry = lax.fori_loop(0, n - 1, hop, carry)
-  # Rank r now holds the reduced chunk (r + 1) mod n.
+  # Rank r now holds the reduced chunk r.
   gathered = lax.all_gather(carry[0], axis_name)
-  return jnp.roll(gathered, 1, axis=0).reshape(-1)[:size].reshape(x.shape)
+  return gathered.reshape(-1)[:size].reshape(x.shape)
 
 
 def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None,

@@ -11,7 +11,7 @@ form="flat": one reduction over all the nodes, numbered node = d·N + v (d the
   reduced on every device. The result is bit-identical to `allreduce` over W·N
   real ranks with the same options: "sequential" is the same fold in node
   order; "ring" reproduces the ring's chunks (chunk k folded over nodes
-  k, k+1, ..., k-1 mod W·N, the wire casts included) as a `lax.scan` over a
+  k+1, k+2, ..., k mod W·N, the wire casts included) as a `lax.scan` over a
   rotated gather of the chunks; APS uses the multiplier W·N and the max over all
   nodes' exponents. (This emulates the ring's numerics, not its traffic.)
 
@@ -70,7 +70,7 @@ def ring_emulated(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Ar
   chunks, size = jax.vmap(lambda f: ring_chunks(f, n)[0])(flat), flat.shape[1]
   hop = jnp.arange(n)[:, None]
   chunk = jnp.arange(n)[None, :]
-  rotated = chunks[(chunk + hop) % n, chunk]  # [hop, chunk, C]: hop t of chunk k is node k + t
+  rotated = chunks[(chunk + 1 + hop) % n, chunk]  # [hop, chunk, C]: hop t of chunk k: node k+1+t
   step = fold_step(fmt, kahan)
   zeros = jnp.zeros_like(rotated[0])
   (s, _), _ = lax.scan(lambda carry, x: (step(carry, x), None), (zeros, zeros), rotated)

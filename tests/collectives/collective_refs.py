@@ -40,7 +40,7 @@ def fold(values, fmt, kahan):
 
 
 def ring(values, fmt, kahan):
-  """The ring of the allreduce docstring: chunk k folded over ranks k, k+1, ..., k-1 (mod W)."""
+  """The ring of the allreduce docstring: chunk k folded over ranks k+1, k+2, ..., k (mod W)."""
   w = len(values)
   shape = np.shape(values[0])
   flat = [np.ravel(np.asarray(g, F32)) for g in values]
@@ -49,7 +49,7 @@ def ring(values, fmt, kahan):
   flat = [np.concatenate([f, np.zeros(w * c - size, F32)]) for f in flat]
   out = np.zeros(w * c, F32)
   for k in range(w):
-    order = [(k + t) % w for t in range(w)]
+    order = [(k + 1 + t) % w for t in range(w)]
     out[k * c:(k + 1) * c] = fold([flat[r][k * c:(k + 1) * c] for r in order], fmt, kahan)
   return out[:size].reshape(shape)
 
