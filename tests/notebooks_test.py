@@ -1,0 +1,27 @@
+"""The quickstart notebook executes top to bottom on the CPU (nbclient), in its quick mode."""
+
+import os
+
+import nbformat
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quickstart_executes(tmp_path, monkeypatch):
+  nbclient = pytest.importorskip("nbclient")
+  path = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
+  nb = nbformat.read(path, as_version=4)
+  monkeypatch.setenv("JLP_NOTEBOOK_STEPS", "12")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                   resources={"metadata": {"path": str(tmp_path)}})
+  client.execute()
+  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                    for o in c.get("outputs", []))
+  assert "e3m0" in outputs and "test acc" in outputs  # the APS table
+  images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if "image/png" in o.get("data", {})]
+  assert len(images) >= 3  # formats explorer, the fp8 run's curves, the APS curves
