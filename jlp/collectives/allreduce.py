@@ -23,7 +23,11 @@ rank k (all mod W), which then holds it:
 so chunk k is the same fold as above over the ranks in the rotated order
 k+1, k+2, ..., W-1, 0, ..., k. With kahan=True the compensation c (a value of
 fmt) travels beside s. The reduced chunks are then all-gathered (values of fmt,
-no further arithmetic; rank k's gathered row is chunk k). The first hop is
+no further arithmetic; rank k's gathered row is chunk k). With APS or mean the
+reduced chunk is divided by 2^shift (and W) before the all-gather rather than
+after it: the same float32 operations on the same values, so the same bits,
+on 1/W of the data; the gathered values are then fmt values times that
+agreed scalar. The first hop is
 q(0 + x) rather than q(x) so that the ring is exactly this fold (they differ
 only for x = -0.0, which becomes +0.0).
 With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
@@ -144,12 +148,17 @@ def ring_chunks(flat: jax.Array, n: int) -> tuple[jax.Array, int]:
 
 
 def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | None,
-                    kahan: bool) -> jax.Array:
+                    kahan: bool, prepare: Callable[[jax.Array], jax.Array],
+                    finish: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """The ring of the module docstring. `prepare` maps each own chunk just before its add
+  (the APS cast q(g · 2^shift), chunk by chunk rather than in a pass of its own); `finish`
+  maps the reduced chunk before the all-gather (the unscale and the mean: each element goes
+  through the same float32 operations as after a gather, on 1/W of the data)."""
   chunks, size = ring_chunks(x.reshape(-1), n)
   step = fold_step(fmt, kahan)
   rank = lax.axis_index(axis_name)
   zeros = jnp.zeros(chunks.shape[1:], jnp.float32)
-  own = lambda k: lax.dynamic_index_in_dim(chunks, k % n, keepdims=False)
+  own = lambda k: prepare(lax.dynamic_index_in_dim(chunks, k % n, keepdims=False))
   carry = step((zeros, zeros), own(rank - 1))  # rank r starts chunk r - 1
   to_next = [(i, (i + 1) % n) for i in range(n)]
 
@@ -159,7 +168,7 @@ def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | Non
   if n > 1:
     carry = lax.fori_loop(0, n - 1, hop, carry)
   # Rank r now holds the reduced chunk r.
-  gathered = lax.all_gather(carry[0], axis_name)
+  gathered = lax.all_gather(finish(carry[0]), axis_name)
   return gathered.reshape(-1)[:size].reshape(x.shape)
 
 
@@ -190,14 +199,14 @@ def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None
   q = quantizer(fmt)
   out = []
   for i, g in enumerate(leaves):
-    x = q(g * factors[i]) if aps else g
+    prepare = (lambda v, f=factors[i]: q(v * f)) if aps else (lambda v: v)
+
+    def finish(s, i=i):
+      if aps:
+        s = s / factors[i]
+      return s / jnp.float32(n) if mean else s
     if algorithm == "sequential":
-      s = fold_stacked(lax.all_gather(x, axis_name), fmt, kahan)
+      out.append(finish(fold_stacked(lax.all_gather(prepare(g), axis_name), fmt, kahan)))
     else:
-      s = _ring_allreduce(x, axis_name, n, fmt, kahan)
-    if aps:
-      s = s / factors[i]
-    if mean:
-      s = s / jnp.float32(n)
-    out.append(s)
+      out.append(_ring_allreduce(g, axis_name, n, fmt, kahan, prepare, finish))
   return jax.tree.unflatten(treedef, out)
