@@ -62,6 +62,21 @@ def _results(procs, out_dir):
   return [dict(np.load(os.path.join(out_dir, f"process_{i}.npz"))) for i in range(len(procs))]
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(coordinator_address="127.0.0.1:1234"), "num_processes"),
+    (dict(coordinator_address="127.0.0.1:1234", num_processes=2), "process_id"),
+    (dict(coordinator_address="localhost", num_processes=2, process_id=0), "coordinator_address"),
+    (dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2), "process_id"),
+    (dict(cpu_collectives="nccl"), "cpu_collectives"),
+])
+def test_initialize_rejects_bad_arguments_before_starting(kwargs, field):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jlp.train  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=f"^{field}="):
+    jlp.train.initialize(**kwargs)
+  assert not jax.distributed.is_initialized()
+
+
 @pytest.mark.usefixtures("fast_compile")
 def test_two_processes_equal_one_process(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top

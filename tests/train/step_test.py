@@ -145,6 +145,19 @@ def test_bad_mesh_axis_and_batch_fail_before_compiling():
     step(state, bad)
 
 
+def test_mesh_helpers():
+  mesh = jt.data_mesh()
+  assert mesh.axis_names == ("data",) and mesh.shape["data"] == 8
+  assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
+  batch = jt.shard_batch(_batch(size=16), mesh)
+  assert batch["image"].sharding == jt.batch_sharding(mesh)
+  np.testing.assert_array_equal(np.asarray(batch["label"]), _batch(size=16)["label"])
+  with pytest.raises(ValueError, match="leading dimension=12"):
+    jt.shard_batch(_batch(size=12), mesh)
+  with pytest.raises(ValueError, match="^axis_name='model'"):
+    jt.batch_sharding(mesh, "model")
+
+
 # -- emulated nodes -----------------------------------------------------------------------------
 
 
