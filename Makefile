@@ -18,7 +18,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/python -m experiments.formats_table
+	$(VENV)/bin/python -m experiments.aps_digits
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 -q

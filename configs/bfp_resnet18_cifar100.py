@@ -13,7 +13,8 @@ test set uses the test transform (bfp.md §5.1 bugs 1 and 2 are not copied).
       --config.bfp.controller=Simple/0.1/0.3/0/1   # BFPsim's dynamic precision control
       --config.bfp.preset=ResNet18_FB12            # a fixed preset instead of the schedule
 
-`:local` is a CPU smoke run on digits at 32x32x3, width 8, with the schedule switching at step 4.
+`:local` is a CPU smoke run on digits at 32x32x3 with a width-8 ResNet18 of one block per stage
+(the preset's rules for the missing blocks match nothing) and the Simple controller on 2-step windows.
 """
 
 from jlp.train.config import base_config, parse_arg
@@ -43,8 +44,8 @@ def get_config(arg=None):
     c.dataset.name = "digits"
     c.dataset.root = ""
     c.dataset.kwargs = {"variant": "32x32x3"}
-    c.model.kwargs.width = 8
-    c.batch_size = 64
+    c.model.kwargs = {"width": 8, "num_blocks": (1, 1, 1, 1)}
+    c.batch_size = 32
     c.eval_batch_size = 120
     c.max_steps = 8
     c.log_every = 2
