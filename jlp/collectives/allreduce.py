@@ -162,11 +162,14 @@ def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | Non
   carry = step((zeros, zeros), own(rank - 1))  # rank r starts chunk r - 1
   to_next = [(i, (i + 1) % n) for i in range(n)]
 
-  def hop(t, carry):  # receives chunk r - 2 - t from rank r - 1
-    wire = lax.ppermute(carry if kahan else carry[0], axis_name, to_next)
-    return step(wire if kahan else (wire, carry[1]), own(rank - 2 - t))
+  def hop(t, carry):  # receives chunk r - 2 - t from rank r - 1; without Kahan carry = s
+    wire = lax.ppermute(carry, axis_name, to_next)
+    out = step(wire if kahan else (wire, zeros), own(rank - 2 - t))
+    return out if kahan else out[0]
   if n > 1:
-    carry = lax.fori_loop(0, n - 1, hop, carry)
+    carry = lax.fori_loop(0, n - 1, hop, carry if kahan else carry[0])
+  if not kahan:
+    carry = (carry, None)
   # Rank r now holds the reduced chunk r.
   gathered = lax.all_gather(finish(carry[0]), axis_name)
   return gathered.reshape(-1)[:size].reshape(x.shape)
