@@ -22,14 +22,13 @@ rank k (all mod W), which then holds it:
     and forwards it, ... until rank k adds its own chunk last;
 so chunk k is the same fold as above over the ranks in the rotated order
 k+1, k+2, ..., W-1, 0, ..., k. With kahan=True the compensation c (a value of
-fmt) travels beside s. The reduced chunks are then all-gathered (values of fmt,
-no further arithmetic; rank k's gathered row is chunk k). With APS or mean the
-reduced chunk is divided by 2^shift (and W) before the all-gather rather than
-after it: the same float32 operations on the same values, so the same bits,
-on 1/W of the data; the gathered values are then fmt values times that
-agreed scalar. The first hop is
-q(0 + x) rather than q(x) so that the ring is exactly this fold (they differ
-only for x = -0.0, which becomes +0.0).
+fmt) travels beside s. The first hop is q(0 + x) rather than q(x) so that the
+ring is exactly this fold (they differ only for x = -0.0, which becomes +0.0).
+The reduced chunks are then all-gathered (no further arithmetic; rank k's row
+is chunk k). With APS or mean, each rank divides its reduced chunk by 2^shift
+(and W) before the all-gather rather than after it: the same float32 operations
+on the same values, so the same bits, on 1/W of the data (the gathered values
+are fmt values times that agreed scalar).
 With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
 rounding (psum's own order is the backend's).
 
@@ -76,7 +75,8 @@ def check_options(fmt: Any, algorithm: Any, kahan: Any, aps: Any, mean: Any) -> 
       try:
         fmt = as_format(fmt)
       except ValueError as e:
-        raise _invalid("fmt", given, "None, a FloatFormat or a float format name such as 'e5m2'") from e
+        raise _invalid("fmt", given,
+                       "None, a FloatFormat or a float format name such as 'e5m2'") from e
     if not isinstance(fmt, FloatFormat):
       raise _invalid("fmt", given, "None, a FloatFormat or a float format name such as 'e5m2' "
                      "(BFP / MX formats cannot be all-reduce wire formats)")

@@ -69,7 +69,8 @@ def test_cpd_reference_cases_sequential(values, fmt, plain, kahan):
   for use_kahan, want in ((False, plain), (True, kahan)):
     got = reduced(ranks, fmt=fmt, kahan=use_kahan)[0]
     assert float(got[0]) == want
-    ref.assert_same_bits(got, cref.fold([r[0] for r in ranks], FloatFormat.from_name(fmt), use_kahan))
+    want_fold = cref.fold([r[0] for r in ranks], FloatFormat.from_name(fmt), use_kahan)
+    ref.assert_same_bits(got, want_fold)
 
 
 def test_cpd_reference_case_sixteen_ranks():
@@ -266,3 +267,14 @@ def test_bad_axis_and_dtype_raise():
   with pytest.raises(ValueError, match=r"tree\['g'\].dtype"):
     jax.shard_map(lambda x: allreduce({"g": x}, "r")["g"], mesh=mesh_of(2), in_specs=P("r"),
                   out_specs=P("r"))(np.ones(2, np.int32))
+
+
+@pytest.mark.parametrize("fmt", [None, FloatFormat(5, 2), FloatFormat(3, 0)], ids=str)
+def test_fold_is_jlp_sums_bit_for_bit(fmt):
+  """The collectives' own fold (a scan with a varying-typed carry) is jlp.sequential_sum /
+  jlp.kahan_sum (a consistency check against jlp code; the references above are independent)."""
+  import jlp  # pylint: disable=g-import-not-at-top
+  from jlp.collectives.allreduce import fold_stacked  # pylint: disable=g-import-not-at-top
+  x = np.stack([r[0] for r in random_ranks(8, [(64,)], seed=11)])
+  for kahan, sums_fn in ((False, jlp.sequential_sum), (True, jlp.kahan_sum)):
+    ref.assert_same_bits(fold_stacked(jnp.asarray(x), fmt, kahan), sums_fn(x, fmt=fmt))

@@ -91,7 +91,8 @@ def aps_factors(leaves_per_rank, fmt, mode, multiplier):
   return factors
 
 
-def allreduce(leaves_per_rank, fmt=None, algorithm="sequential", kahan=False, aps=False, mean=False):
+def allreduce(leaves_per_rank, fmt=None, algorithm="sequential", kahan=False, aps=False,
+              mean=False):
   """Expected result of jlp.collectives.allreduce over len(leaves_per_rank) ranks.
 
   leaves_per_rank[r][i]: rank r's leaf i (numpy float32).

@@ -39,4 +39,5 @@ def _compiled(w, options):
 
 def on_ranks(nodes, **options):
   """allreduce over len(nodes) devices (check_vma on); per leaf every rank's result [W, ...]."""
-  return [np.asarray(o) for o in _compiled(len(nodes), tuple(sorted(options.items())))(*stack(nodes))]
+  fn = _compiled(len(nodes), tuple(sorted(options.items())))
+  return [np.asarray(o) for o in fn(*stack(nodes))]

@@ -95,7 +95,7 @@ def test_flat_four_devices_times_two_nodes_equals_eight_devices(algorithm):
     (FloatFormat(5, 2), "cpd", False, "sequential"),
 ], ids=str)
 def test_cpd_two_level_matches_python_reference(fmt, aps, kahan, algorithm):
-  """4 devices x 2 virtual nodes: local APS (multiplier 2) + plain fold, then the 4-way allreduce."""
+  """4 devices x 2 virtual nodes: local APS (multiplier 2), plain fold, then the 4-way allreduce."""
   nodes = random_nodes(8, seed=4)
   got = emulated_on_mesh(nodes, 4, form="cpd", fmt=fmt, aps=aps, kahan=kahan, algorithm=algorithm,
                          mean=True)
