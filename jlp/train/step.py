@@ -13,10 +13,19 @@ per device (cpd.md §3.2, §6.1):
          loss / (W*N) * loss_scale
      with respect to the float32 parameters, so that the sum of the W*N node gradients is
      loss_scale times the gradient of the mean of the node losses (CPD's convention, cpd.md §6.1).
-     With node_map="scan" (default) a device runs its nodes one after the other in a loop whose
-     body is the same program for every N (N = 1 included), so a node's gradient does not depend
-     on how many nodes its device runs; node_map="vmap" batches them (faster, but XLA compiles
-     the batched convolutions differently: gradients differ in the last bits, measured).
+     How a device runs its N nodes (`GradSync.node_map`; measured on XLA:CPU, small CNN):
+       "unroll" (default): N isolated copies of the one-node program (optimization barriers
+         around each node's inputs and outputs), each compiled as a real device's program, so
+         a node's results do not depend on N: bit-identical to W*N devices. Compile time grows
+         with N.
+       "scan": one node after the other in a loop (`_node_scan`), also bit-identical (for any
+         N, N = 1 included) and compiled once whatever N, but XLA:CPU compiles the weight-
+         gradient convolution inside a loop body to a slow generic loop (not Eigen): ~5x slower
+         steps on conv nets on CPU.
+       "vmap": batched (fast, one program), but the batched convolutions are other programs:
+         gradients differ from the devices' in the last bits (not bit-identical).
+     "Bit-identical" compares runs with the same node_map (8 devices x 1 node under "scan" run
+     the loop too); "unroll" and "scan" differ from each other in the last bits.
   3. The gradients are summed over all nodes with `jlp.collectives` as `GradSync` says (module
      `jlp.train.sync`), the same sum on every device, then divided by loss_scale in float32
      (skipped when loss_scale == 1).
@@ -129,8 +138,23 @@ def _check_loss_scale(loss_scale: Any) -> float:
   return float(loss_scale)
 
 
-def _node_loop(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int) -> Any:
-  """node(per_node[v], first + v) for v = 0..n-1, stacked; one node after the other.
+def _node_unroll(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int) -> Any:
+  """node(per_node[v], first + v) for v = 0..n-1, stacked: n copies of the one-node program.
+
+  Each copy's inputs (its micro-batch, its copy of the BatchNorm statistics) and outputs pass
+  through optimization barriers, so XLA neither shares nor fuses anything across nodes and
+  compiles every copy as it compiles the single node of a real device (n = 1): the results are
+  the same bits whatever n is (measured on XLA:CPU).
+  """
+  outs = []
+  for v in range(n):
+    inputs = lax.optimization_barrier(jax.tree.map(lambda x, v=v: x[v], per_node))
+    outs.append(lax.optimization_barrier(node(inputs, first + v)))
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+
+def _node_scan(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int) -> Any:
+  """node(per_node[v], first + v) for v = 0..n-1, stacked; one node after the other in a loop.
 
   Written so that a node's results are the same bits whatever n is (n = 1 included), which the
   "W devices x N nodes = W*N devices" exactness needs (each case below was measured on XLA:CPU):
@@ -142,6 +166,10 @@ def _node_loop(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int
   * whatever varies with n must come in through `per_node` (the caller also passes the
     BatchNorm statistics there, as n copies): a loop-invariant operand lets XLA hoist or fuse
     its arithmetic (e.g. momentum * running_mean) differently for different n.
+  The loop body is not the program of `_node_unroll` (results differ in the last bits between
+  the two modes) and it is slow on XLA:CPU: inside a loop body the weight-gradient convolution
+  keeps its non-canonical dimension order (dim_labels f01b_i01o->01bf) and is emitted as a
+  generic loop instead of an Eigen convolution (~30x slower for that op, measured).
   """
   one = jax.eval_shape(node, jax.tree.map(lambda x: x[0], per_node), first)
   init = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), one)
@@ -243,29 +271,43 @@ class TrainStep:
     grads, (loss, aux, new_stats, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
     return grads, loss, aux, new_stats, new_state
 
-  def _node_mean(self, stacked: jax.Array) -> jax.Array:
-    """Mean over all W*N nodes of a per-node value stacked [N, ...] on each device, summed in
-    node order (all_gather over the devices, then a float32 fold)."""
-    everything = lax.all_gather(stacked, self.sync.axis_name, tiled=True)
-    return sequential_sum(everything.astype(jnp.float32)) / self.num_nodes
+  def _node_means(self, tree: Any) -> Any:
+    """Means over all W*N nodes of per-node values (leaves stacked [N, ...] on each device),
+    each summed in node order: one all_gather of all leaves side by side, then a float32 fold
+    over the nodes (elementwise, so packing the leaves together changes no bit)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+      return tree
+    n = leaves[0].shape[0]
+    packed = jnp.concatenate([x.reshape(n, -1).astype(jnp.float32) for x in leaves], axis=1)
+    everything = lax.all_gather(packed, self.sync.axis_name, tiled=True)
+    means = sequential_sum(everything) / self.num_nodes
+    out, start = [], 0
+    for x in leaves:
+      size = math.prod(x.shape[1:])
+      out.append(means[start:start + size].reshape(x.shape[1:]).astype(x.dtype))
+      start += size
+    return jax.tree.unflatten(treedef, out)
 
   def _device(self, params, batch_stats, rng_keys, model_state, batch):
     sync, n = self.sync, self.sync.emulate_nodes
     first = lax.axis_index(sync.axis_name) * n
     micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-    # Every node gets its own copy of the BatchNorm statistics (see _node_loop).
+    # Every node gets its own copy of the BatchNorm statistics (see _node_scan).
     stats_copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), batch_stats)
     node = lambda mb, v: self._node(params, mb[1], rng_keys, model_state, mb[0], v)
     if sync.node_map == "vmap":
       out = jax.vmap(node)((micro, stats_copies), first + jnp.arange(n, dtype=first.dtype))
+    elif sync.node_map == "scan":
+      out = _node_scan(node, (micro, stats_copies), first, n)
     else:
-      out = _node_loop(node, (micro, stats_copies), first, n)
+      out = _node_unroll(node, (micro, stats_copies), first, n)
     grads, loss, aux, stats, state = out
     if not sync.uses_emulation:
       grads = jax.tree.map(lambda g: g[0], grads)
     grads = reduce_gradients(grads, sync)
-    metrics = {"loss": self._node_mean(loss), **jax.tree.map(self._node_mean, aux)}
-    stats = jax.tree.map(self._node_mean, stats)
+    loss, aux, stats = self._node_means((loss, aux, stats))
+    metrics = {"loss": loss, **aux}
     state = jax.tree.map(lambda x: x[0], state)
     return grads, stats, state, metrics
 

@@ -16,8 +16,10 @@
                nodes with their own APS factor, then the W devices).
   cast_single  with form="cpd": cast the local gradients even when N == 1 (CPD's ResNet50 does,
                its ResNet18 does not).
-  node_map     how a device runs its N nodes: "scan" (lax.map, one node after the other: the
-               default, each node runs the very program of one real device) or "vmap" (batched).
+  node_map     how a device runs its N nodes: "unroll" (default: N isolated copies of the
+               one-node program; bit-identical to W*N devices, compile time grows with N),
+               "scan" (a loop: also bit-identical and compiled once, but ~5x slower conv steps
+               on XLA:CPU) or "vmap" (batched: fast, not bit-identical). See jlp.train.step.
   axis_name    the mesh axis the gradients are reduced over ("data").
 
 The reduction itself is `jlp.collectives` (`allreduce` for N == 1, `emulated_allreduce`
@@ -37,7 +39,7 @@ from jlp.formats import FloatFormat, as_format
 
 __all__ = ["GradSync", "NODE_MAPS", "reduce_gradients"]
 
-NODE_MAPS = ("scan", "vmap")
+NODE_MAPS = ("unroll", "scan", "vmap")
 
 
 def _invalid(field: str, given: Any, allowed: str) -> ValueError:
@@ -64,7 +66,7 @@ class GradSync:
   emulate_nodes: int = 1
   form: str = "flat"
   cast_single: bool = False
-  node_map: str = "scan"
+  node_map: str = "unroll"
   axis_name: str = "data"
 
   def __post_init__(self):
