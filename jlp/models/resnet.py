@@ -22,6 +22,13 @@ with a = sqrt(5) for weights, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for biases; kua
 default for the classifier). BatchNorm: gamma 1, beta 0, PyTorch momentum 0.1 (= Flax momentum 0.9),
 eps 1e-5. Train/eval mode: ``model.train()`` / ``model.eval()`` (NNX sets ``use_running_average``
 of every BatchNorm), or ``use_running_average=`` at construction.
+
+BFPsim compatibility: ``bfpsim_inplace_fi`` (False; set by
+``jlp.nn.quantize_model(..., bfpsim_inplace_fi=True)``) on the ResNet and its blocks reproduces the
+side effect of BFPsim's in-place input quantization (bfp.md §2.3, `jlp.nn.inplace_fi`): every
+activation that feeds a conv with a BFP x role is quantized where it is produced and the quantized
+tensor feeds all its consumers (identity shortcut, projection conv, stage outputs, the producing
+ReLU's backward mask).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jlp.nn.inplace_fi import quantize_for_conv
 
 __all__ = [
     "BasicBlock",
@@ -184,6 +193,13 @@ def _projection(in_ch, out_ch, stride, init, use_running_average, rngs):
   ])
 
 
+def _inplace_fi(owner: nnx.Module, conv: nnx.Conv, x: jax.Array, after_relu: bool = True):
+  """x as `conv`'s in-place BFP input quantization leaves it, when owner.bfpsim_inplace_fi."""
+  if not owner.bfpsim_inplace_fi:
+    return x
+  return quantize_for_conv(conv, x, after_relu=after_relu)
+
+
 class BasicBlock(nnx.Module):
   """ResNet basic block: 3x3 conv-BN-ReLU, 3x3 conv-BN, + shortcut, ReLU.
 
@@ -211,6 +227,7 @@ class BasicBlock(nnx.Module):
     self.conv2 = conv2d(planes, planes, 3, 1, dilation=dilation, init=init, rngs=rngs)
     self.bn2 = batch_norm(planes, use_running_average=ura, rngs=rngs)
     self.shortcut_name = shortcut_name
+    self.bfpsim_inplace_fi = False
     out = planes * self.expansion
     proj = None
     if stride != 1 or in_planes != out:
@@ -218,7 +235,9 @@ class BasicBlock(nnx.Module):
     setattr(self, shortcut_name, proj)
 
   def __call__(self, x):
+    """x: the block input, already quantized for conv1 by `ResNet` when bfpsim_inplace_fi."""
     out = jax.nn.relu(self.bn1(self.conv1(x)))
+    out = _inplace_fi(self, self.conv2, out)
     out = self.bn2(self.conv2(out))
     proj = getattr(self, self.shortcut_name)
     sc = x if proj is None else run_sequence(proj, x)
@@ -252,14 +271,18 @@ class Bottleneck(nnx.Module):
     self.conv3 = conv2d(planes, out, 1, 1, padding=0, init=init, rngs=rngs)
     self.bn3 = batch_norm(out, use_running_average=ura, rngs=rngs)
     self.shortcut_name = shortcut_name
+    self.bfpsim_inplace_fi = False
     proj = None
     if stride != 1 or in_planes != out:
       proj = _projection(in_planes, out, stride, init, ura, rngs)
     setattr(self, shortcut_name, proj)
 
   def __call__(self, x):
+    """x: the block input, already quantized for conv1 by `ResNet` when bfpsim_inplace_fi."""
     out = jax.nn.relu(self.bn1(self.conv1(x)))
+    out = _inplace_fi(self, self.conv2, out)
     out = jax.nn.relu(self.bn2(self.conv2(out)))
+    out = _inplace_fi(self, self.conv3, out)
     out = self.bn3(self.conv3(out))
     proj = getattr(self, self.shortcut_name)
     sc = x if proj is None else run_sequence(proj, x)
@@ -326,6 +349,7 @@ class ResNet(nnx.Module):
     ura = use_running_average
     self.stem_type = stem
     self.classifier_name = classifier_name
+    self.bfpsim_inplace_fi = False
 
     if stem == "cifar":
       self.conv1 = conv2d(in_channels, width, 3, 1, init=init, rngs=rngs)
@@ -376,16 +400,36 @@ class ResNet(nnx.Module):
     setattr(self, classifier_name, head)
 
   def features(self, x) -> list:
-    """Stem and the four stages; returns the list of the four stage outputs (NHWC)."""
+    """Stem and the four stages; returns the list of the four stage outputs (NHWC).
+
+    With bfpsim_inplace_fi, each block input is quantized here, where it is produced, for the
+    block's conv1 (after a ReLU, or after the max pool of the ImageNet / deep stems), so the
+    shortcut and the stage outputs see the quantized values, as in BFPsim.
+    """
     if self.stem_type == "deep":
-      x = self.maxpool(run_sequence(self.stem, x))
+      prev = None
+      for layer in self.stem:
+        if isinstance(layer, nnx.Conv) and prev is not None:
+          x = _inplace_fi(self, layer, x, after_relu=isinstance(prev, ReLU))
+        x = layer(x)
+        prev = layer
+      x = self.maxpool(x)
     else:
       x = jax.nn.relu(self.bn1(self.conv1(x)))
       if self.stem_type == "imagenet":
         x = self.maxpool(x)
+    layers = (self.layer1, self.layer2, self.layer3, self.layer4)
+    blocks = [block for layer in layers for block in layer]
+    if blocks:
+      x = _inplace_fi(self, blocks[0].conv1, x, after_relu=self.stem_type == "cifar")
     outs = []
-    for layer in (self.layer1, self.layer2, self.layer3, self.layer4):
-      x = run_sequence(layer, x)
+    done = 0
+    for layer in layers:
+      for block in layer:
+        x = block(x)
+        done += 1
+        if done < len(blocks):
+          x = _inplace_fi(self, blocks[done].conv1, x)
       outs.append(x)
     return outs
 

@@ -3,6 +3,9 @@
   quantize_model(model, rules, rngs=None) -> QuantReport   (jlp.nn.rules)
   load_bfpsim_preset(path_or_dict_or_name) -> [QuantRule]   (jlp.nn.bfpsim)
 
+BFPsim compatibility: quantize_model(..., bfpsim_inplace_fi=True) reproduces the side effect of
+BFPsim's in-place input quantization on the zoo's ResNets (jlp.nn.inplace_fi).
+
 BFP training controls: traced per-layer widths (set_widths / get_widths), per-layer
 zero-setting errors as metrics (bfp_zse_metrics), and `jlp.nn.zse` / `jlp.nn.controller`.
 """

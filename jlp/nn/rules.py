@@ -397,6 +397,8 @@ class QuantReport(collections.abc.Mapping):
       kept in float32 by a cfg-None rule); layers no rule matched are absent.
     unused_rules: the rules that matched no layer (likely typos).
     rules: the rules as given.
+    bfpsim_inplace_fi: whether BFPsim's in-place fi side effect is emulated
+      (`jlp.nn.inplace_fi`).
   """
 
   layers: dict[str, GemmQuant]
@@ -404,6 +406,7 @@ class QuantReport(collections.abc.Mapping):
   matched: dict[str, int]
   unused_rules: list[QuantRule]
   rules: list[QuantRule]
+  bfpsim_inplace_fi: bool = False
 
   def __getitem__(self, path: str) -> GemmQuant:
     return self.layers[path]
@@ -430,6 +433,8 @@ class QuantReport(collections.abc.Mapping):
     lines.insert(1, "-" * (sum(widths) + 6 + len(rows[0][3])))
     lines.append(f"{len(self.layers)} of {len(self.kinds)} layers quantized, "
                  f"{len(self.unused_rules)} unused rule(s)")
+    if self.bfpsim_inplace_fi:
+      lines.append("BFPsim in-place fi side effect emulated (bfpsim_inplace_fi=True)")
     for r in self.unused_rules:
       lines.append(f"  unused: {r.name or r.path!r}")
     return "\n".join(lines)
@@ -483,7 +488,7 @@ def _check_weight_roles(cfg: GemmQuant, module: Any, path: str, rule: QuantRule)
 
 
 def quantize_model(model: nnx.Module, rules: Iterable[QuantRule | tuple[str, Any]], *,
-                   rngs: nnx.Rngs | None = None) -> QuantReport:
+                   rngs: nnx.Rngs | None = None, bfpsim_inplace_fi: bool = False) -> QuantReport:
   """Quantizes the Linear / LinearGeneral / Conv / Einsum layers of `model` in place.
 
   Args:
@@ -494,6 +499,13 @@ def quantize_model(model: nnx.Module, rules: Iterable[QuantRule | tuple[str, Any
       (and, for per-kind rules, names its kind). cfg None keeps the layer.
     rngs: needed when a matched cfg rounds stochastically; each such layer's
       stream is derived from `rngs.quant()` (module docstring).
+    bfpsim_inplace_fi: reproduce the side effect of BFPsim's in-place input
+      quantization (bfp.md §2.3, `jlp.nn.inplace_fi`): an activation feeding a
+      conv with a BFP x role is quantized where it is produced and feeds all
+      its consumers quantized (shortcut, projection conv, the producing ReLU's
+      backward mask). Supported by the model zoo's ResNets (and FCN's ResNet
+      backbone): the value is set on every module with a `bfpsim_inplace_fi`
+      attribute. False (default) keeps jlp's functional semantics.
 
   Returns:
     A `QuantReport`; rules that matched nothing are also logged as a warning
@@ -503,11 +515,18 @@ def quantize_model(model: nnx.Module, rules: Iterable[QuantRule | tuple[str, Any
     ValueError: a bad rule, a stochastic cfg without `rngs` (or without a
       "quant"/"default" stream), a BFP/MX block on a weight role that does not
       fit the layer's kernel rank, a layer whose op hook already holds a custom
-      (non-jlp) op, an einsum layer without a static einsum_str.
+      (non-jlp) op, an einsum layer without a static einsum_str,
+      bfpsim_inplace_fi=True on a model that does not support it.
   """
   rules = _as_rules(rules)
   if not isinstance(model, nnx.Module):
     raise ValueError(f"model={type(model).__name__} is not allowed; expected an nnx.Module.")
+  if not isinstance(bfpsim_inplace_fi, bool):
+    raise ValueError(f"bfpsim_inplace_fi={bfpsim_inplace_fi!r} is not allowed; expected True or False.")
+  inplace_modules = [m for _, m in nnx.iter_modules(model) if hasattr(m, "bfpsim_inplace_fi")]
+  if bfpsim_inplace_fi and not inplace_modules:
+    raise ValueError(f"bfpsim_inplace_fi=True is not allowed for {type(model).__name__}; expected a "
+                     "model with `bfpsim_inplace_fi` support (the ResNets of jlp.models, FCN).")
   used = [False] * len(rules)
   layers: dict[str, GemmQuant] = {}
   kinds: dict[str, str] = {}
@@ -553,17 +572,25 @@ def quantize_model(model: nnx.Module, rules: Iterable[QuantRule | tuple[str, Any
       rng = nnx.RngStream(layer_key, tag="quant")
     setattr(module, attr, nnx.data(_ADAPTERS[kind](cfg, path, original, rng)))
     layers[path] = cfg
+  for m in inplace_modules:
+    m.bfpsim_inplace_fi = bfpsim_inplace_fi
   unused = [r for r, u in zip(rules, used) if not u]
   if unused:
     logger.warning("jlp quantize_model: %d rule(s) matched no layer: %s", len(unused),
                    ", ".join(r._label() for r in unused))
-  return QuantReport(layers=layers, kinds=kinds, matched=matched, unused_rules=unused, rules=rules)
+  return QuantReport(layers=layers, kinds=kinds, matched=matched, unused_rules=unused, rules=rules,
+                     bfpsim_inplace_fi=bfpsim_inplace_fi)
 
 
 def unquantize_model(model: nnx.Module) -> list[str]:
-  """Restores the original ops of every layer `quantize_model` changed; returns their paths."""
+  """Restores the original ops of every layer `quantize_model` changed; returns their paths.
+
+  Also turns the BFPsim in-place fi emulation off (`bfpsim_inplace_fi`).
+  """
   restored = []
   for p, m in list(nnx.iter_modules(model)):
+    if hasattr(m, "bfpsim_inplace_fi"):
+      m.bfpsim_inplace_fi = False
     if layer_kind(m) is None:
       continue
     _, attr, _ = _hook(m)

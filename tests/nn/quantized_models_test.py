@@ -36,8 +36,9 @@ TINY = {
     "fcn": (dict(num_classes=5, block="basic", num_blocks=(1, 1, 1, 1), width=4, channels=8, aux_channels=4),
             images(16)),
     "bert_small": (dict(vocab=50, max_len=16, hidden=16, num_layers=2, heads=2, num_classes=3), token_ids(8, 50)),
+    "small_cnn": (dict(num_classes=10, width=4), images(8, 1)),
 }
-CONV_MODELS = {"resnet18", "resnet50", "davidnet", "vgg19", "fcn"}
+CONV_MODELS = {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "small_cnn"}
 
 E4M3, E5M2 = FloatFormat(4, 3), FloatFormat(5, 2)
 FP8 = [QuantRule(".*", GemmQuant(x=E4M3, w=E4M3, dgrad_dy=E5M2, wgrad_dy=E5M2), name="fp8")]
