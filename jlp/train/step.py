@@ -42,7 +42,7 @@ The state after a step is a deterministic function of the state and the global b
     not change. Other non-parameter state (RNG counters, BFP widths, ...) is taken from node 0;
     it evolves identically on every node.
   * Metrics: `loss` (the mean of the node losses, without loss_scale) and the mean over the nodes
-    of every entry of `aux`, each summed in node order as above.
+    of every entry of `aux` (float32 scalars), each summed in node order as above.
 
 `TrainState` is a NamedTuple of replicated arrays and `nnx.State`s (a plain pytree: orbax saves it
 once typed PRNG keys are turned into key data). Build it with `init_train_state`; the model for
