@@ -144,7 +144,8 @@ class Run:
     self.graphdef = graphdef
     self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, recipe.grad_sync(config),
                              loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
-                             donate=True)
+                             donate=True,
+                             zse_report=self.report if self.quant.schedule is not None else None)
     task, classes = config.task, self.train_pipe.dataset.num_classes
 
     def eval_step(state, batch):
@@ -300,6 +301,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "throughput": (step - last_step) * config.batch_size / max(now - last_time, 1e-9),
                  "epoch": step / spe,
                  **_bfp_metrics(run, zse)}
+          if run.quant.schedule is not None:
+            row["bfp_preset"] = run.preset
           if evaluated:
             row.update(run.evaluate(state))
           row = writer.write(step, row)

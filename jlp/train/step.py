@@ -63,6 +63,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jlp.nn.rules import ZSEProbe, bfp_zse_metrics
 from jlp.numerics.sums import sequential_sum
 from jlp.train.mesh import batch_sharding, replicate, replicated
 from jlp.train.sync import GradSync, reduce_gradients
@@ -194,6 +195,11 @@ class TrainStep:
     loss_scale: static loss scale: the node losses are multiplied by it before differentiation
       and the summed gradient is divided by it (float32) before the optimizer.
     donate: donate the input state's buffers to the output state.
+    zse_report: the QuantReport of a BFP-quantized model (`jlp.nn.quantize_model`): the metrics
+      then hold "zse", {layer path: {"fw", "bwo", "biw"}} (`jlp.nn.bfp_zse_metrics`, bfp.md
+      §3.1): "fw" of the master weights before the update, "bwo" of the summed weight gradient,
+      "biw" the mean over the nodes of each node's input-gradient ZSE (the gradient of the
+      layer's `ZSEProbe`, taken beside the parameter gradient).
 
   The batch is any pytree of arrays with a common leading dimension B, a multiple of
   W * emulate_nodes (in a multi-process run: a global array, see `jlp.train.shard_batch`).
@@ -207,7 +213,8 @@ class TrainStep:
                *,
                loss_fn: LossFn = cross_entropy_loss,
                loss_scale: float = 1.0,
-               donate: bool = False):
+               donate: bool = False,
+               zse_report: Any = None):
     if not isinstance(sync, GradSync):
       raise ValueError(f"sync={sync!r} is not allowed; expected a jlp.train.GradSync.")
     if not isinstance(mesh, Mesh):
@@ -225,6 +232,7 @@ class TrainStep:
     self.loss_fn = loss_fn
     self.loss_scale = _check_loss_scale(loss_scale)
     self.num_nodes = self.num_devices * sync.emulate_nodes
+    self.zse_report = zse_report
     state_sharding = replicated(mesh)
     self.jitted = jax.jit(self._step,
                           in_shardings=(state_sharding, batch_sharding(mesh, sync.axis_name)),
@@ -256,11 +264,16 @@ class TrainStep:
 
   # -- the traced program ---------------------------------------------------------------------
   def _node(self, params, batch_stats, rng_keys, model_state, micro_batch, node):
-    """(gradient of the scaled node loss, loss, aux, new batch stats, new model state)."""
+    """(gradient of the scaled node loss, loss, aux, new batch stats, new model state, probe
+    gradients: the ZSE probes' gradients when zse_report is set, else an empty state)."""
     keys = jax.tree.map(lambda k: jax.random.fold_in(k, node), rng_keys)
+    if self.zse_report is not None:
+      probes, others = nnx.split_state(model_state, ZSEProbe, ...)
+    else:
+      probes, others = nnx.State({}), model_state
 
-    def scaled_loss(p):
-      model = nnx.merge(self.graphdef, p, batch_stats, keys, model_state, copy=True)
+    def scaled_loss(p, probe_values):
+      model = nnx.merge(self.graphdef, p, batch_stats, keys, probe_values, others, copy=True)
       loss, aux = self.loss_fn(model, micro_batch)
       _, _, new_stats, _, new_state = split_model(model)
       scaled = loss / self.num_nodes
@@ -268,8 +281,9 @@ class TrainStep:
         scaled = scaled * self.loss_scale
       return scaled, (loss, aux, new_stats, new_state)
 
-    grads, (loss, aux, new_stats, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
-    return grads, loss, aux, new_stats, new_state
+    (grads, probe_grads), (loss, aux, new_stats, new_state) = jax.grad(
+        scaled_loss, argnums=(0, 1), has_aux=True)(params, probes)
+    return grads, loss, aux, new_stats, new_state, probe_grads
 
   def _node_means(self, tree: Any) -> Any:
     """Means over all W*N nodes of per-node values (leaves stacked [N, ...] on each device),
@@ -302,12 +316,15 @@ class TrainStep:
       out = _node_scan(node, (micro, stats_copies), first, n)
     else:
       out = _node_unroll(node, (micro, stats_copies), first, n)
-    grads, loss, aux, stats, state = out
+    grads, loss, aux, stats, state, probe_grads = out
     if not sync.uses_emulation:
       grads = jax.tree.map(lambda g: g[0], grads)
     grads = reduce_gradients(grads, sync)
-    loss, aux, stats = self._node_means((loss, aux, stats))
+    loss, aux, stats, probe_grads = self._node_means((loss, aux, stats, probe_grads))
     metrics = {"loss": loss, **aux}
+    if self.zse_report is not None:
+      model = nnx.merge(self.graphdef, params, batch_stats, rng_keys, model_state, copy=True)
+      metrics["zse"] = bfp_zse_metrics(model, nnx.merge_state(grads, probe_grads), self.zse_report)
     state = jax.tree.map(lambda x: x[0], state)
     return grads, stats, state, metrics
 

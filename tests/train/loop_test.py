@@ -175,3 +175,28 @@ def test_cli_rejects_an_unknown_field_and_a_bad_value(tmp_path):
   assert r.returncode != 0 and "grad_expo" in r.stderr
   r = run_cli("--config=configs/digits.py:local", f"--workdir={tmp_path}", "--config.lr=-1")
   assert r.returncode == 2 and "config.lr=-1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bfp_schedule_switches_presets_and_the_controller_moves_widths(tmp_path):
+  """Epoch-keyed presets (2 steps per epoch: 1,437 digits / 480) switch FB16 -> FB12 at step 2
+  with training continuing; a controller with lo = hi = 0 moves every layer whose weight ZSE is
+  above 0 one step up the ladder 4 -> 8 -> 16 at the end of every 1-step window (at 4 bits every
+  layer flushes some weights; at 8 bits only some do)."""
+  c = small_config(batch_size=480, max_steps=4, log_every=1, eval_every=4, checkpoint_every=0)
+  c.bfp.schedule = {"0": "default_FB16", "1": "default_FB12"}
+  rows_dir = str(tmp_path / "schedule")
+  loop.train_and_evaluate(c, rows_dir, progress=False)
+  rows = read_metrics(rows_dir)
+  assert [r["bfp_preset"] for r in rows] == ["default_FB16"] * 2 + ["default_FB12"] * 2
+  assert all(np.isfinite(r["train_loss"]) and r["zse_fw"] >= 0 for r in rows)
+
+  c = small_config(max_steps=3, log_every=1, eval_every=3, checkpoint_every=0)
+  c.bfp.preset = "default_FB12"
+  c.bfp.controller = "Simple/0/0/0/0"
+  c.bfp.window = 1
+  ctrl_dir = str(tmp_path / "controller")
+  loop.train_and_evaluate(c, ctrl_dir, progress=False)
+  rows = read_metrics(ctrl_dir)
+  assert rows[0]["bits_w"] == 8.0 and 8.0 < rows[1]["bits_w"] <= rows[2]["bits_w"] <= 16.0
+  assert rows[0]["bits_x"] == 8.0  # x moves with w (BFPsim's fi with fw)
+  assert rows[0]["zse_fw"] > rows[2]["zse_fw"] >= 0  # wider mantissas flush fewer weights
