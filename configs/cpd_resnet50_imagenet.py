@@ -43,6 +43,7 @@ def get_config(arg=None):
   c.use_aps = True
   c.emulate_nodes = 32
   c.emulate_form = "cpd"
+  c.emulate_node_map = "scan"        # one loop body for the 32 nodes (unrolling 32 copies compiles slowly)
   if arg.local:
     c.dataset.name = "digits"
     c.dataset.root = ""
@@ -56,4 +57,5 @@ def get_config(arg=None):
     c.eval_every = 4
     c.checkpoint_every = 4
     c.emulate_nodes = 2
+    c.emulate_node_map = "unroll"
   return c

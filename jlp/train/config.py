@@ -23,7 +23,10 @@ Fields (see `base_config` for defaults):
   gradient sync (CPD)           grad_exp, grad_man (the all-reduce format; (8, 23) = float32),
                                 grad_algorithm ("sequential" | "ring"), use_aps, aps_mode
                                 ("exact" | "cpd"), use_kahan, emulate_nodes, emulate_form
-                                ("flat" | "cpd"); grad_format is derived from grad_exp/grad_man
+                                ("flat" | "cpd"), emulate_node_map ("unroll": fastest on CPU,
+                                compile time grows with emulate_nodes; "scan": one loop body,
+                                for many nodes; "vmap": batched, not bit-identical to devices;
+                                see jlp.train.step); grad_format is derived from grad_exp/grad_man
                                 unless set to a format name directly ("e4m3", "float8_e5m2", ...).
   loss_scale                    static loss scale (the reduced gradient is divided by it).
   quant_rules                   ((regex, {GemmQuant field: format name or value}), ...): jlp.nn
@@ -46,11 +49,10 @@ from typing import Any
 import ml_collections
 
 from jlp.formats import FloatFormat, as_format
+from jlp.train.sync import ALGORITHMS, FORMS, NODE_MAPS
 
 TASKS = ("classification", "segmentation")
-ALGORITHMS = ("sequential", "ring")
 APS_MODES = ("exact", "cpd")
-EMULATE_FORMS = ("flat", "cpd")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -85,6 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.use_kahan = False
   c.emulate_nodes = 1
   c.emulate_form = "flat"
+  c.emulate_node_map = "unroll"
   c.loss_scale = 1.0
 
   c.quant_rules = ()
@@ -186,8 +189,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(config.grad_algorithm in ALGORITHMS, "grad_algorithm", config.grad_algorithm,
          f"one of {ALGORITHMS}")
   _check(config.aps_mode in APS_MODES, "aps_mode", config.aps_mode, f"one of {APS_MODES}")
-  _check(config.emulate_form in EMULATE_FORMS, "emulate_form", config.emulate_form,
-         f"one of {EMULATE_FORMS}")
+  _check(config.emulate_form in FORMS, "emulate_form", config.emulate_form, f"one of {FORMS}")
+  _check(config.emulate_node_map in NODE_MAPS, "emulate_node_map", config.emulate_node_map,
+         f"one of {NODE_MAPS}")
   _check(not (config.use_aps and fmt is None), "use_aps", config.use_aps,
          "False with a float32 all-reduce (grad_exp=8, grad_man=23): APS needs a low-precision format")
   _check(_int(config.emulate_nodes) and config.emulate_nodes >= 1, "emulate_nodes",

@@ -148,6 +148,7 @@ def grad_sync(config: ml_collections.ConfigDict) -> GradSync:
     aps = "cpd"
   return GradSync(fmt=fmt, algorithm=config.grad_algorithm, kahan=bool(config.use_kahan), aps=aps,
                   emulate_nodes=int(config.emulate_nodes), form=config.emulate_form,
+                  node_map=config.emulate_node_map,
                   cast_single=config.emulate_form == "cpd" and config.model.name == "resnet50")
 
 
