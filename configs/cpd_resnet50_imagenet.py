@@ -10,7 +10,8 @@ devices; ResNet50 casts even a single node's gradient):
   python -m experiments.train --config=configs/cpd_resnet50_imagenet.py --workdir=W \
       --config.dataset.root=DATA      # DATA/train/<wnid>/*.JPEG, DATA/val/<wnid>/*.JPEG
 
-`:local` is a CPU smoke run on digits at 32x32x3 with a width-8 ResNet50 and 2 emulated nodes per device.
+`:local` is a CPU smoke run on digits at 32x32x3 with a width-8 ResNet50 of one bottleneck per stage
+and 2 emulated nodes per device (two-level reduction, one loop body).
 """
 
 from jlp.train.config import base_config, parse_arg
@@ -48,8 +49,7 @@ def get_config(arg=None):
     c.dataset.name = "digits"
     c.dataset.root = ""
     c.dataset.kwargs = {"variant": "32x32x3"}
-    c.model.kwargs.width = 8
-    c.model.kwargs.stem = "cifar"
+    c.model.kwargs = {"width": 8, "stem": "cifar", "num_blocks": (1, 1, 1, 1)}
     c.batch_size = 64
     c.eval_batch_size = 120
     c.max_steps = 8
@@ -57,5 +57,4 @@ def get_config(arg=None):
     c.eval_every = 4
     c.checkpoint_every = 4
     c.emulate_nodes = 2
-    c.emulate_node_map = "unroll"
   return c

@@ -6,8 +6,9 @@ the same bits. q is `jlp.numerics.float_cast.float_cast(., fmt)` (identity for
 fmt=None), and every arithmetic operation is one float32 operation.
 
 algorithm="sequential" (CPD's `normal_sum_gradients` / `kahan_sum_gradients`,
-drcut/CPD `dist_util.py`): `lax.all_gather` of every rank's leaf, then on every
-rank the fold in rank order 0..W-1 of `jlp.numerics.sums` (`fold_stacked`):
+drcut/CPD `dist_util.py`): `lax.all_gather` of every rank's leaves (packed into one
+vector: the fold is elementwise, so packing changes no bit), then on every rank the
+fold in rank order 0..W-1 of `jlp.numerics.sums` (`fold_stacked`):
     plain:  s = 0;  s = q(s + g_r)
     kahan:  s = c = 0;  y = q(g_r - c), t = q(s + y), c = q(q(t - s) - y), s = t
 The raw g_r enters each add (without APS), so g_0 ends up as q(g_0).
@@ -140,6 +141,27 @@ def fold_stacked(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Arr
   return s
 
 
+def fold_leaves(stacked: list[jax.Array], fmt: FloatFormat | None, kahan: bool,
+                axis_name: Any = None) -> list[jax.Array]:
+  """`fold_stacked` of every leaf (each (N, ...)) over its leading axis, all leaves packed side
+  by side into one (N, total) array: the fold is elementwise, so packing changes no bit, and
+  the whole tree costs one scan. With `axis_name`, the packed arrays of the W ranks are first
+  all-gathered along the leading axis (rank-major: (W·N, total))."""
+  if not stacked:
+    return []
+  n = stacked[0].shape[0]
+  packed = jnp.concatenate([x.reshape(n, -1) for x in stacked], axis=1)
+  if axis_name is not None:
+    packed = lax.all_gather(packed, axis_name, tiled=True)
+  sums = fold_stacked(packed, fmt, kahan)
+  out, start = [], 0
+  for x in stacked:
+    size = x[0].size
+    out.append(sums[start:start + size].reshape(x.shape[1:]))
+    start += size
+  return out
+
+
 def ring_chunks(flat: jax.Array, n: int) -> tuple[jax.Array, int]:
   """flat (size,) -> (n, C) chunks, zero padded; returns (chunks, size)."""
   size = flat.shape[0]
@@ -200,16 +222,19 @@ def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None
     exps = jnp.stack([aps_lib.leaf_exponent(g, n, aps) for g in leaves]) if leaves else None
     factors = aps_lib.shift_factors(lax.pmax(exps, axis_name), fmt, aps) if leaves else None
   q = quantizer(fmt)
-  out = []
-  for i, g in enumerate(leaves):
-    prepare = (lambda v, f=factors[i]: q(v * f)) if aps else (lambda v: v)
+  prepares, finishes = [], []
+  for i in range(len(leaves)):
+    prepares.append((lambda v, f=factors[i]: q(v * f)) if aps else (lambda v: v))
 
     def finish(s, i=i):
       if aps:
         s = s / factors[i]
       return s / jnp.float32(n) if mean else s
-    if algorithm == "sequential":
-      out.append(finish(fold_stacked(lax.all_gather(prepare(g), axis_name), fmt, kahan)))
-    else:
-      out.append(_ring_allreduce(g, axis_name, n, fmt, kahan, prepare, finish))
+    finishes.append(finish)
+  if algorithm == "sequential":
+    sums = fold_leaves([p(g)[None] for p, g in zip(prepares, leaves)], fmt, kahan, axis_name)
+    out = [f(x) for f, x in zip(finishes, sums)]
+  else:
+    out = [_ring_allreduce(g, axis_name, n, fmt, kahan, p, f)
+           for g, p, f in zip(leaves, prepares, finishes)]
   return jax.tree.unflatten(treedef, out)

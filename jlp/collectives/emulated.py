@@ -39,7 +39,8 @@ from jax import lax
 
 from jlp.collectives import aps as aps_lib
 from jlp.collectives.allreduce import (_invalid, allreduce, axis_size, check_leaves, check_options,
-                                       fold_stacked, fold_step, quantizer, ring_chunks)
+                                       fold_leaves, fold_step, quantizer,
+                                       ring_chunks)
 from jlp.formats import FloatFormat
 
 FORMS = ("flat", "cpd")
@@ -85,25 +86,27 @@ def reduce_nodes(leaves: list[jax.Array], fmt: FloatFormat | None, algorithm: st
     exps = jnp.stack([jnp.max(_node_exponents(x, n, aps)) for x in leaves])
     factors = aps_lib.shift_factors(exps, fmt, aps)
   q = quantizer(fmt)
-  out = []
-  for i, x in enumerate(leaves):
-    if aps:
-      x = q(x * factors[i])
-    s = fold_stacked(x, fmt, kahan) if algorithm == "sequential" else ring_emulated(x, fmt, kahan)
-    out.append(s / factors[i] if aps else s)
-  return out
-
-
-def _cpd_local(x: jax.Array, fmt: FloatFormat | None, aps: aps_lib.ApsMode,
-               cast_single: bool) -> jax.Array:
-  n = x.shape[0]
-  if n == 1 and not cast_single:
-    return x[0]
   if aps:
-    factor = aps_lib.local_shift_factors(jnp.max(_node_exponents(x, n, aps)), fmt, aps)
-    x = x * factor
-  res = fold_stacked(quantizer(fmt)(x), fmt, kahan=False)
-  return res / factor if aps else res
+    leaves = [q(x * factors[i]) for i, x in enumerate(leaves)]
+  if algorithm == "sequential":
+    out = fold_leaves(leaves, fmt, kahan)
+  else:
+    out = [ring_emulated(x, fmt, kahan) for x in leaves]
+  return [s / factors[i] for i, s in enumerate(out)] if aps else out
+
+
+def _cpd_local(leaves: list[jax.Array], fmt: FloatFormat | None, aps: aps_lib.ApsMode,
+               cast_single: bool) -> list[jax.Array]:
+  """CPD's local level (cpd.md §3.2 steps 1-5) on every leaf: its own APS factor (multiplier N),
+  q(g_v · 2^shift), the plain fold over the nodes, the unscale."""
+  n = leaves[0].shape[0] if leaves else 1
+  if n == 1 and not cast_single:
+    return [x[0] for x in leaves]
+  factors = [aps_lib.local_shift_factors(jnp.max(_node_exponents(x, n, aps)), fmt, aps)
+             if aps else None for x in leaves]
+  q = quantizer(fmt)
+  sums = fold_leaves([q(x * f) if aps else q(x) for x, f in zip(leaves, factors)], fmt, False)
+  return [s / f if aps else s for s, f in zip(sums, factors)]
 
 
 def emulated_allreduce(stacked_tree: Any, *, fmt: FloatFormat | str | None = None,
@@ -137,7 +140,7 @@ def emulated_allreduce(stacked_tree: Any, *, fmt: FloatFormat | str | None = Non
       leaves = [lax.all_gather(x, axis_name, tiled=True) for x in leaves]
     out = reduce_nodes(leaves, fmt, algorithm, kahan, aps)
   else:
-    out = [_cpd_local(x, fmt, aps, cast_single) for x in leaves]
+    out = _cpd_local(leaves, fmt, aps, cast_single)
     if axis_name is not None:
       out = allreduce(out, axis_name, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=aps)
   if mean:

@@ -10,7 +10,7 @@ E = steps per epoch of the training pipeline:
                     lr * (1 + cos(pi * floor(c / E) / epochs)) / 2.
   cpd_resnet18      CPD ResNet18's rule (`jlp.train.cpd_resnet18_lr`: 0.1 -> 1.6 warm-up over 5
                     epochs, x0.1 after epochs 40 and 80); lr must be its peak, 1.6.
-  piecewise_linear  DavidNet: lr * interp(c / E, `epochs`, `values`), times (c + 1) / warmup_steps
+  piecewise_linear  DavidNet: lr * interp(c / E, `epochs`, `scales`), times (c + 1) / warmup_steps
                     while c + 1 <= `warmup_steps` (CPD's per-step warm-up factor).
   warmup_step       ResNet50: linear warm-up `init_lr` -> lr over `warmup_epochs`, then x0.1 after
                     each of `decay_epochs`.
@@ -110,7 +110,7 @@ def schedule(config: ml_collections.ConfigDict, steps_per_epoch: int,
     return optim.cpd_resnet18_lr(1, config.batch_size, 1, train_size)
   if name == "piecewise_linear":
     epochs = np.asarray(s.epochs, np.float32)
-    values = np.asarray(s.values, np.float32) * lr
+    values = np.asarray(s.scales, np.float32) * lr
     warmup = int(s.get("warmup_steps", 0))
 
     def piecewise(c):

@@ -66,3 +66,18 @@ def test_digits_optional_augmentation_and_errors():
   assert set(ds.draw(np.random.default_rng(0), 4)) == {"crop_top", "crop_left", "flip"}
   with pytest.raises(ValueError, match="variant='28x28x1'"):
     get_dataset("digits", variant="28x28x1")
+
+
+def test_segmentation_labels_each_bright_pixel_with_its_digit(bunch):
+  ds = get_dataset("digits_segmentation", split="test")
+  idx = digits_lib.digits_split_indices("test")
+  assert (ds.num_classes, ds.image_shape, ds.label_shape, ds.size) == (11, (8, 8, 1), (8, 8), 360)
+  batch = ds.get(np.arange(5), ds.draw(np.random.default_rng(0), 5))
+  for i in range(5):
+    raw, digit = bunch.images[idx[i]], bunch.target[idx[i]]
+    want = [[digit if raw[r, c] > 4 else 10 for c in range(8)] for r in range(8)]
+    np.testing.assert_array_equal(batch["label"][i], want)
+  np.testing.assert_array_equal(batch["image"], get_dataset("digits", split="test").get(
+      np.arange(5), {})["image"])
+  big = get_dataset("digits_segmentation", split="test", variant="32x32x3").get(np.arange(2), {})
+  np.testing.assert_array_equal(big["label"], np.repeat(np.repeat(batch["label"][:2], 4, 1), 4, 2))

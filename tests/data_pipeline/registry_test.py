@@ -11,7 +11,8 @@ from jlp.data import registry
 
 
 def test_registry_names():
-  assert sorted(DATASETS) == ["cifar10", "cifar100", "cityscapes", "digits", "imagenet"]
+  assert sorted(DATASETS) == ["cifar10", "cifar100", "cityscapes", "digits", "digits_segmentation",
+                              "imagenet"]
 
 
 def test_eval_alias_and_reported_properties():
