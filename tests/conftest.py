@@ -4,6 +4,13 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session, shared by the xdist workers (they inherit
+# this process's environment): models built in several tests compile their eager initialisers
+# and steps once. A fresh directory each session, so suite timings do not depend on earlier runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jlp-tests-xla-cache-")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 sys.path.insert(0, os.path.dirname(__file__))  # tests/references.py
 
 

@@ -21,18 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VOLATILE = ("time", "throughput")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """The runs below compile the same programs again: a persistent cache makes that cheap."""
-  old = (jax.config.jax_compilation_cache_dir,
-         jax.config.jax_persistent_cache_min_compile_time_secs)
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  yield
-  jax.config.update("jax_compilation_cache_dir", old[0])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-
-
 def small_config(**overrides):
   c = digits.get_config()
   c.model.kwargs.width = 8
