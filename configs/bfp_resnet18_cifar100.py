@@ -17,7 +17,7 @@ test set uses the test transform (bfp.md §5.1 bugs 1 and 2 are not copied).
 (the preset's rules for the missing blocks match nothing) and the Simple controller on 2-step windows.
 """
 
-from jlp.train.config import base_config, parse_arg
+from jlp.train.config import base_config, local_digits, parse_arg
 
 
 def get_config(arg=None):
@@ -41,16 +41,7 @@ def get_config(arg=None):
   c.bfp.schedule = {"0": "ResNet18_FB16", "20": "ResNet18_FB12LG16", "180": "ResNet18_FB16"}
   c.bfp.window = 0                   # controller window: one epoch (len(trainloader))
   if arg.local:
-    c.dataset.name = "digits"
-    c.dataset.root = ""
-    c.dataset.kwargs = {"variant": "32x32x3"}
-    c.model.kwargs = {"width": 8, "num_blocks": (1, 1, 1, 1)}
-    c.batch_size = 32
-    c.eval_batch_size = 120
-    c.max_steps = 8
-    c.log_every = 2
-    c.eval_every = 4
-    c.checkpoint_every = 4
+    local_digits(c, max_steps=8, batch_size=32, width=8, num_blocks=(1, 1, 1, 1))
     c.schedule.epochs = 1
     c.bfp.schedule = {"0": "ResNet18_FB16", "1": "ResNet18_FB12LG16"}
     c.bfp.controller = "Simple/0.1/0.3/0/1"

@@ -14,7 +14,7 @@ instead of CPD's raw sum, which only changes APS's shift, not its result (APS is
 power-of-two scales; 4,096 is one). `:local` is a CPU smoke run on digits at 32x32x3, width 8.
 """
 
-from jlp.train.config import base_config, parse_arg
+from jlp.train.config import base_config, local_digits, parse_arg
 
 
 def get_config(arg=None):
@@ -42,15 +42,6 @@ def get_config(arg=None):
   c.grad_man = 2
   c.use_aps = True
   if arg.local:
-    c.dataset.name = "digits"
-    c.dataset.root = ""
-    c.dataset.kwargs = {"variant": "32x32x3"}
-    c.model.kwargs.width = 8
-    c.batch_size = 64
-    c.eval_batch_size = 120
-    c.max_steps = 12
-    c.log_every = 3
-    c.eval_every = 6
-    c.checkpoint_every = 6
+    local_digits(c, max_steps=12, width=8)
     c.schedule.warmup_steps = 4
   return c

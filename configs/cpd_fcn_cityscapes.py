@@ -14,7 +14,7 @@ all-reduce is hard-coded e4m3 without APS in CPD (edit line 27 there; a flag her
 labelled with its digit, background class 10) with a width-4 FCN.
 """
 
-from jlp.train.config import base_config, parse_arg
+from jlp.train.config import base_config, local_digits, parse_arg
 
 
 def get_config(arg=None):
@@ -40,14 +40,8 @@ def get_config(arg=None):
   c.grad_exp = 4
   c.grad_man = 3
   if arg.local:
+    local_digits(c, max_steps=6, batch_size=16, width=4, num_blocks=(1, 1, 1, 1), channels=16,
+                 aux_channels=8)
     c.dataset.name = "digits_segmentation"
-    c.dataset.root = ""
-    c.dataset.kwargs = {"variant": "32x32x3"}
-    c.model.kwargs = {"width": 4, "num_blocks": (1, 1, 1, 1), "channels": 16, "aux_channels": 8}
-    c.batch_size = 16
     c.eval_batch_size = 64
-    c.max_steps = 6
-    c.log_every = 2
-    c.eval_every = 3
-    c.checkpoint_every = 3
   return c

@@ -14,7 +14,7 @@ x0.1 after epochs 40 and 80), 1,221 steps (100 epochs); only the gradient all-re
 `:local` is a CPU smoke run on the bundled digits (upsampled to 32x32x3) with a width-8 ResNet18.
 """
 
-from jlp.train.config import base_config, parse_arg
+from jlp.train.config import base_config, local_digits, parse_arg
 
 
 def get_config(arg=None):
@@ -37,14 +37,5 @@ def get_config(arg=None):
   c.grad_exp = 5                     # mix.py default gradient format e5m2
   c.grad_man = 2
   if arg.local:
-    c.dataset.name = "digits"
-    c.dataset.root = ""
-    c.dataset.kwargs = {"variant": "32x32x3"}
-    c.model.kwargs.width = 8
-    c.batch_size = 64
-    c.eval_batch_size = 120
-    c.max_steps = 12
-    c.log_every = 3
-    c.eval_every = 6
-    c.checkpoint_every = 6
+    local_digits(c, max_steps=12, width=8)
   return c

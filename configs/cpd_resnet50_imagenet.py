@@ -14,7 +14,7 @@ devices; ResNet50 casts even a single node's gradient):
 and 2 emulated nodes per device (two-level reduction, one loop body).
 """
 
-from jlp.train.config import base_config, parse_arg
+from jlp.train.config import base_config, local_digits, parse_arg
 
 
 def get_config(arg=None):
@@ -46,15 +46,6 @@ def get_config(arg=None):
   c.emulate_form = "cpd"
   c.emulate_node_map = "scan"        # one loop body for the 32 nodes (unrolling 32 copies compiles slowly)
   if arg.local:
-    c.dataset.name = "digits"
-    c.dataset.root = ""
-    c.dataset.kwargs = {"variant": "32x32x3"}
-    c.model.kwargs = {"width": 8, "stem": "cifar", "num_blocks": (1, 1, 1, 1)}
-    c.batch_size = 64
-    c.eval_batch_size = 120
-    c.max_steps = 8
-    c.log_every = 2
-    c.eval_every = 4
-    c.checkpoint_every = 4
+    local_digits(c, max_steps=8, width=8, stem="cifar", num_blocks=(1, 1, 1, 1))
     c.emulate_nodes = 2
   return c

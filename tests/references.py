@@ -133,3 +133,15 @@ def midpoints_and_neighbours(fmt) -> np.ndarray:
   near = np.concatenate([mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0)),
                          vals.astype(np.float32), np.nextafter(vals.astype(np.float32), np.float32(np.inf))])
   return np.concatenate([near, -near])
+
+
+def imagenet_normalized(hwc):
+  """torchvision ToTensor + Normalize(IMAGENET_MEAN, IMAGENET_STD), one float32 operation at a
+  time per element (the loaders' reference)."""
+  from jlp.data.imagenet import IMAGENET_MEAN, IMAGENET_STD  # pylint: disable=g-import-not-at-top
+  out = np.zeros(hwc.shape, np.float32)
+  for idx in np.ndindex(hwc.shape):
+    c = idx[-1]
+    out[idx] = ((np.float32(hwc[idx]) / np.float32(255) - np.float32(IMAGENET_MEAN[c]))
+                / np.float32(IMAGENET_STD[c]))
+  return out

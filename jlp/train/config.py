@@ -96,6 +96,23 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def local_digits(c: ml_collections.ConfigDict, *, max_steps: int, batch_size: int = 64,
+                 **model_kwargs: Any) -> ml_collections.ConfigDict:
+  """The `:local` CPU smoke variant of a CIFAR/ImageNet-shaped recipe, in place: the bundled
+  digits at 32x32x3 (no data download), the model's knobs `model_kwargs` (e.g. width=8), a short
+  run with evaluation and checkpoints at its middle and end."""
+  c.dataset.name = "digits"
+  c.dataset.root = ""
+  c.dataset.kwargs = {"variant": "32x32x3"}
+  c.model.kwargs = model_kwargs
+  c.batch_size = batch_size
+  c.eval_batch_size = 120
+  c.max_steps = max_steps
+  c.log_every = max(1, max_steps // 4)
+  c.eval_every = c.checkpoint_every = max(1, max_steps // 2)
+  return c
+
+
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   """big_vision's `--config=file.py:a=1,b` convention: "k=v" pairs and bare flags (True).
 

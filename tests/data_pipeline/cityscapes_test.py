@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from jlp.data import get_dataset
-from jlp.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
+from references import imagenet_normalized
 
 H, W = 6, 10
 
@@ -40,15 +40,6 @@ def write_cityscapes(root, cities=("zurich", "aachen"), per_city=2, seed=0):
   return written
 
 
-def _normalized(hwc):
-  out = np.zeros(hwc.shape, np.float32)
-  for idx in np.ndindex(hwc.shape):
-    c = idx[-1]
-    out[idx] = ((np.float32(hwc[idx]) / np.float32(255) - np.float32(IMAGENET_MEAN[c]))
-                / np.float32(IMAGENET_STD[c]))
-  return out
-
-
 def test_val_split_loads_exact_pixels_and_labels_sorted_by_city(tmp_path):
   written = write_cityscapes(tmp_path)
   ds = get_dataset("cityscapes", root=tmp_path, split="val")
@@ -58,7 +49,7 @@ def test_val_split_loads_exact_pixels_and_labels_sorted_by_city(tmp_path):
   order = [("aachen", 0), ("aachen", 1), ("zurich", 0), ("zurich", 1)]
   for i, (city, k) in enumerate(order):
     image, label = written[("val", city, k)]
-    np.testing.assert_array_equal(batch["image"][i], _normalized(image))
+    np.testing.assert_array_equal(batch["image"][i], imagenet_normalized(image))
     np.testing.assert_array_equal(batch["label"][i], label)
   assert batch["label"].dtype == np.int32 and batch["label"][0, 0, 0] == 255
 
@@ -74,7 +65,7 @@ def test_train_crop_pads_with_ignore_and_flips_image_and_label_together(tmp_path
   eval_ds = get_dataset("cityscapes", root=tmp_path, split="train", augment=False)
   plain = eval_ds.get(np.arange(4), {})
   for i in range(4):
-    image = np.zeros((8, 12, 3), np.float32) + _normalized(np.zeros((1, 1, 3), np.uint8))
+    image = np.zeros((8, 12, 3), np.float32) + imagenet_normalized(np.zeros((1, 1, 3), np.uint8))
     image[:H, :W] = plain["image"][i]
     label = np.full((8, 12), 255)
     label[:H, :W] = plain["label"][i]
@@ -96,7 +87,7 @@ def test_train_rescale_and_crop_window(tmp_path):
     _, u_top, u_left = params["scale_crop"][i]
     top, left = int(u_top * (2 * H - 4 + 1)), int(u_left * (2 * W - 4 + 1))
     np.testing.assert_array_equal(batch["image"][i],
-                                  _normalized(np.asarray(image)[top:top + 4, left:left + 4]))
+                                  imagenet_normalized(np.asarray(image)[top:top + 4, left:left + 4]))
     np.testing.assert_array_equal(batch["label"][i], np.asarray(label)[top:top + 4, left:left + 4])
 
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from jlp.data import get_dataset
-from jlp.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
+from references import imagenet_normalized
 
 CLASSES = ["n02", "n01", "n03"]  # written unsorted; labels follow the sorted names
 
@@ -40,15 +40,6 @@ def write_imagenet(root, sizes=((12, 16), (16, 12), (10, 10)), seed=0):
   Image.fromarray(_image(rng, 9, 9)).save(path)
   labels[path] = 2
   return labels
-
-
-def _normalized(hwc):
-  out = np.zeros(hwc.shape, np.float32)
-  for idx in np.ndindex(hwc.shape):
-    c = idx[-1]
-    out[idx] = ((np.float32(hwc[idx]) / np.float32(255) - np.float32(IMAGENET_MEAN[c]))
-                / np.float32(IMAGENET_STD[c]))
-  return out
 
 
 def test_files_and_labels_follow_sorted_classes(tmp_path):
@@ -80,7 +71,7 @@ def test_eval_transform_is_resize_shorter_side_then_center_crop(tmp_path):
       image = image.resize((nw, nh), Image.BILINEAR)
     top, left = int(round((nh - 6) / 2.0)), int(round((nw - 6) / 2.0))
     expect = np.asarray(image)[top:top + 6, left:left + 6]
-    np.testing.assert_array_equal(batch["image"][i], _normalized(expect))
+    np.testing.assert_array_equal(batch["image"][i], imagenet_normalized(expect))
     assert batch["label"][i] == ds.labels[i]
 
 
@@ -89,7 +80,7 @@ def test_eval_at_native_size_returns_the_decoded_pixels(tmp_path):
   ds = get_dataset("imagenet", root=tmp_path, split="val", crop_size=10, resize_size=10)
   batch = ds.get(np.array([1]), {})
   expect = np.asarray(Image.open(ds.paths[1]).convert("RGB"))
-  np.testing.assert_array_equal(batch["image"][0], _normalized(expect))
+  np.testing.assert_array_equal(batch["image"][0], imagenet_normalized(expect))
 
 
 def test_train_transform_is_random_resized_crop_and_flip(tmp_path):
@@ -107,7 +98,7 @@ def test_train_transform_is_random_resized_crop_and_flip(tmp_path):
     expect = np.asarray(image.crop((left, top, left + w, top + h)).resize((5, 5), Image.BILINEAR))
     if params["flip"][i]:
       expect = expect[:, ::-1]
-    np.testing.assert_array_equal(batch["image"][i], _normalized(expect))
+    np.testing.assert_array_equal(batch["image"][i], imagenet_normalized(expect))
   same = ds.get(np.arange(ds.size), ds.draw(np.random.default_rng(0), ds.size))
   other = ds.get(np.arange(ds.size), ds.draw(np.random.default_rng(1), ds.size))
   np.testing.assert_array_equal(same["image"], batch["image"])

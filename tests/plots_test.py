@@ -1,0 +1,70 @@
+"""Figures: training curves of several runs (jlp.plots, experiments.plot) and the error plot."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import jlp
+from jlp import plots
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_run(path, losses, accuracies):
+  os.makedirs(path)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for i, (loss, acc) in enumerate(zip(losses, accuracies), 1):
+      row = {"step": 10 * i, "time": 0.0, "train_loss": loss}
+      if acc is not None:
+        row.update(eval_loss=loss * 1.1, eval_accuracy=acc)
+      f.write(json.dumps(row) + "\n")
+
+
+def test_plot_runs_draws_one_line_per_run_and_metric(tmp_path):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  fake_run(a, [2.0, 1.0, 0.5], [None, 0.5, 0.9])
+  fake_run(b, [2.0, 1.5, 1.2], [0.1, None, 0.6])
+  out = str(tmp_path / "curves.png")
+  fig = plots.plot_runs([a, b], out, labels=["fp32", "e4m3"])
+  titles = [ax.get_title() for ax in fig.axes]
+  assert titles == ["train loss", "eval loss", "eval accuracy"]
+  train = fig.axes[0].get_lines()
+  assert [l.get_label() for l in train] == ["fp32", "e4m3"]
+  np.testing.assert_array_equal(train[1].get_ydata(), [2.0, 1.5, 1.2])
+  np.testing.assert_array_equal(fig.axes[2].get_lines()[0].get_xdata(), [20, 30])  # rows with eval only
+  assert Image.open(out).size[0] > 0
+
+
+def test_plot_runs_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no metrics.jsonl rows"):
+    plots.plot_runs([str(tmp_path)])
+  fake_run(str(tmp_path / "a"), [1.0], [None])
+  with pytest.raises(ValueError, match="labels has 2 entries"):
+    plots.plot_runs([str(tmp_path / "a")], labels=["x", "y"])
+
+
+def test_quantization_error_plot_shows_flush_and_overflow():
+  fig = plots.plot_quantization_error([jlp.FloatFormat(4, 3)], lo=2.0 ** -14, hi=2.0 ** 10, n=512)
+  (line,) = fig.axes[0].get_lines()
+  x, err = line.get_xdata(), line.get_ydata()
+  assert np.all(err[x < 2.0 ** -11] == 1.0)  # below half the smallest subnormal: flushed to 0
+  assert np.all(np.isnan(err[x >= 248]))     # overflow to inf (max 240 + half an ulp)
+  mid = (x > 1) & (x < 200)
+  assert np.all(err[mid] <= 2.0 ** -4)        # half an ulp of a 3-bit mantissa
+
+
+def test_plot_cli(tmp_path):
+  fake_run(str(tmp_path / "run"), [1.0, 0.5], [0.2, 0.4])
+  out = tmp_path / "c.png"
+  r = subprocess.run([sys.executable, "-m", "experiments.plot", str(tmp_path / "run"), f"--out={out}"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert out.exists()
+  r = subprocess.run([sys.executable, "-m", "experiments.plot", "--out=x.png"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0 and "expected one or more run directories" in r.stderr
