@@ -123,6 +123,7 @@ class Run:
   model: nnx.Module
   optimizer: Any
   lr: Any
+  sync: Any
   quant: QuantPlan
   report: nn_rules.QuantReport | None = None
   preset: str | None = None
@@ -142,7 +143,7 @@ class Run:
     self.model.train()
     graphdef = split_model(self.model)[0]
     self.graphdef = graphdef
-    self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, recipe.grad_sync(config),
+    self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, self.sync,
                              loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
                              donate=True,
                              zse_report=self.report if self.quant.schedule is not None else None)
@@ -181,13 +182,14 @@ def setup(config: ml_collections.ConfigDict) -> Run:
   train_ds, eval_ds = recipe.datasets(config)
   mesh = data_mesh()
   recipe.check_batch_sizes(config, mesh.size)
-  recipe.grad_sync(config)
+  sync = recipe.grad_sync(config)
   train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
   spe = max(1, train_pipe.steps_per_epoch)
   lr = recipe.schedule(config, spe, train_ds.size)
   quant = QuantPlan(config, spe)
   model = recipe.model(config, train_ds)
-  return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, quant)
+  return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, sync,
+             quant)
 
 
 def _host(tree: Any) -> Any:
@@ -253,8 +255,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   run.preset = run.quant.preset_at(start // spe)
   run.report = run.quant.quantize(run.model, run.preset)
   run.model.train()
-  graphdef, state = init_train_state(run.model, run.optimizer, run.mesh)
-  run.graphdef = graphdef
+  _, state = init_train_state(run.model, run.optimizer, run.mesh)  # graphdef: compile_step
   if start:
     saved, meta = checkpoints.restore(start, saveable(state))
     state = from_saveable(saved, state)

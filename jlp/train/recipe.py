@@ -33,6 +33,7 @@ from jlp import data as jdata
 from jlp import models
 from jlp.train import optim
 from jlp.train.config import grad_format
+from jlp.train.step import cross_entropy_loss
 from jlp.train.sync import GradSync
 
 SCHEDULES = ("constant", "cosine", "cosine_epochs", "cpd_resnet18", "piecewise_linear",
@@ -179,7 +180,6 @@ def segmentation_loss(model: nnx.Module, batch: dict[str, jax.Array]
 
 
 def loss_fn(config: ml_collections.ConfigDict):
-  from jlp.train.step import cross_entropy_loss  # pylint: disable=g-import-not-at-top
   return segmentation_loss if config.task == "segmentation" else cross_entropy_loss
 
 
