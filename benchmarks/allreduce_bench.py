@@ -7,11 +7,18 @@ For every algorithm (sequential, ring) x format (float32, e5m2, e4m3) x APS
 float32 leaf of --sizes elements per device is timed alternately with
 `lax.psum` of the same sharded data in the same run (each a jitted shard_map).
 Ratios are the median over the alternating pairs of time / psum time (target,
-issue 4: ring <= 2x psum). A first row times one elementwise pass (x * 2) over the
-same data the same way: the floor that any reduction reading and writing every
-element pays on these emulated devices. The 8 devices are emulated on this machine's CPU
-cores, so the numbers measure the arithmetic and the emulated transfers, not a
-network.
+issue 4: ring <= 2x psum). Three floor rows come first, timed the same way:
+
+* (x * 2): one elementwise pass over the same data, which any reduction that
+  reads and writes every element pays;
+* (ring floor): the collectives the ring issues, with no arithmetic: W - 1 = 7
+  `ppermute` hops of a 1/W chunk, then an `all_gather` of the chunks;
+* (APS floor): the same plus what APS adds before the first hop can start: the
+  max|g| pass over the leaf and the `pmax` of the exponents.
+
+The 8 devices are emulated on this machine's CPU cores, so the numbers measure
+the arithmetic and the emulated transfers (each collective a rendezvous of 8
+threads), not a network.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jlp.collectives import allreduce  # noqa: E402
 
 _SIZES = flags.DEFINE_list("sizes", ["1M", "16M"], "float32 elements per device (K/M suffixes).")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "timed (psum, candidate) pairs per case.")
+_REPEATS = flags.DEFINE_integer("repeats", 15, "timed (psum, candidate) pairs per case.")
 _KAHAN = flags.DEFINE_bool("kahan", False, "also time kahan=True for every case.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["sequential", "ring"], "algorithms to time.")
 
@@ -55,6 +62,18 @@ def parse_size(text: str) -> int:
 def sharded_fn(mesh, body):
   return jax.jit(jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P("d"),
                                out_specs=P("d"), check_vma=False))
+
+
+def ring_floor(v, aps: bool, n: int = 8):
+  """The ring's collectives without its arithmetic (see the module docstring)."""
+  chunk = v[:-(-v.shape[0] // n)]
+  if aps:
+    e = jnp.max(jnp.abs(v))[None]
+    chunk = chunk * lax.pmax(e, "d")[0]
+  to_next = [(i, (i + 1) % n) for i in range(n)]
+  for _ in range(n - 1):
+    chunk = lax.ppermute(chunk, "d", to_next)
+  return lax.all_gather(chunk, "d").reshape(-1)
 
 
 def timed(fn, x):
@@ -89,7 +108,7 @@ def main(argv):
   psum = sharded_fn(mesh, lambda v: lax.psum(v, "d"))
   print(f"jax {jax.__version__}, 8 emulated {jax.default_backend()} devices on {os.cpu_count()} "
         f"cores; median of {_REPEATS.value} alternating pairs; reference = lax.psum, same data\n")
-  header = f"{'per device':>10s} {'algorithm':10s} {'fmt':7s} {'aps':3s} {'kahan':5s} " \
+  header = f"{'per device':>10s} {'algorithm':12s} {'fmt':7s} {'aps':3s} {'kahan':5s} " \
            f"{'ms':>9s} {'psum ms':>9s} {'ratio':>7s}"
   print(header)
   print("-" * len(header))
@@ -97,10 +116,13 @@ def main(argv):
     x = jax.device_put(jax.random.normal(jax.random.key(0), (8, n), jnp.float32),
                        NamedSharding(mesh, P("d")))
     label = f"{n // 2 ** 20}M" if n % 2 ** 20 == 0 else str(n)
-    # The floor of any collective here: one elementwise pass over the same data, no communication.
-    tc, tr, ratio = compare(sharded_fn(mesh, lambda v: v * 2.0), psum, x, _REPEATS.value)
-    print(f"{label:>10s} {'(x * 2)':10s} {'-':7s} {'-':3s} {'-':5s} {tc * 1e3:9.1f} {tr * 1e3:9.1f} "
-          f"{ratio:6.2f}x", flush=True)
+    floors = {"(x * 2)": lambda v: v * 2.0,
+              "(ring floor)": lambda v: ring_floor(v, aps=False),
+              "(APS floor)": lambda v: ring_floor(v, aps=True)}
+    for name, body in floors.items():
+      tc, tr, ratio = compare(sharded_fn(mesh, body), psum, x, _REPEATS.value)
+      print(f"{label:>10s} {name:12s} {'-':7s} {'-':3s} {'-':5s} {tc * 1e3:9.1f} {tr * 1e3:9.1f} "
+            f"{ratio:6.2f}x", flush=True)
     for algorithm in _ALGORITHMS.value:
       for fmt in (None, "e5m2", "e4m3"):
         for aps in (False, True):
@@ -110,7 +132,7 @@ def main(argv):
             cand = sharded_fn(mesh, lambda v, f=fmt, a=algorithm, s=aps, k=kahan: allreduce(
                 v, "d", fmt=f, algorithm=a, aps=s, kahan=k))
             tc, tr, ratio = compare(cand, psum, x, _REPEATS.value)
-            print(f"{label:>10s} {algorithm:10s} {fmt or 'float32':7s} {'on' if aps else 'off':3s} "
+            print(f"{label:>10s} {algorithm:12s} {fmt or 'float32':7s} {'on' if aps else 'off':3s} "
                   f"{'on' if kahan else 'off':5s} {tc * 1e3:9.1f} {tr * 1e3:9.1f} {ratio:6.2f}x",
                   flush=True)
     del x
