@@ -11,7 +11,9 @@ step / 62 for the first 62 steps; the README's run is e5m2 + APS:
 jlp averages the loss over the global batch (so lr and weight decay here are per-sample values:
 0.4 and 5e-4); the gradient that enters the all-reduce is the per-node sum scaled by 1/(512·8)
 instead of CPD's raw sum, which only changes APS's shift, not its result (APS is equivariant to
-power-of-two scales; 4,096 is one). `:local` is a CPU smoke run on digits at 32x32x3, width 8.
+power-of-two scales; 4,096 is one). CPD's static --loss_scale (default 1) is never divided out
+of the gradient; jlp divides it out unless --config.unscale_grads=False (that bug, compat only).
+`:local` is a CPU smoke run on digits at 32x32x3, width 8.
 """
 
 from jlp.train.config import base_config, local_digits, parse_arg

@@ -29,6 +29,8 @@ Fields (see `base_config` for defaults):
                                 see jlp.train.step); grad_format is derived from grad_exp/grad_man
                                 unless set to a format name directly ("e4m3", "float8_e5m2", ...).
   loss_scale                    static loss scale (the reduced gradient is divided by it).
+  unscale_grads                 False: CPD DavidNet's bug, the loss scale is never divided out
+                                (the optimizer gets loss_scale x the gradient; cpd.md §4).
   quant_rules                   ((regex, {GemmQuant field: format name or value}), ...): jlp.nn
                                 quantization rules over module paths, first match wins (checked
                                 before the preset's rules), e.g. ((".*", {"x": "e4m3", "w": "e4m3",
@@ -89,6 +91,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.emulate_form = "flat"
   c.emulate_node_map = "unroll"
   c.loss_scale = 1.0
+  c.unscale_grads = True
 
   c.quant_rules = ()
   c.bfp = ml_collections.ConfigDict({
@@ -201,6 +204,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   except re.error as e:
     raise ValueError(f"config.wd_exclude={config.wd_exclude!r} is not a valid regex: {e}.") from None
   _check(config.loss_scale > 0, "loss_scale", config.loss_scale, "a value > 0")
+  _check(isinstance(config.unscale_grads, bool), "unscale_grads", config.unscale_grads,
+         "True or False")
 
   fmt = grad_format(config)
   _check(config.grad_algorithm in ALGORITHMS, "grad_algorithm", config.grad_algorithm,

@@ -145,7 +145,7 @@ class Run:
     self.graphdef = graphdef
     self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, self.sync,
                              loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
-                             donate=True,
+                             unscale_grads=config.unscale_grads, donate=True,
                              zse_report=self.report if self.quant.schedule is not None else None)
     task, classes = config.task, self.train_pipe.dataset.num_classes
 

@@ -28,7 +28,9 @@ per device (cpd.md §3.2, §6.1):
      the loop too); "unroll" and "scan" differ from each other in the last bits.
   3. The gradients are summed over all nodes with `jlp.collectives` as `GradSync` says (module
      `jlp.train.sync`), the same sum on every device, then divided by loss_scale in float32
-     (skipped when loss_scale == 1).
+     (skipped when loss_scale == 1, or with unscale_grads=False: CPD's DavidNet never divides
+     its static loss scale out, so the optimizer sees loss_scale times the gradient while the
+     weight decay it adds is not scaled; cpd.md §4).
   4. `optimizer.update` (any optax transformation, see `jlp.train.optim`) and
      `optax.apply_updates` on the replicated float32 parameters, outside the shard_map.
 
@@ -194,6 +196,8 @@ class TrainStep:
     loss_fn: `loss_fn(model, micro_batch) -> (mean loss, aux dict of float32 scalars)`.
     loss_scale: static loss scale: the node losses are multiplied by it before differentiation
       and the summed gradient is divided by it (float32) before the optimizer.
+    unscale_grads: False reproduces CPD's DavidNet (cpd.md §4, compat only): the summed
+      gradient is not divided by loss_scale, so the optimizer gets loss_scale times it.
     donate: donate the input state's buffers to the output state.
     zse_report: the QuantReport of a BFP-quantized model (`jlp.nn.quantize_model`): the metrics
       then hold "zse", {layer path: {"fw", "bwo", "biw"}} (`jlp.nn.bfp_zse_metrics`, bfp.md
@@ -213,6 +217,7 @@ class TrainStep:
                *,
                loss_fn: LossFn = cross_entropy_loss,
                loss_scale: float = 1.0,
+               unscale_grads: bool = True,
                donate: bool = False,
                zse_report: Any = None):
     if not isinstance(sync, GradSync):
@@ -231,6 +236,9 @@ class TrainStep:
     self.sync = sync
     self.loss_fn = loss_fn
     self.loss_scale = _check_loss_scale(loss_scale)
+    if not isinstance(unscale_grads, bool):
+      raise ValueError(f"unscale_grads={unscale_grads!r} is not allowed; expected True or False.")
+    self.unscale_grads = unscale_grads
     self.num_nodes = self.num_devices * sync.emulate_nodes
     self.zse_report = zse_report
     state_sharding = replicated(mesh)
@@ -335,7 +343,7 @@ class TrainStep:
         in_specs=(P(), P(), P(), P(), P(self.sync.axis_name)),
         out_specs=(P(), P(), P(), P()),
         check_vma=False)(state.params, state.batch_stats, state.rng_keys, state.model_state, batch)
-    if self.loss_scale != 1.0:
+    if self.loss_scale != 1.0 and self.unscale_grads:
       grads = jax.tree.map(lambda g: g / self.loss_scale, grads)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

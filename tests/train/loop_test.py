@@ -129,6 +129,7 @@ def test_ctrl_c_checkpoints_and_the_resumed_run_is_bit_exact(reference_run, tmp_
      r"preset 'FB13' is not allowed"),
     ({"quant_rules": ((".*", {"xx": "e4m3"}),)}, r"quant_rules\[0\].*no role 'xx'"),
     ({"schedule": {"name": "linear"}}, r"config.schedule.name='linear'"),
+    ({"unscale_grads": None}, r"config.unscale_grads=None is not allowed; expected True or False"),
 ])
 def test_bad_config_fails_before_the_model_is_built(overrides, message, monkeypatch, tmp_path):
   def no_model(*args, **kwargs):

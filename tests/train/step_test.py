@@ -129,6 +129,8 @@ def test_bad_mesh_axis_and_batch_fail_before_compiling():
     jt.TrainStep(graphdef, optimizer, mesh, jt.GradSync(axis_name="batch"))
   with pytest.raises(ValueError, match="^loss_scale=0"):
     jt.TrainStep(graphdef, optimizer, mesh, loss_scale=0.0)
+  with pytest.raises(ValueError, match="^unscale_grads=1 "):
+    jt.TrainStep(graphdef, optimizer, mesh, unscale_grads=1)
   step = jt.TrainStep(graphdef, optimizer, mesh, jt.GradSync(emulate_nodes=4))
 
   def must_not_run(*args):
@@ -173,6 +175,30 @@ def test_emulated_nodes_equal_devices():
   state, metrics = want
   assert state[0] == len(seeds)
   assert np.isfinite(metrics[-1]["loss"]) and metrics[0]["loss"] != metrics[-1]["loss"]
+
+
+def _gradient_recorder() -> optax.GradientTransformation:
+  """An optimizer that keeps the last gradient it was given as its state and never updates."""
+  return optax.GradientTransformation(
+      init=lambda params: jax.tree.map(jnp.zeros_like, params),
+      update=lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def test_unscale_grads_false_hands_the_optimizer_the_scaled_gradient():
+  """CPD DavidNet compat (cpd.md §4): with unscale_grads=False the loss scale is never divided
+  out, so the optimizer receives loss_scale x the gradient it receives by default (a power of
+  two: exactly 4x, bit for bit). Reference: the unscaled run's gradient times 4 in numpy."""
+  def received(**kwargs):
+    mesh = jt.data_mesh(jax.devices()[:2])
+    optimizer = _gradient_recorder()
+    graphdef, state = jt.init_train_state(_model(), optimizer, mesh)
+    state, _ = jt.TrainStep(graphdef, optimizer, mesh, **kwargs)(state, _batch(0))
+    return jax.tree.map(np.asarray, state.opt_state)
+
+  want = received()
+  assert any(np.any(g != 0) for g in jax.tree.leaves(want))
+  _assert_trees_equal(received(loss_scale=4.0, unscale_grads=False),
+                      jax.tree.map(lambda g: g * np.float32(4), want))
 
 
 def test_scanned_nodes_equal_devices():
