@@ -53,6 +53,7 @@ from jax import lax
 from jlp.collectives import aps as aps_lib
 from jlp.formats import FloatFormat, as_format
 from jlp.numerics.float_cast import float_cast
+from jlp.numerics.sums import kahan_step, kahan_sum, sequential_sum
 
 ALGORITHMS = ("sequential", "ring")
 
@@ -121,24 +122,14 @@ def fold_step(fmt: FloatFormat | None, kahan: bool):
     s, c = carry
     if not kahan:
       return q(s + x), c
-    y = q(x - c)
-    t = q(s + y)
-    return t, q(q(t - s) - y)
+    return kahan_step(s, c, x, lambda v, slot: q(v))
   return step
 
 
 def fold_stacked(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Array:
   """The fold over the leading axis in index order: `jlp.numerics.sums.sequential_sum` /
-  `kahan_sum` (deterministic fmt), bit for bit.
-
-  Its own `lax.scan` because the carry starts as zeros_like(xs[0]): inside
-  shard_map with check_vma the carry must be typed varying like the gathered
-  values, which the zeros of `sums` are not.
-  """
-  step = fold_step(fmt, kahan)
-  zeros = jnp.zeros_like(xs[0])
-  (s, _), _ = lax.scan(lambda carry, x: (step(carry, x), None), (zeros, zeros), xs)
-  return s
+  `kahan_sum` (deterministic fmt; also inside shard_map on gathered values)."""
+  return (kahan_sum if kahan else sequential_sum)(xs, fmt=fmt)
 
 
 def fold_leaves(stacked: list[jax.Array], fmt: FloatFormat | None, kahan: bool,

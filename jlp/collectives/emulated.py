@@ -39,8 +39,7 @@ from jax import lax
 
 from jlp.collectives import aps as aps_lib
 from jlp.collectives.allreduce import (_invalid, allreduce, axis_size, check_leaves, check_options,
-                                       fold_leaves, fold_step, quantizer,
-                                       ring_chunks)
+                                       fold_leaves, fold_stacked, quantizer, ring_chunks)
 from jlp.formats import FloatFormat
 
 FORMS = ("flat", "cpd")
@@ -72,10 +71,7 @@ def ring_emulated(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Ar
   hop = jnp.arange(n)[:, None]
   chunk = jnp.arange(n)[None, :]
   rotated = chunks[(chunk + 1 + hop) % n, chunk]  # [hop, chunk, C]: hop t of chunk k: node k+1+t
-  step = fold_step(fmt, kahan)
-  zeros = jnp.zeros_like(rotated[0])
-  (s, _), _ = lax.scan(lambda carry, x: (step(carry, x), None), (zeros, zeros), rotated)
-  return s.reshape(-1)[:size].reshape(xs.shape[1:])
+  return fold_stacked(rotated, fmt, kahan).reshape(-1)[:size].reshape(xs.shape[1:])
 
 
 def reduce_nodes(leaves: list[jax.Array], fmt: FloatFormat | None, algorithm: str, kahan: bool,

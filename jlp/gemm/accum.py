@@ -68,6 +68,7 @@ from jax import lax
 
 from jlp.formats import FloatFormat, as_format
 from jlp.numerics.float_cast import float_cast
+from jlp.numerics.sums import kahan_step
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -124,12 +125,11 @@ def accumulate(s: jax.Array, c: jax.Array | None, p: jax.Array, fmt: FloatFormat
     return cast(s + p, fmt), None
   if barrier:
     p = lax.optimization_barrier(p)
-  y = cast(p - c, fmt)
-  if barrier:
-    y = lax.optimization_barrier(y)
-  t = cast(s + y, fmt)
-  c = cast(cast(t - s, fmt) - y, fmt)
-  return t, c
+
+  def rnd(v, slot):
+    v = cast(v, fmt)
+    return lax.optimization_barrier(v) if barrier and slot == 0 else v  # slot 0 is y
+  return kahan_step(s, c, p, rnd)
 
 
 def check_accum(accum: Any) -> FloatFormat:

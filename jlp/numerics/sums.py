@@ -16,6 +16,8 @@ Reference: W. Kahan, "Further remarks on reducing truncation errors",
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -35,6 +37,26 @@ def _rounder(fmt: FloatFormat | None, key: jax.Array | None):
     k = jax.random.fold_in(jax.random.fold_in(key, step), slot)
     return float_cast(v, fmt, jax.random.bits(k, v.shape, jnp.uint32))
   return q
+
+
+def kahan_step(s: jax.Array, c: jax.Array, x: jax.Array,
+               rnd: Callable[[jax.Array, int], jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """One step of Kahan's compensated sum, each float32 operation rounded by rnd(value, slot):
+
+      y = rnd(x - c, 0),  t = rnd(s + y, 1),  c = rnd(rnd(t - s, 2) - y, 3);  returns (t, c).
+
+  The one definition of the step that `kahan_sum`, the all-reduce's folds and rings
+  (`jlp.collectives`) and the Kahan GEMM accumulator (`jlp.gemm.accum`) share.
+  """
+  y = rnd(x - c, 0)
+  t = rnd(s + y, 1)
+  return t, rnd(rnd(t - s, 2) - y, 3)
+
+
+def _zeros(xs: jax.Array) -> jax.Array:
+  """The zero carry of a fold over xs's leading axis. `zeros_like` keeps xs's varying mesh axes,
+  so the folds also run inside `jax.shard_map` (check_vma) on gathered values."""
+  return jnp.zeros_like(xs, shape=xs.shape[1:])
 
 
 def _prepare(x, axis, fmt, key):
@@ -70,7 +92,7 @@ def sequential_sum(x: jax.Array, axis: int = 0, *, fmt: FloatFormat | str | None
     i, xi = ix
     return q(s + xi, i, 0), None
 
-  s, _ = lax.scan(step, jnp.zeros(xs.shape[1:], jnp.float32), (jnp.arange(xs.shape[0]), xs))
+  s, _ = lax.scan(step, _zeros(xs), (jnp.arange(xs.shape[0]), xs))
   return s
 
 
@@ -84,13 +106,8 @@ def kahan_sum(x: jax.Array, axis: int = 0, *, fmt: FloatFormat | str | None = No
   q = _rounder(fmt, key)
 
   def step(carry, ix):
-    s, c = carry
     i, xi = ix
-    y = q(xi - c, i, 0)
-    t = q(s + y, i, 1)
-    c = q(q(t - s, i, 2) - y, i, 3)
-    return (t, c), None
+    return kahan_step(*carry, xi, lambda v, slot: q(v, i, slot)), None
 
-  zeros = jnp.zeros(xs.shape[1:], jnp.float32)
-  (s, _), _ = lax.scan(step, (zeros, zeros), (jnp.arange(xs.shape[0]), xs))
+  (s, _), _ = lax.scan(step, (_zeros(xs), _zeros(xs)), (jnp.arange(xs.shape[0]), xs))
   return s
