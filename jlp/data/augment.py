@@ -19,6 +19,11 @@ Semantics follow the torchvision transforms that the seed recipes use
     bilinear, then the c x c window at round((H - c) / 2), round((W - c) / 2).
 DavidNet's Cutout (Myrtle, cpd.md §6.2) zeroes an n x n square lying inside
 the image, after normalisation.
+mmsegmentation's PhotoMetricDistortion (cpd.md §6.4; mmseg/datasets/pipelines/
+transforms.py, read at upstream commits 0066ce88 / db54ce7b, after v0.5.0):
+`photometric_distortion` with `draw_photometric`, on uint8 RGB, its HSV steps
+through OpenCV's 8-bit cv2.cvtColor arithmetic (`rgb_to_hsv_u8`, `hsv_to_rgb_u8`,
+from imgproc/src/color_hsv.simd.hpp; mmcv's bgr2hsv / hsv2bgr call cv2.cvtColor).
 """
 
 from __future__ import annotations
@@ -193,3 +198,194 @@ def resize(image: Image.Image, height: int, width: int,
   if image.size == (width, height):
     return image
   return image.resize((width, height), resample)
+
+
+# ----------------------------------------------------------------------------- photometric
+
+# OpenCV's 8-bit HSV (cv2.COLOR_RGB2HSV / COLOR_HSV2RGB on uint8): H = hue in degrees / 2 (0..179),
+# S and V on 0..255. RGB -> HSV is integer arithmetic with 12-bit fixed-point reciprocal tables
+# (RGB2HSV_b in OpenCV's imgproc/src/color_hsv.simd.hpp); HSV -> RGB is float32 arithmetic.
+HSV_HUE_RANGE = 180
+_HSV_SHIFT = 12
+_HSV_SDIV = np.array([0] + [round((255 << _HSV_SHIFT) / i) for i in range(1, 256)], np.int64)
+_HSV_HDIV = np.array([0] + [round((HSV_HUE_RANGE << _HSV_SHIFT) / (6 * i)) for i in range(1, 256)],
+                     np.int64)
+# OpenCV's HSV2RGB_b converts each row in blocks of 4 SIMD float32 vectors (32 pixels on the AVX2
+# code path that x86-64 opencv-python wheels dispatch to), truncating to uint8, and the remaining
+# width % 32 pixels of the row with its scalar loop, rounding; see hsv_to_rgb_u8.
+OPENCV_HSV_BLOCK = 32
+# (b, g, r) indices into (v, v(1-s), v(1-sf), v(1-s(1-f))) by hue sector (OpenCV's sector_data).
+_HSV_SECTORS = np.array([[1, 3, 0], [1, 0, 2], [3, 0, 1], [0, 2, 1], [0, 1, 3], [2, 1, 0]])
+
+
+def _check_rgb_u8(name: str, image: np.ndarray) -> np.ndarray:
+  image = np.asarray(image)
+  if image.dtype != np.uint8 or image.ndim < 2 or image.shape[-1] != 3:
+    raise ValueError(f"{name} of dtype {image.dtype} and shape {image.shape} is not allowed; "
+                     "expected uint8 (..., W, 3).")
+  return image
+
+
+def rgb_to_hsv_u8(image: np.ndarray) -> np.ndarray:
+  """OpenCV's cv2.cvtColor(image, COLOR_RGB2HSV) on uint8 (..., W, 3), bit for bit.
+
+  V = max(r, g, b); S = round(255 (V - min) / V) and H = round(30 (...) / (V - min)) (+180 when
+  negative) through OpenCV's fixed-point tables: s = (diff * sdiv[V] + 2^11) >> 12 with
+  sdiv[i] = round(255 * 2^12 / i), h = (h' * hdiv[diff] + 2^11) >> 12 with hdiv[i] =
+  round(180 * 2^12 / (6 i)), h' = g - b if V == r, else b - r + 2 diff if V == g, else
+  r - g + 4 diff. mmcv's bgr2hsv on the BGR image gives the same (H, S, V).
+  """
+  image = _check_rgb_u8("image", image)
+  rgb = image.astype(np.int64)
+  r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+  v = np.maximum(np.maximum(r, g), b)
+  diff = v - np.minimum(np.minimum(r, g), b)
+  half = 1 << (_HSV_SHIFT - 1)
+  s = (diff * _HSV_SDIV[v] + half) >> _HSV_SHIFT
+  h = np.where(v == r, g - b, np.where(v == g, b - r + 2 * diff, r - g + 4 * diff))
+  h = (h * _HSV_HDIV[diff] + half) >> _HSV_SHIFT
+  h = np.where(h < 0, h + HSV_HUE_RANGE, h)
+  return np.stack([h, s, v], axis=-1).astype(np.uint8)
+
+
+def hsv_to_rgb_u8(hsv: np.ndarray, block: int = OPENCV_HSV_BLOCK) -> np.ndarray:
+  """OpenCV's cv2.cvtColor(hsv, COLOR_HSV2RGB) on uint8 (..., W, 3) (H in 0..179), bit for bit.
+
+  In float32: h = H * (6 / 180), s = S * (1 / 255), v = V * (1 / 255), sector = floor(h) mod 6,
+  f = h - floor(h); the channels are v, v (1 - s), v (1 - s f), v (1 - s (1 - f)) picked by
+  sector (OpenCV's HSV2RGB_native / HSV2RGB_simd), then * 255. OpenCV converts the first
+  (W // block) * block pixels of each row with SIMD code (both `1 - s x` fused multiply-adds,
+  truncation to uint8) and the rest of the row with scalar code (`1 - s f` fused, `1 - s (1 - f)`
+  not, as the compiler built it; rounding half to even); `block` = 0 takes the scalar path
+  everywhere. Bit for bit as opencv-python 4.5.5 (AVX2 dispatch) on every (H < 180, S, V), both
+  paths, and on row widths 1..1024. Later wheels differ only in builds: 5.0 fuses both products
+  on the scalar path too, and 4.14 on an AVX-512 CPU converts 64-pixel blocks (block=64); either
+  way at most 1 level in a few pixels of the last W % block columns.
+  """
+  hsv = _check_rgb_u8("hsv", hsv)
+  if not isinstance(block, int) or block < 0:
+    raise ValueError(f"block={block!r} is not allowed; expected an int >= 0.")
+  f32 = np.float32
+  h = hsv[..., 0].astype(f32) * f32(6.0 / HSV_HUE_RANGE)
+  s = hsv[..., 1].astype(f32) * f32(1.0 / 255.0)
+  v = hsv[..., 2].astype(f32) * f32(1.0 / 255.0)
+  width = hsv.shape[-2]
+  simd = np.arange(width) < (width // block) * block if block else np.zeros(width, bool)
+  # SIMD: sector = trunc(h) - 6 trunc(trunc(h) / 6); scalar: h = fmod(h, 6), sector = floor(h).
+  whole = np.trunc(h)
+  simd_sector = whole - np.trunc(whole * f32(1.0 / 6.0)) * f32(6.0)
+  h_mod = np.fmod(h, f32(6.0))
+  scalar_whole = np.floor(h_mod)
+  frac = np.where(simd, h - whole, h_mod - scalar_whole)
+  sector = np.where(simd, simd_sector, scalar_whole).astype(np.intp)
+  # s * x is exact in float64, so float32(1 - s * x) in float64 rounds once, as an FMA does.
+  s64 = s.astype(np.float64)
+  tab2 = v * (1.0 - s64 * frac.astype(np.float64)).astype(f32)
+  one_minus_frac = f32(1.0) - frac
+  tab3 = np.where(simd, (1.0 - s64 * one_minus_frac.astype(np.float64)).astype(f32),
+                  f32(1.0) - s * one_minus_frac) * v
+  tab = np.stack([v, v * (f32(1.0) - s), tab2, tab3], axis=-1)
+  rgb = np.take_along_axis(tab, _HSV_SECTORS[sector][..., ::-1], axis=-1) * f32(255.0)
+  rgb = np.where(simd[:, None], np.trunc(rgb), np.rint(rgb))
+  return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
+# mmsegmentation's PhotoMetricDistortion, one example's parameters: each step's on/off coin and
+# its value (brightness delta, contrast / saturation factors, hue shift in OpenCV hue units).
+PHOTOMETRIC_FIELDS = ("brightness_on", "brightness", "contrast_on", "contrast", "contrast_first",
+                      "saturation_on", "saturation", "hue_on", "hue")
+(_PM_BRIGHTNESS_ON, _PM_BRIGHTNESS, _PM_CONTRAST_ON, _PM_CONTRAST, _PM_CONTRAST_FIRST,
+ _PM_SATURATION_ON, _PM_SATURATION, _PM_HUE_ON, _PM_HUE) = range(len(PHOTOMETRIC_FIELDS))
+
+
+def photometric_params(brightness: float | None = None, contrast: float | None = None,
+                       contrast_first: bool = False, saturation: float | None = None,
+                       hue: int | None = None) -> np.ndarray:
+  """One example's PhotoMetricDistortion parameters (float64, PHOTOMETRIC_FIELDS); None = off."""
+  row = np.zeros(len(PHOTOMETRIC_FIELDS))
+  for on, col, value in ((_PM_BRIGHTNESS_ON, _PM_BRIGHTNESS, brightness),
+                         (_PM_CONTRAST_ON, _PM_CONTRAST, contrast),
+                         (_PM_SATURATION_ON, _PM_SATURATION, saturation),
+                         (_PM_HUE_ON, _PM_HUE, hue)):
+    if value is not None:
+      row[on], row[col] = 1.0, value
+  row[_PM_CONTRAST_FIRST] = float(bool(contrast_first))
+  return row
+
+
+def draw_photometric(rng: np.random.Generator, n: int, brightness_delta: float = 32,
+                     contrast_range: tuple[float, float] = (0.5, 1.5),
+                     saturation_range: tuple[float, float] = (0.5, 1.5),
+                     hue_delta: int = 18) -> np.ndarray:
+  """(n, len(PHOTOMETRIC_FIELDS)) parameters of mmseg's PhotoMetricDistortion (its defaults).
+
+  Each step is on with probability 1/2 (numpy.random.randint(2)); brightness uniform on
+  [-delta, delta), contrast and saturation uniform on their ranges, contrast before the HSV steps
+  with probability 1/2 (mmseg's `mode`), hue an integer uniform on -hue_delta..hue_delta - 1
+  (numpy.random.randint(-hue_delta, hue_delta) excludes the upper end).
+  """
+  if not isinstance(hue_delta, int) or hue_delta < 0:
+    raise ValueError(f"hue_delta={hue_delta!r} is not allowed; expected an int >= 0.")
+  if not brightness_delta >= 0:
+    raise ValueError(f"brightness_delta={brightness_delta!r} is not allowed; expected >= 0.")
+  for name, (lo, hi) in (("contrast_range", contrast_range),
+                         ("saturation_range", saturation_range)):
+    if not 0 <= lo <= hi:
+      raise ValueError(f"{name}={(lo, hi)!r} is not allowed; expected 0 <= lo <= hi.")
+  u = rng.random((n, len(PHOTOMETRIC_FIELDS)))
+  out = np.empty_like(u)
+  for col in (_PM_BRIGHTNESS_ON, _PM_CONTRAST_ON, _PM_CONTRAST_FIRST, _PM_SATURATION_ON,
+              _PM_HUE_ON):
+    out[:, col] = u[:, col] < 0.5
+  out[:, _PM_BRIGHTNESS] = brightness_delta * (2.0 * u[:, _PM_BRIGHTNESS] - 1.0)
+  for col, (lo, hi) in ((_PM_CONTRAST, contrast_range), (_PM_SATURATION, saturation_range)):
+    out[:, col] = lo + u[:, col] * (hi - lo)
+  # floor(u * 2d) <= 2d - 1 for every u < 1: the integers -d..d-1, each with probability 1 / 2d.
+  out[:, _PM_HUE] = np.floor(u[:, _PM_HUE] * (2 * hue_delta)) - hue_delta if hue_delta else 0.0
+  return out
+
+
+def _scale_shift_u8(x: np.ndarray, alpha: float = 1.0, beta: float = 0.0) -> np.ndarray:
+  """mmseg's PhotoMetricDistortion.convert: uint8(clip(float32(x) * alpha + beta, 0, 255)) with
+  float32 arithmetic (alpha, beta Python floats meet a float32 array) and truncation."""
+  y = x.astype(np.float32) * np.float32(alpha) + np.float32(beta)
+  return np.clip(y, 0, 255).astype(np.uint8)
+
+
+def photometric_distortion(image: np.ndarray, params: np.ndarray,
+                           block: int = OPENCV_HSV_BLOCK) -> np.ndarray:
+  """mmsegmentation's PhotoMetricDistortion on one uint8 RGB image (H, W, 3), given parameters.
+
+  In order, each step only where its coin is on: brightness x + delta; contrast x * alpha (here
+  when contrast_first); saturation: to HSV, S * alpha, back; hue: to HSV, H = (H + delta) mod 180,
+  back; contrast (here when not contrast_first). Brightness / contrast / saturation compute
+  float32(x) * alpha + beta in float32, clip to 0..255 and truncate to uint8; the HSV steps use
+  OpenCV's 8-bit conversions (rgb_to_hsv_u8, hsv_to_rgb_u8 with `block`), each its own round trip.
+  On an RGB image this is mmseg's BGR result with the channels reversed.
+  """
+  image = _check_rgb_u8("image", image)
+  params = np.asarray(params, np.float64)
+  if params.shape != (len(PHOTOMETRIC_FIELDS),):
+    raise ValueError(f"params of shape {params.shape} is not allowed; expected "
+                     f"({len(PHOTOMETRIC_FIELDS)},) values {PHOTOMETRIC_FIELDS}.")
+  hue = params[_PM_HUE]
+  if params[_PM_HUE_ON] and hue != int(hue):
+    raise ValueError(f"hue={float(hue)!r} is not allowed; expected an integer shift (OpenCV hue "
+                     "units, degrees / 2).")
+  out = image
+  if params[_PM_BRIGHTNESS_ON]:
+    out = _scale_shift_u8(out, beta=params[_PM_BRIGHTNESS])
+  contrast_on, contrast_first = bool(params[_PM_CONTRAST_ON]), bool(params[_PM_CONTRAST_FIRST])
+  if contrast_on and contrast_first:
+    out = _scale_shift_u8(out, alpha=params[_PM_CONTRAST])
+  if params[_PM_SATURATION_ON]:
+    hsv = rgb_to_hsv_u8(out)
+    hsv[..., 1] = _scale_shift_u8(hsv[..., 1], alpha=params[_PM_SATURATION])
+    out = hsv_to_rgb_u8(hsv, block)
+  if params[_PM_HUE_ON]:
+    hsv = rgb_to_hsv_u8(out)
+    hsv[..., 0] = (hsv[..., 0].astype(np.int64) + int(hue)) % HSV_HUE_RANGE
+    out = hsv_to_rgb_u8(hsv, block)
+  if contrast_on and not contrast_first:
+    out = _scale_shift_u8(out, alpha=params[_PM_CONTRAST])
+  return out if out is not image else image.copy()

@@ -10,15 +10,43 @@ one is an error. Files are sorted by (city, file name). Labels are trainIds
 0..18 (19 classes) and 255 = ignore.
 
 Transforms (a reduced version of mmsegmentation's FCN Cityscapes pipeline,
-cpd.md §6.4; this module does not implement mmseg's PhotoMetricDistortion or
-RandomCrop's cat_max_ratio re-draws):
+cpd.md §6.4: Resize, RandomCrop(cat_max_ratio=0.75), RandomFlip, PhotoMetricDistortion,
+Normalize, Pad):
   train: rescale by s = uniform(scale_range) (new size int(W * s + 0.5) x
-         int(H * s + 0.5); image bilinear, labels nearest), a random crop_size
-         window (offsets uniform on 0..max(size - crop, 0)), padding to crop_size
-         at the bottom / right (image 0, labels 255), horizontal flip with p 1/2;
+         int(H * s + 0.5); image bilinear, labels nearest); a random crop_size
+         window (offsets uniform on 0..max(size - crop, 0)), re-drawn while the
+         window's labels fail mmseg's cat_max_ratio test (below); horizontal flip
+         with p 1/2; mmseg's PhotoMetricDistortion on the (flipped) window
+         (`photometric`, jlp.data.augment.photometric_distortion); padding to
+         crop_size (image 0, labels 255) at the bottom and at the right, or at
+         the left of a flipped window (the flip mirrors the padded crop);
   eval:  rescale by eval_scale (default 1: native resolution), no crop.
 Then Normalize with the ImageNet mean / std (mmseg's 123.675... / 58.395...
 on 0..255). Eval batches need images of one size (Cityscapes: 2048 x 1024).
+Still unlike mmseg: its Resize scales to img_scale (2049, 1025) x ratio with
+cv2's bilinear (here: the image size x s with PIL's), and its Pad comes after
+Normalize and the flip (padded pixels 0 after normalisation, always at the
+bottom / right; Cityscapes widths 1024..4096 never need width padding).
+
+RandomCrop's cat_max_ratio, as mmseg's RandomCrop.__call__: the window is
+accepted when its labels other than 255 hold more than one class and
+max(count) / sum(count) < cat_max_ratio; otherwise another window is drawn, at
+most CROP_RETRIES = 10 times, and the last one drawn is kept whatever its labels
+(so up to 11 windows, the 11th unchecked). cat_max_ratio=1 turns it off.
+
+Followed: mmsegmentation mmseg/datasets/pipelines/transforms.py (RandomCrop,
+PhotoMetricDistortion; the stored upstream copies at commits 0066ce88 and db54ce7b,
+both after v0.5.0 and identical in these two classes), mmcv mmcv/image/colorspace.py
+(bgr2hsv / hsv2bgr = cv2.cvtColor) and OpenCV imgproc/src/color_hsv.simd.hpp for the
+8-bit HSV conversions. The image is RGB here (mmcv's is BGR): the HSV steps read
+the channels by name, so the result is mmseg's with the channels reversed.
+
+Randomness: `draw` gives per example "scale_crop" (scale, top, left uniforms),
+"flip", and, when on, "crop_retry" (CROP_RETRIES x (top, left) uniforms for the
+re-drawn windows) and "photometric" (augment.draw_photometric); `load` applies
+them, so batches stay a pure function of (seed, step). With cat_max_ratio=1 and
+photometric=False the draws and the batches are those of the pipeline without
+either step.
 """
 
 from __future__ import annotations
@@ -36,6 +64,8 @@ from jlp.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
 
 CITYSCAPES_NUM_CLASSES = 19
 IGNORE_LABEL = 255
+# mmseg RandomCrop: windows re-drawn at most this many times while cat_max_ratio rejects them.
+CROP_RETRIES = 10
 IMAGE_SUFFIX = "_leftImg8bit.png"
 LABEL_SUFFIX = "_gtFine_labelTrainIds.png"
 CITYSCAPES_TREE = f"""
@@ -72,12 +102,57 @@ def scan_pairs(root: str | os.PathLike, split: str) -> tuple[list[str], list[str
   return images, labels
 
 
+def crop_offset(u_top: float, u_left: float, size: tuple[int, int],
+                crop_size: tuple[int, int]) -> tuple[int, int]:
+  """(top, left) of a crop window from two uniforms: each uniform on 0..max(size - crop, 0)."""
+  margin_h, margin_w = max(size[0] - crop_size[0], 0), max(size[1] - crop_size[1], 0)
+  return (min(int(u_top * (margin_h + 1)), margin_h),
+          min(int(u_left * (margin_w + 1)), margin_w))
+
+
+def cat_ratio_accepts(window_label: np.ndarray, cat_max_ratio: float,
+                      ignore_index: int = IGNORE_LABEL) -> bool:
+  """mmseg RandomCrop's test of a window: its labels other than ignore_index hold more than one
+  class and the largest class count / their total < cat_max_ratio."""
+  counts = np.bincount(np.asarray(window_label, np.int64).ravel())
+  if ignore_index < counts.size:
+    counts[ignore_index] = 0
+  counts = counts[counts > 0]
+  return counts.size > 1 and counts.max() / counts.sum() < cat_max_ratio
+
+
+def crop_window(label: np.ndarray, uniforms: np.ndarray, crop_size: tuple[int, int],
+                cat_max_ratio: float = 1.0, ignore_index: int = IGNORE_LABEL) -> tuple[int, int]:
+  """(top, left) of mmseg RandomCrop's window on `label` (H, W), driven by (top, left) uniforms.
+
+  uniforms[0] gives the first window; while cat_max_ratio < 1 and a window fails
+  cat_ratio_accepts, the next row gives the next window, and the window of the last row is
+  kept unchecked (mmseg: 10 re-draws, so 11 rows).
+  """
+  uniforms = np.asarray(uniforms, np.float64).reshape(-1, 2)
+  size = label.shape[:2]
+  top, left = crop_offset(*uniforms[0], size, crop_size)
+  if cat_max_ratio < 1.0:
+    ch, cw = crop_size
+    for u_top, u_left in uniforms[1:]:
+      if cat_ratio_accepts(label[top:top + ch, left:left + cw], cat_max_ratio, ignore_index):
+        break
+      top, left = crop_offset(u_top, u_left, size, crop_size)
+  return top, left
+
+
 class CityscapesDataset(Dataset):
-  """Image / trainId-map pairs; `get` returns "image" (N, H, W, 3) and "label" int32 (N, H, W)."""
+  """Image / trainId-map pairs; `get` returns "image" (N, H, W, 3) and "label" int32 (N, H, W).
+
+  cat_max_ratio: mmseg RandomCrop's largest-class share (0 < r <= 1; 1 = no re-draws).
+  photometric: mmseg's PhotoMetricDistortion on the training crops.
+  Both only act with augment (the training split's default).
+  """
 
   def __init__(self, root: str | os.PathLike, split: str = "train", *,
                augment: bool | None = None, crop_size: tuple[int, int] = (769, 769),
                scale_range: tuple[float, float] = (0.5, 2.0), eval_scale: float = 1.0,
+               cat_max_ratio: float = 0.75, photometric: bool = True,
                mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
                num_workers: int = 8):
     check_split(split, ("train", "val"))
@@ -91,6 +166,13 @@ class CityscapesDataset(Dataset):
       raise ValueError(f"scale_range={scale_range!r} is not allowed; expected 0 < lo <= hi.")
     if not eval_scale > 0:
       raise ValueError(f"eval_scale={eval_scale!r} is not allowed; expected a positive number.")
+    if (isinstance(cat_max_ratio, (bool, np.bool_))
+        or not isinstance(cat_max_ratio, (int, float, np.integer, np.floating))
+        or not 0 < cat_max_ratio <= 1):
+      raise ValueError(f"cat_max_ratio={cat_max_ratio!r} is not allowed; expected a number in "
+                       "(0, 1] (1: no re-draws).")
+    if not isinstance(photometric, (bool, np.bool_)):
+      raise ValueError(f"photometric={photometric!r} is not allowed; expected True or False.")
     if not isinstance(num_workers, int) or num_workers < 1:
       raise ValueError(f"num_workers={num_workers!r} is not allowed; expected a positive int.")
     self.image_paths, self.label_paths = scan_pairs(root, split)
@@ -100,6 +182,8 @@ class CityscapesDataset(Dataset):
     self.crop_size = crop_size
     self.scale_range = tuple(scale_range)
     self.eval_scale = eval_scale
+    self.cat_max_ratio = float(cat_max_ratio)
+    self.photometric = bool(photometric)
     self.normalization = Normalization(tuple(mean), tuple(std))
     self.num_workers = num_workers
     self._eval_hw = None
@@ -129,7 +213,12 @@ class CityscapesDataset(Dataset):
   def draw(self, rng: np.random.Generator, n: int) -> Batch:
     if not self.augment:
       return {}
-    return {"scale_crop": rng.random((n, 3)), "flip": aug.draw_flips(rng, n)}
+    params = {"scale_crop": rng.random((n, 3)), "flip": aug.draw_flips(rng, n)}
+    if self.cat_max_ratio < 1.0:
+      params["crop_retry"] = rng.random((n, CROP_RETRIES, 2))
+    if self.photometric:
+      params["photometric"] = aug.draw_photometric(rng, n)
+    return params
 
   def load(self, index: int, params: Batch | None) -> tuple[np.ndarray, np.ndarray]:
     """One (image uint8 (H, W, 3), label uint8 (H, W)) pair after the transform."""
@@ -151,15 +240,23 @@ class CityscapesDataset(Dataset):
     image = np.asarray(aug.resize(image, h, w), np.uint8)
     label = np.asarray(aug.resize(label, h, w, Image.NEAREST), np.uint8)
     ch, cw = self.crop_size
-    top = min(int(u_top * (max(h - ch, 0) + 1)), max(h - ch, 0))
-    left = min(int(u_left * (max(w - cw, 0) + 1)), max(w - cw, 0))
+    uniforms = np.array([[u_top, u_left]])
+    if "crop_retry" in params:
+      uniforms = np.concatenate([uniforms, np.asarray(params["crop_retry"]).reshape(-1, 2)])
+    top, left = crop_window(label, uniforms, self.crop_size, self.cat_max_ratio)
+    window = image[top:top + ch, left:left + cw]
+    window_label = label[top:top + ch, left:left + cw]
+    flip = bool(params["flip"])
+    if flip:  # mmseg flips before PhotoMetricDistortion (whose HSV rounding depends on the column)
+      window, window_label = window[:, ::-1], window_label[:, ::-1]
+    if "photometric" in params:
+      window = aug.photometric_distortion(window, params["photometric"])
     out_image = np.zeros((ch, cw, 3), np.uint8)
     out_label = np.full((ch, cw), IGNORE_LABEL, np.uint8)
-    window = image[top:top + ch, left:left + cw]
-    out_image[:window.shape[0], :window.shape[1]] = window
-    out_label[:window.shape[0], :window.shape[1]] = label[top:top + ch, left:left + cw]
-    if params["flip"]:
-      out_image, out_label = out_image[:, ::-1], out_label[:, ::-1]
+    wh, ww = window.shape[:2]
+    cols = slice(cw - ww, cw) if flip else slice(0, ww)  # the mirror of right-padding
+    out_image[:wh, cols] = window
+    out_label[:wh, cols] = window_label
     return out_image, out_label
 
   def get(self, indices: np.ndarray, params: Batch) -> Batch:

@@ -1,7 +1,11 @@
 """Tests for jlp.data.cityscapes on tiny PNG image / trainId pairs.
 
 References: the arrays the test writes (PNG is lossless), explicit PIL resizes
-for the rescaled cases, and per-element np.float32 normalisation.
+for the rescaled cases, per-element np.float32 normalisation, a transcription of
+mmsegmentation's RandomCrop.__call__ (np.unique histogram, 10 re-draws) for
+cat_max_ratio, and per-element np.float32 arithmetic for mmseg's brightness /
+contrast `convert`. The HSV steps of PhotoMetricDistortion are checked against
+OpenCV in augment_test.py; here only where the dataset applies them.
 """
 
 import os
@@ -10,10 +14,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jlp.data import augment as aug
 from jlp.data import get_dataset
+from jlp.data.cityscapes import CROP_RETRIES, cat_ratio_accepts
+from jlp.data.pipeline import Pipeline
 from references import imagenet_normalized
 
 H, W = 6, 10
+# The pipeline without mmseg's cat_max_ratio re-draws and PhotoMetricDistortion.
+PLAIN = {"cat_max_ratio": 1.0, "photometric": False}
 
 
 def write_cityscapes(root, cities=("zurich", "aachen"), per_city=2, seed=0):
@@ -57,7 +66,8 @@ def test_val_split_loads_exact_pixels_and_labels_sorted_by_city(tmp_path):
 def test_train_crop_pads_with_ignore_and_flips_image_and_label_together(tmp_path):
   write_cityscapes(tmp_path)
   # Scale 1 and a crop larger than the image: the whole image, padded at bottom/right.
-  ds = get_dataset("cityscapes", root=tmp_path, crop_size=(8, 12), scale_range=(1.0, 1.0))
+  ds = get_dataset("cityscapes", root=tmp_path, crop_size=(8, 12), scale_range=(1.0, 1.0),
+                   **PLAIN)
   assert ds.augment and ds.image_shape == (8, 12, 3) and ds.label_shape == (8, 12)
   params = ds.draw(np.random.default_rng(0), 4)
   params["flip"] = np.array([False, True, False, True])
@@ -77,7 +87,7 @@ def test_train_crop_pads_with_ignore_and_flips_image_and_label_together(tmp_path
 
 def test_train_rescale_and_crop_window(tmp_path):
   write_cityscapes(tmp_path)
-  ds = get_dataset("cityscapes", root=tmp_path, crop_size=4, scale_range=(2.0, 2.0))
+  ds = get_dataset("cityscapes", root=tmp_path, crop_size=4, scale_range=(2.0, 2.0), **PLAIN)
   params = ds.draw(np.random.default_rng(3), 4)
   params["flip"][:] = False
   batch = ds.get(np.arange(4), params)
@@ -102,3 +112,188 @@ def test_missing_folders_and_labels_show_the_layout(tmp_path):
     get_dataset("cityscapes", root=tmp_path, split="val")
   with pytest.raises(ValueError, match="crop_size"):
     get_dataset("cityscapes", root=tmp_path, crop_size=(0, 4))
+
+
+
+def write_pair(root, image, label, split="train", city="aachen", k=0):
+  """One image / trainId-map pair (a one-file split)."""
+  prefix = f"{city}_{k:06d}_000019"
+  for top, name in (("leftImg8bit", "_leftImg8bit.png"), ("gtFine", "_gtFine_labelTrainIds.png")):
+    os.makedirs(os.path.join(root, top, split, city), exist_ok=True)
+    Image.fromarray(image if top == "leftImg8bit" else label).save(
+        os.path.join(root, top, split, city, prefix + name))
+
+
+def mmseg_random_crop(label, offsets, crop, cat_max_ratio, ignore_index=255):
+  """mmseg RandomCrop.__call__ with get_crop_bbox's draws replaced by `offsets` (in order)."""
+  draws = iter(offsets)
+  top, left = next(draws)
+  if cat_max_ratio < 1.0:
+    for _ in range(10):  # "Repeat 10 times"
+      seg_temp = label[top:top + crop[0], left:left + crop[1]]
+      labels, cnt = np.unique(seg_temp, return_counts=True)
+      cnt = cnt[labels != ignore_index]
+      if len(cnt) > 1 and np.max(cnt) / np.sum(cnt) < cat_max_ratio:
+        break
+      top, left = next(draws)
+  return top, left
+
+
+def _uniforms(offsets, size, crop):
+  """(top, left) uniforms that give these window offsets: offset = int(u * (margin + 1))."""
+  margins = (size[0] - crop[0] + 1, size[1] - crop[1] + 1)
+  return np.array([[(t + 0.5) / margins[0], (l + 0.5) / margins[1]] for t, l in offsets])
+
+
+def _crop_params(offsets, size, crop, flip=False):
+  u = _uniforms(offsets, size, crop)
+  return {"scale_crop": np.array([[0.5, *u[0]]]), "flip": np.array([flip]),
+          "crop_retry": u[None, 1:]}
+
+
+# An 8 x 16 label map: class 1 on the left half; classes 2 / 3 in a checkerboard on the right.
+CAT_LABEL = np.ones((8, 16), np.uint8)
+CAT_LABEL[:, 8:] = 2 + (np.add.outer(np.arange(8), np.arange(8)) % 2)
+CAT_IMAGE = np.random.default_rng(7).integers(0, 256, (8, 16, 3), dtype=np.uint8)
+
+
+def test_cat_max_ratio_redraws_rejected_windows_until_one_is_mixed(tmp_path):
+  write_pair(tmp_path, CAT_IMAGE, CAT_LABEL)
+  ds = get_dataset("cityscapes", root=tmp_path, crop_size=4, scale_range=(1.0, 1.0),
+                   photometric=False)
+  assert ds.cat_max_ratio == 0.75
+  # Window 0 (cols 0-3) and 1 (cols 3-6): class 1 only; 2 (cols 5-8): 12 of 16 pixels class 1,
+  # 0.75 is not < 0.75; 3 (cols 6-9): 8 / 4 / 4 -> accepted; later windows unused.
+  offsets = [(0, 0), (2, 3), (1, 5), (4, 6)] + [(0, 12)] * (CROP_RETRIES - 3)
+  assert mmseg_random_crop(CAT_LABEL, offsets, (4, 4), 0.75) == (4, 6)
+  image, label = ds.load(0, {k: v[0] for k, v in _crop_params(offsets, (8, 16), (4, 4)).items()})
+  np.testing.assert_array_equal(image, CAT_IMAGE[4:8, 6:10])
+  np.testing.assert_array_equal(label, CAT_LABEL[4:8, 6:10])
+  # A laxer ratio accepts window 2; cat_max_ratio=1 keeps window 0.
+  for ratio, (top, left) in ((0.8, (1, 5)), (1.0, (0, 0))):
+    ds = get_dataset("cityscapes", root=tmp_path, crop_size=4, scale_range=(1.0, 1.0),
+                     cat_max_ratio=ratio, photometric=False)
+    assert mmseg_random_crop(CAT_LABEL, offsets, (4, 4), ratio) == (top, left)
+    params = _crop_params(offsets, (8, 16), (4, 4))
+    if ratio == 1.0:
+      params.pop("crop_retry")
+    image, _ = ds.load(0, {k: v[0] for k, v in params.items()})
+    np.testing.assert_array_equal(image, CAT_IMAGE[top:top + 4, left:left + 4])
+
+
+def test_cat_max_ratio_keeps_the_last_window_after_ten_rejections(tmp_path):
+  label = np.full((8, 16), 5, np.uint8)
+  label[0, :] = 255  # ignored pixels are not counted: still one class
+  write_pair(tmp_path, CAT_IMAGE, label)
+  ds = get_dataset("cityscapes", root=tmp_path, crop_size=4, scale_range=(1.0, 1.0),
+                   photometric=False)
+  offsets = [(t % 5, l) for t, l in zip(range(11), range(1, 12))]  # 11 different windows
+  assert len(offsets) == 1 + CROP_RETRIES
+  assert mmseg_random_crop(label, offsets, (4, 4), 0.75) == offsets[-1] == (0, 11)
+  params = _crop_params(offsets, (8, 16), (4, 4), flip=True)
+  image, out_label = ds.load(0, {k: v[0] for k, v in params.items()})
+  np.testing.assert_array_equal(image, CAT_IMAGE[0:4, 11:15][:, ::-1])
+  np.testing.assert_array_equal(out_label, label[0:4, 11:15][:, ::-1])
+
+
+def test_cat_ratio_test_ignores_255_and_needs_two_classes():
+  def mmseg_accepts(window, ratio):
+    labels, cnt = np.unique(window, return_counts=True)
+    cnt = cnt[labels != 255]
+    return bool(len(cnt) > 1 and np.max(cnt) / np.sum(cnt) < ratio)
+  windows = [np.full((4, 4), 255, np.uint8),                     # nothing counted
+             np.array([[4, 255], [255, 255]], np.uint8),            # one class
+             np.array([[4, 4, 5, 255], [255] * 4], np.uint8),       # 2 / 3 < 0.75
+             np.array([[4, 4, 4, 5], [255] * 4], np.uint8),         # 3 / 4: not < 0.75
+             np.array([[0, 0, 1, 2], [3, 3, 3, 3]], np.uint8),      # 4 / 8
+             np.array([[0] * 7 + [1], [255] * 8], np.uint8)]        # 7 / 8
+  for window in windows:
+    for ratio in (0.5, 0.75, 0.9, 1.0):
+      assert cat_ratio_accepts(window, ratio) == mmseg_accepts(window, ratio), (window, ratio)
+
+
+def test_photometric_acts_on_the_flipped_window_before_padding(tmp_path):
+  # 36 columns: OpenCV's HSV -> RGB rounds the last 4 (36 % 32) of a row unlike the others, so
+  # distorting before flipping would differ from mmseg (flip, then distort).
+  image = np.random.default_rng(3).integers(0, 256, (5, 36, 3), dtype=np.uint8)
+  image[0, 0] = (250, 255, 3)  # clipped by the brightness below
+  label = np.random.default_rng(4).integers(0, 19, (5, 36), dtype=np.uint8)
+  write_pair(tmp_path, image, label)
+  ds = get_dataset("cityscapes", root=tmp_path, crop_size=(6, 38), scale_range=(1.0, 1.0))
+  assert ds.photometric and ds.cat_max_ratio == 0.75
+  params = ds.draw(np.random.default_rng(0), 1)
+  assert set(params) == {"scale_crop", "flip", "crop_retry", "photometric"}
+  for flip in (False, True):
+    params["flip"][:] = flip
+    params["photometric"][0] = aug.photometric_params(brightness=21.5, contrast=0.8)
+    got, got_label = ds.load(0, {k: v[0] for k, v in params.items()})
+    # The crop is larger than the image: the whole image, padded by 1 row and 2 columns.
+    window, window_label = (image[:, ::-1], label[:, ::-1]) if flip else (image, label)
+    want = np.array([[[_mmseg_convert(_mmseg_convert(x, beta=21.5), alpha=0.8) for x in px]
+                      for px in row] for row in window.tolist()], np.uint8)
+    cols = slice(2, 38) if flip else slice(0, 36)
+    np.testing.assert_array_equal(got[:5, cols], want)
+    pad = np.ones((6, 38), bool)
+    pad[:5, cols] = False
+    assert (got[pad] == 0).all() and (got_label[pad] == 255).all()
+    np.testing.assert_array_equal(got_label[:5, cols], window_label)
+    # The HSV steps too act on the window as mmseg holds it: cropped, then flipped.
+    params["photometric"][0] = aug.photometric_params(saturation=1.3, hue=-5, contrast=1.2,
+                                                      contrast_first=True)
+    got, _ = ds.load(0, {k: v[0] for k, v in params.items()})
+    want = aug.photometric_distortion(window, params["photometric"][0])
+    np.testing.assert_array_equal(got[:5, cols], want)
+    if flip:
+      unflipped_first = aug.photometric_distortion(image, params["photometric"][0])[:, ::-1]
+      assert (unflipped_first != want).any()
+
+
+def _mmseg_convert(x, alpha=1.0, beta=0.0):
+  """mmseg PhotoMetricDistortion.convert on one value: float32 ops, clip, truncation to uint8."""
+  y = np.float32(x) * np.float32(alpha) + np.float32(beta)
+  return int(min(max(y, np.float32(0)), np.float32(255)))
+
+
+def test_options_off_draw_and_give_exactly_the_plain_pipeline(tmp_path):
+  write_cityscapes(tmp_path)
+  on = get_dataset("cityscapes", root=tmp_path, crop_size=4, scale_range=(0.8, 1.6))
+  off = get_dataset("cityscapes", root=tmp_path, crop_size=4, scale_range=(0.8, 1.6), **PLAIN)
+  a, b = on.draw(np.random.default_rng(9), 4), off.draw(np.random.default_rng(9), 4)
+  assert set(b) == {"scale_crop", "flip"}
+  assert a["crop_retry"].shape == (4, CROP_RETRIES, 2)
+  assert a["photometric"].shape == (4, len(aug.PHOTOMETRIC_FIELDS))
+  for k in b:  # the new draws come after the old ones
+    np.testing.assert_array_equal(a[k], b[k])
+  # Photometric off / cat_max_ratio 1 through their parameters: the same batch as the plain one.
+  a["photometric"][:] = aug.photometric_params()
+  a.pop("crop_retry")
+  np.testing.assert_array_equal(on.get(np.arange(4), a)["image"], off.get(np.arange(4), b)["image"])
+  # Evaluation draws nothing.
+  val = get_dataset("cityscapes", root=tmp_path, split="val")
+  assert val.draw(np.random.default_rng(0), 2) == {}
+
+
+def test_train_batches_are_a_pure_function_of_seed_and_step(tmp_path):
+  write_cityscapes(tmp_path)
+  ds = get_dataset("cityscapes", root=tmp_path, crop_size=(4, 6), scale_range=(0.8, 1.6))
+  kw = {"process_count": 1, "process_index": 0}
+  first = Pipeline(ds, 4, seed=3, **kw).batch(2)
+  again = Pipeline(ds, 4, seed=3, **kw).batch(2)
+  for k in first:
+    np.testing.assert_array_equal(first[k], again[k])
+  assert not np.array_equal(first["image"], Pipeline(ds, 4, seed=3, **kw).batch(3)["image"])
+  assert not np.array_equal(first["image"], Pipeline(ds, 4, seed=4, **kw).batch(2)["image"])
+  # Two processes' rows (each drawing for the whole global batch) join to the same batch.
+  parts = [Pipeline(ds, 4, seed=3, process_count=2, process_index=p).batch(2) for p in (0, 1)]
+  for k in first:
+    np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), first[k])
+
+
+@pytest.mark.parametrize("field,value", [
+    ("cat_max_ratio", 0), ("cat_max_ratio", -0.5), ("cat_max_ratio", 1.5),
+    ("cat_max_ratio", True), ("cat_max_ratio", "0.75"), ("cat_max_ratio", None),
+    ("photometric", "yes"), ("photometric", 1), ("photometric", None)])
+def test_bad_options_are_rejected(tmp_path, field, value):
+  write_cityscapes(tmp_path)
+  with pytest.raises(ValueError, match=f"{field}={value!r} is not allowed"):
+    get_dataset("cityscapes", root=tmp_path, **{field: value})
