@@ -17,16 +17,15 @@ Normalize, Pad):
          window (offsets uniform on 0..max(size - crop, 0)), re-drawn while the
          window's labels fail mmseg's cat_max_ratio test (below); horizontal flip
          with p 1/2; mmseg's PhotoMetricDistortion on the (flipped) window
-         (`photometric`, jlp.data.augment.photometric_distortion); padding to
-         crop_size (image 0, labels 255) at the bottom and at the right, or at
-         the left of a flipped window (the flip mirrors the padded crop);
+         (`photometric`, jlp.data.augment.photometric_distortion); Normalize;
+         padding to crop_size at the bottom and at the right, as mmseg's Pad
+         after Normalize: padded image values are 0 after normalisation, padded
+         labels 255;
   eval:  rescale by eval_scale (default 1: native resolution), no crop.
-Then Normalize with the ImageNet mean / std (mmseg's 123.675... / 58.395...
-on 0..255). Eval batches need images of one size (Cityscapes: 2048 x 1024).
+Normalize uses the ImageNet mean / std (mmseg's 123.675... / 58.395... on
+0..255). Eval batches need images of one size (Cityscapes: 2048 x 1024).
 Still unlike mmseg: its Resize scales to img_scale (2049, 1025) x ratio with
-cv2's bilinear (here: the image size x s with PIL's), and its Pad comes after
-Normalize and the flip (padded pixels 0 after normalisation, always at the
-bottom / right; Cityscapes widths 1024..4096 never need width padding).
+cv2's bilinear (here: the image size x s with PIL's).
 
 RandomCrop's cat_max_ratio, as mmseg's RandomCrop.__call__: the window is
 accepted when its labels other than 255 hold more than one class and
@@ -221,7 +220,8 @@ class CityscapesDataset(Dataset):
     return params
 
   def load(self, index: int, params: Batch | None) -> tuple[np.ndarray, np.ndarray]:
-    """One (image uint8 (H, W, 3), label uint8 (H, W)) pair after the transform."""
+    """One (image uint8 (h, w, 3), label uint8 (h, w)) pair after the transform, before
+    Normalize (and, for train windows smaller than crop_size, before padding)."""
     with Image.open(self.image_paths[index]) as f:
       image = f.convert("RGB")
     with Image.open(self.label_paths[index]) as f:
@@ -246,17 +246,20 @@ class CityscapesDataset(Dataset):
     top, left = crop_window(label, uniforms, self.crop_size, self.cat_max_ratio)
     window = image[top:top + ch, left:left + cw]
     window_label = label[top:top + ch, left:left + cw]
-    flip = bool(params["flip"])
-    if flip:  # mmseg flips before PhotoMetricDistortion (whose HSV rounding depends on the column)
+    if params["flip"]:  # before PhotoMetricDistortion, whose HSV rounding depends on the column
       window, window_label = window[:, ::-1], window_label[:, ::-1]
     if "photometric" in params:
       window = aug.photometric_distortion(window, params["photometric"])
-    out_image = np.zeros((ch, cw, 3), np.uint8)
-    out_label = np.full((ch, cw), IGNORE_LABEL, np.uint8)
-    wh, ww = window.shape[:2]
-    cols = slice(cw - ww, cw) if flip else slice(0, ww)  # the mirror of right-padding
-    out_image[:wh, cols] = window
-    out_label[:wh, cols] = window_label
+    return window, window_label
+
+  def _padded(self, image: np.ndarray, label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """mmseg's Pad after Normalize: the normalised window at the top left of crop_size, padded
+    with 0 (image) and IGNORE_LABEL (label)."""
+    h, w = label.shape
+    out_image = np.zeros(self.crop_size + (3,), np.float32)
+    out_label = np.full(self.crop_size, IGNORE_LABEL, np.int32)
+    out_image[:h, :w] = self.normalization(image)
+    out_label[:h, :w] = label
     return out_image, out_label
 
   def get(self, indices: np.ndarray, params: Batch) -> Batch:
@@ -264,13 +267,16 @@ class CityscapesDataset(Dataset):
     rows = [{k: v[i] for k, v in params.items()} for i in range(len(indices))]
     with concurrent.futures.ThreadPoolExecutor(min(self.num_workers, max(len(indices), 1))) as ex:
       pairs = list(ex.map(self.load, indices.tolist(), rows))
+    if not pairs:
+      h, w, _ = self.image_shape
+      return {"image": np.zeros((0, h, w, 3), np.float32), "label": np.zeros((0, h, w), np.int32)}
+    if params:
+      padded = [self._padded(*p) for p in pairs]
+      return {"image": np.stack([p[0] for p in padded]), "label": np.stack([p[1] for p in padded])}
     shapes = {p[0].shape for p in pairs}
     if len(shapes) > 1:
       raise ValueError(f"images of different sizes {sorted(shapes)} in one batch; eval batches "
                        "need one image size (use augment=True crops or same-size images).")
-    if not pairs:
-      h, w, _ = self.image_shape
-      return {"image": np.zeros((0, h, w, 3), np.float32), "label": np.zeros((0, h, w), np.int32)}
     images = np.stack([p[0] for p in pairs])
     labels = np.stack([p[1] for p in pairs]).astype(np.int32)
     return {"image": self.normalization(images), "label": labels}

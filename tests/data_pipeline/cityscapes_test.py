@@ -63,26 +63,29 @@ def test_val_split_loads_exact_pixels_and_labels_sorted_by_city(tmp_path):
   assert batch["label"].dtype == np.int32 and batch["label"][0, 0, 0] == 255
 
 
-def test_train_crop_pads_with_ignore_and_flips_image_and_label_together(tmp_path):
+def test_train_crop_flips_then_pads_after_normalize(tmp_path):
   write_cityscapes(tmp_path)
-  # Scale 1 and a crop larger than the image: the whole image, padded at bottom/right.
+  # Scale 1 and a crop larger than the image: the whole image, flipped or not, then mmseg's Pad
+  # after Normalize: at the bottom and right, image 0 (after normalisation) and label 255.
   ds = get_dataset("cityscapes", root=tmp_path, crop_size=(8, 12), scale_range=(1.0, 1.0),
                    **PLAIN)
   assert ds.augment and ds.image_shape == (8, 12, 3) and ds.label_shape == (8, 12)
   params = ds.draw(np.random.default_rng(0), 4)
   params["flip"] = np.array([False, True, False, True])
   batch = ds.get(np.arange(4), params)
+  assert batch["image"].dtype == np.float32 and batch["label"].dtype == np.int32
   eval_ds = get_dataset("cityscapes", root=tmp_path, split="train", augment=False)
   plain = eval_ds.get(np.arange(4), {})
   for i in range(4):
-    image = np.zeros((8, 12, 3), np.float32) + imagenet_normalized(np.zeros((1, 1, 3), np.uint8))
-    image[:H, :W] = plain["image"][i]
-    label = np.full((8, 12), 255)
-    label[:H, :W] = plain["label"][i]
+    image, label = plain["image"][i], plain["label"][i]
     if params["flip"][i]:
       image, label = image[:, ::-1], label[:, ::-1]
-    np.testing.assert_array_equal(batch["image"][i], image)
-    np.testing.assert_array_equal(batch["label"][i], label)
+    want_image = np.zeros((8, 12, 3), np.float32)
+    want_image[:H, :W] = image
+    want_label = np.full((8, 12), 255)
+    want_label[:H, :W] = label
+    np.testing.assert_array_equal(batch["image"][i], want_image)
+    np.testing.assert_array_equal(batch["label"][i], want_label)
 
 
 def test_train_rescale_and_crop_window(tmp_path):
@@ -227,22 +230,23 @@ def test_photometric_acts_on_the_flipped_window_before_padding(tmp_path):
     params["flip"][:] = flip
     params["photometric"][0] = aug.photometric_params(brightness=21.5, contrast=0.8)
     got, got_label = ds.load(0, {k: v[0] for k, v in params.items()})
-    # The crop is larger than the image: the whole image, padded by 1 row and 2 columns.
+    # The crop is larger than the image: the whole image (padded later, by get).
     window, window_label = (image[:, ::-1], label[:, ::-1]) if flip else (image, label)
     want = np.array([[[_mmseg_convert(_mmseg_convert(x, beta=21.5), alpha=0.8) for x in px]
                       for px in row] for row in window.tolist()], np.uint8)
-    cols = slice(2, 38) if flip else slice(0, 36)
-    np.testing.assert_array_equal(got[:5, cols], want)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_label, window_label)
+    batch = ds.get(np.arange(1), params)
+    np.testing.assert_array_equal(batch["image"][0, :5, :36], imagenet_normalized(want))
     pad = np.ones((6, 38), bool)
-    pad[:5, cols] = False
-    assert (got[pad] == 0).all() and (got_label[pad] == 255).all()
-    np.testing.assert_array_equal(got_label[:5, cols], window_label)
+    pad[:5, :36] = False
+    assert (batch["image"][0][pad] == 0).all() and (batch["label"][0][pad] == 255).all()
     # The HSV steps too act on the window as mmseg holds it: cropped, then flipped.
     params["photometric"][0] = aug.photometric_params(saturation=1.3, hue=-5, contrast=1.2,
                                                       contrast_first=True)
     got, _ = ds.load(0, {k: v[0] for k, v in params.items()})
     want = aug.photometric_distortion(window, params["photometric"][0])
-    np.testing.assert_array_equal(got[:5, cols], want)
+    np.testing.assert_array_equal(got, want)
     if flip:
       unflipped_first = aug.photometric_distortion(image, params["photometric"][0])[:, ::-1]
       assert (unflipped_first != want).any()
