@@ -1,6 +1,7 @@
 """Custom-precision all-reduce against lax.psum on 8 emulated CPU devices, timed alternately.
 
-Run: python -m benchmarks.allreduce_bench [--sizes=1M,16M] [--repeats=7] [--kahan]
+Run: python -m benchmarks.allreduce_bench [--sizes=1M,16M] [--repeats=15] [--kahan]
+     [--tree]
 
 For every algorithm (sequential, ring) x format (float32, e5m2, e4m3) x APS
 (off, on; APS needs a low-precision format), `jlp.collectives.allreduce` of one
@@ -15,6 +16,10 @@ issue 4: ring <= 2x psum). Three floor rows come first, timed the same way:
   `ppermute` hops of a 1/W chunk, then an `all_gather` of the chunks;
 * (APS floor): the same plus what APS adds before the first hop can start: the
   max|g| pass over the leaf and the `pmax` of the exponents.
+
+--tree adds a case whose data is a gradient tree shaped like CIFAR ResNet18's parameters
+(62 leaves, 11.2M floats per device; reference: one `lax.psum` per leaf), where the
+ring's hops carry every leaf at once.
 
 The 8 devices are emulated on this machine's CPU cores, so the numbers measure
 the arithmetic and the emulated transfers (each collective a rendezvous of 8
@@ -45,6 +50,20 @@ _SIZES = flags.DEFINE_list("sizes", ["1M", "16M"], "float32 elements per device 
 _REPEATS = flags.DEFINE_integer("repeats", 15, "timed (psum, candidate) pairs per case.")
 _KAHAN = flags.DEFINE_bool("kahan", False, "also time kahan=True for every case.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["sequential", "ring"], "algorithms to time.")
+_TREE = flags.DEFINE_bool("tree", False, "also time a ResNet18-shaped gradient tree (62 leaves).")
+
+
+def resnet18_shapes() -> list[tuple[int, ...]]:
+  """The parameter shapes of kuangliu's CIFAR ResNet18 (cpd.md §6.1): conv kernels (HWIO), two
+  BatchNorm vectors per conv, 1x1 projection shortcuts, the classifier (62 leaves, 11.2M)."""
+  shapes = [(3, 3, 3, 64), (64,), (64,)]
+  for cin, cout in ((64, 64), (64, 128), (128, 256), (256, 512)):
+    for block in range(2):
+      first = cin if block == 0 else cout
+      shapes += [(3, 3, first, cout), (cout,), (cout,), (3, 3, cout, cout), (cout,), (cout,)]
+      if first != cout:
+        shapes += [(1, 1, first, cout), (cout,), (cout,)]
+  return shapes + [(512, 10), (10,)]
 
 
 def parse_size(text: str) -> int:
@@ -59,9 +78,17 @@ def parse_size(text: str) -> int:
   return n
 
 
+def size_label(n: int) -> str:
+  for suffix, unit in (("M", 2 ** 20), ("K", 2 ** 10)):
+    if n % unit == 0:
+      return f"{n // unit}{suffix}"
+  return str(n)
+
+
 def sharded_fn(mesh, body):
-  return jax.jit(jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P("d"),
-                               out_specs=P("d"), check_vma=False))
+  """jit(shard_map) of body(list of per-device leaves) -> list of leaves."""
+  return jax.jit(jax.shard_map(lambda xs: [y[None] for y in body([x[0] for x in xs])], mesh=mesh,
+                               in_specs=P("d"), out_specs=P("d"), check_vma=False))
 
 
 def ring_floor(v, aps: bool, n: int = 8):
@@ -78,14 +105,14 @@ def ring_floor(v, aps: bool, n: int = 8):
 
 def timed(fn, x):
   t0 = time.perf_counter()
-  fn(x).block_until_ready()
+  jax.block_until_ready(fn(x))
   return time.perf_counter() - t0
 
 
 def compare(candidate, reference, x, repeats):
   """Median candidate s, median reference s, median per-pair ratio candidate / reference."""
-  candidate(x).block_until_ready()  # compile + warm
-  reference(x).block_until_ready()
+  jax.block_until_ready(candidate(x))  # compile + warm
+  jax.block_until_ready(reference(x))
   tc, tr = [], []
   for _ in range(repeats):
     tr.append(timed(reference, x))
@@ -105,22 +132,27 @@ def main(argv):
   if len(devices) != 8:
     raise app.UsageError(f"expected 8 devices, found {len(devices)} (XLA_FLAGS set too late?)")
   mesh = Mesh(np.array(devices), ("d",))
-  psum = sharded_fn(mesh, lambda v: lax.psum(v, "d"))
+  psum = sharded_fn(mesh, lambda vs: [lax.psum(v, "d") for v in vs])
   print(f"jax {jax.__version__}, 8 emulated {jax.default_backend()} devices on {os.cpu_count()} "
         f"cores; median of {_REPEATS.value} alternating pairs; reference = lax.psum, same data\n")
   header = f"{'per device':>10s} {'algorithm':12s} {'fmt':7s} {'aps':3s} {'kahan':5s} " \
            f"{'ms':>9s} {'psum ms':>9s} {'ratio':>7s}"
   print(header)
   print("-" * len(header))
-  for n in sizes:
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (8, n), jnp.float32),
-                       NamedSharding(mesh, P("d")))
-    label = f"{n // 2 ** 20}M" if n % 2 ** 20 == 0 else str(n)
+  cases = [(size_label(n), [(n,)]) for n in sizes]
+  if _TREE.value:
+    cases.append(("RN18 tree", resnet18_shapes()))
+  sharding = NamedSharding(mesh, P("d"))
+  for label, shapes in cases:
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    x = [jax.device_put(jax.random.normal(k, (8,) + s, jnp.float32), sharding)
+         for k, s in zip(keys, shapes)]
     floors = {"(x * 2)": lambda v: v * 2.0,
               "(ring floor)": lambda v: ring_floor(v, aps=False),
               "(APS floor)": lambda v: ring_floor(v, aps=True)}
-    for name, body in floors.items():
-      tc, tr, ratio = compare(sharded_fn(mesh, body), psum, x, _REPEATS.value)
+    for name, body in floors.items() if len(shapes) == 1 else ():
+      tc, tr, ratio = compare(sharded_fn(mesh, lambda vs, b=body: [b(vs[0])]), psum, x,
+                              _REPEATS.value)
       print(f"{label:>10s} {name:12s} {'-':7s} {'-':3s} {'-':5s} {tc * 1e3:9.1f} {tr * 1e3:9.1f} "
             f"{ratio:6.2f}x", flush=True)
     for algorithm in _ALGORITHMS.value:
@@ -129,8 +161,8 @@ def main(argv):
           if aps and fmt is None:
             continue
           for kahan in (False, True) if _KAHAN.value else (False,):
-            cand = sharded_fn(mesh, lambda v, f=fmt, a=algorithm, s=aps, k=kahan: allreduce(
-                v, "d", fmt=f, algorithm=a, aps=s, kahan=k))
+            cand = sharded_fn(mesh, lambda vs, f=fmt, a=algorithm, s=aps, k=kahan: allreduce(
+                vs, "d", fmt=f, algorithm=a, aps=s, kahan=k))
             tc, tr, ratio = compare(cand, psum, x, _REPEATS.value)
             print(f"{label:>10s} {algorithm:12s} {fmt or 'float32':7s} {'on' if aps else 'off':3s} "
                   f"{'on' if kahan else 'off':5s} {tc * 1e3:9.1f} {tr * 1e3:9.1f} {ratio:6.2f}x",

@@ -29,7 +29,9 @@ The reduced chunks are then all-gathered (no further arithmetic; rank k's row
 is chunk k). With APS or mean, each rank divides its reduced chunk by 2^shift
 (and W) before the all-gather rather than after it: the same float32 operations
 on the same values, so the same bits, on 1/W of the data (the gathered values
-are fmt values times that agreed scalar).
+are fmt values times that agreed scalar). All leaves travel in the same hops
+(each hop one `ppermute` of every leaf's chunk side by side, one `all_gather`
+at the end, as a bucketed ring would), each leaf still cut into its own chunks.
 With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
 rounding (psum's own order is the backend's).
 
@@ -160,18 +162,27 @@ def ring_chunks(flat: jax.Array, n: int) -> tuple[jax.Array, int]:
   return jnp.pad(flat, (0, n * c - size)).reshape(n, c), size
 
 
-def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | None,
-                    kahan: bool, prepare: Callable[[jax.Array], jax.Array],
-                    finish: Callable[[jax.Array], jax.Array]) -> jax.Array:
-  """The ring of the module docstring. `prepare` maps each own chunk just before its add
-  (the APS cast q(g · 2^shift), chunk by chunk rather than in a pass of its own); `finish`
-  maps the reduced chunk before the all-gather (the unscale and the mean: each element goes
-  through the same float32 operations as after a gather, on 1/W of the data)."""
-  chunks, size = ring_chunks(x.reshape(-1), n)
+def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatFormat | None,
+                    kahan: bool, prepares: list[Callable[[jax.Array], jax.Array]],
+                    finishes: list[Callable[[jax.Array], jax.Array]]) -> list[jax.Array]:
+  """The ring of the module docstring for every leaf, all leaves in the same hops: each hop
+  sends every leaf's chunk side by side in one `ppermute`, and one `all_gather` ends them all
+  (the hop arithmetic is elementwise and each leaf keeps its own chunks, so the bits are those
+  of one ring per leaf; only the number of collectives changes: W - 1 + 1 for the whole tree).
+
+  `prepares[i]` maps leaf i's own chunks just before their add (the APS cast q(g · 2^shift),
+  chunk by chunk rather than in a pass of its own); `finishes[i]` maps its reduced chunk before
+  the all-gather (the unscale and the mean: each element goes through the same float32
+  operations as after a gather, on 1/W of the data)."""
+  chunked = [ring_chunks(x.reshape(-1), n) for x in leaves]
+  widths = [chunks.shape[1] for chunks, _ in chunked]
   step = fold_step(fmt, kahan)
   rank = lax.axis_index(axis_name)
-  zeros = jnp.zeros(chunks.shape[1:], jnp.float32)
-  own = lambda k: prepare(lax.dynamic_index_in_dim(chunks, k % n, keepdims=False))
+  zeros = jnp.zeros((sum(widths),), jnp.float32)
+
+  def own(k):  # this rank's chunk k of every leaf, side by side
+    return jnp.concatenate([prepare(lax.dynamic_index_in_dim(chunks, k % n, keepdims=False))
+                            for prepare, (chunks, _) in zip(prepares, chunked)])
   carry = step((zeros, zeros), own(rank - 1))  # rank r starts chunk r - 1
   to_next = [(i, (i + 1) % n) for i in range(n)]
 
@@ -181,11 +192,12 @@ def _ring_allreduce(x: jax.Array, axis_name: Any, n: int, fmt: FloatFormat | Non
     return out if kahan else out[0]
   if n > 1:
     carry = lax.fori_loop(0, n - 1, hop, carry if kahan else carry[0])
-  if not kahan:
-    carry = (carry, None)
-  # Rank r now holds the reduced chunk r.
-  gathered = lax.all_gather(finish(carry[0]), axis_name)
-  return gathered.reshape(-1)[:size].reshape(x.shape)
+  reduced = carry[0] if kahan else carry
+  # Rank r now holds the reduced chunk r of every leaf; one all_gather per leaf puts each leaf's
+  # chunks in order without a copy (one gather of all of them would need a transpose).
+  offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+  return [lax.all_gather(finish(reduced[a:b]), axis_name).reshape(-1)[:size].reshape(x.shape)
+          for x, finish, (_, size), a, b in zip(leaves, finishes, chunked, offsets, offsets[1:])]
 
 
 def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None,
@@ -226,6 +238,5 @@ def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None
     sums = fold_leaves([p(g)[None] for p, g in zip(prepares, leaves)], fmt, kahan, axis_name)
     out = [f(x) for f, x in zip(finishes, sums)]
   else:
-    out = [_ring_allreduce(g, axis_name, n, fmt, kahan, p, f)
-           for g, p, f in zip(leaves, prepares, finishes)]
+    out = _ring_allreduce(leaves, axis_name, n, fmt, kahan, prepares, finishes) if leaves else []
   return jax.tree.unflatten(treedef, out)
