@@ -233,6 +233,22 @@ def test_kahan_beats_plain_fold_on_adversarial_inputs():
     assert e_kahan < 0.5 * e_plain, (algorithm, e_kahan, e_plain)
 
 
+@pytest.mark.parametrize("kahan", [False, True])
+def test_ring_sends_every_leaf_in_the_same_hops(kahan):
+  """The ring's hops carry all leaves at once: one ppermute in the hop loop for the whole tree
+  (two with Kahan: the sum and the compensation), one all_gather per leaf (the bits are checked
+  by the reference tests)."""
+  shapes = [jax.ShapeDtypeStruct((8,) + s, jnp.float32) for s in SHAPES]
+
+  def body(*xs):
+    return tuple(o[None] for o in allreduce([x[0] for x in xs], "r", fmt="e4m3", aps=True,
+                                            kahan=kahan, algorithm="ring"))
+  hlo = jax.jit(jax.shard_map(body, mesh=mesh_of(8), in_specs=P("r"), out_specs=P("r"))
+                ).lower(*shapes).as_text()
+  assert hlo.count("stablehlo.collective_permute") == (2 if kahan else 1)
+  assert hlo.count("stablehlo.all_gather") == len(SHAPES)
+
+
 def test_identical_on_every_rank_and_run_to_run():
   ranks = random_ranks(8, SHAPES, seed=10)
   for algorithm in ALGORITHMS:
