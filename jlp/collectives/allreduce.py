@@ -30,8 +30,9 @@ is chunk k). With APS or mean, each rank divides its reduced chunk by 2^shift
 (and W) before the all-gather rather than after it: the same float32 operations
 on the same values, so the same bits, on 1/W of the data (the gathered values
 are fmt values times that agreed scalar). All leaves travel in the same hops
-(each hop one `ppermute` of every leaf's chunk side by side, one `all_gather`
-at the end, as a bucketed ring would), each leaf still cut into its own chunks.
+(each hop one `ppermute` of every leaf's chunk side by side, as a bucketed ring
+would), each leaf still cut into its own chunks; each leaf is then gathered
+by an `all_gather` of its own.
 With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
 rounding (psum's own order is the backend's).
 
@@ -166,9 +167,9 @@ def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatF
                     kahan: bool, prepares: list[Callable[[jax.Array], jax.Array]],
                     finishes: list[Callable[[jax.Array], jax.Array]]) -> list[jax.Array]:
   """The ring of the module docstring for every leaf, all leaves in the same hops: each hop
-  sends every leaf's chunk side by side in one `ppermute`, and one `all_gather` ends them all
-  (the hop arithmetic is elementwise and each leaf keeps its own chunks, so the bits are those
-  of one ring per leaf; only the number of collectives changes: W - 1 + 1 for the whole tree).
+  sends every leaf's chunk side by side in one `ppermute` (the hop arithmetic is elementwise
+  and each leaf keeps its own chunks, so the bits are those of one ring per leaf; only the
+  number of collectives changes: W - 1 hops for the whole tree, then one all_gather per leaf).
 
   `prepares[i]` maps leaf i's own chunks just before their add (the APS cast q(g · 2^shift),
   chunk by chunk rather than in a pass of its own); `finishes[i]` maps its reduced chunk before
