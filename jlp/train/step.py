@@ -20,7 +20,7 @@ per device (cpd.md §3.2, §6.1):
          with N.
        "scan": one node after the other in a loop (`_node_scan`), also bit-identical (for any
          N, N = 1 included) and compiled once whatever N, but XLA:CPU compiles the weight-
-         gradient convolution inside a loop body to a slow generic loop (not Eigen): ~5x slower
+         gradient convolution inside a loop body to a slow generic loop (not Eigen): 5-9x slower
          steps on conv nets on CPU.
        "vmap": batched (fast, one program), but the batched convolutions are other programs:
          gradients differ from the devices' in the last bits (not bit-identical).

@@ -18,7 +18,7 @@
                its ResNet18 does not).
   node_map     how a device runs its N nodes: "unroll" (default: N isolated copies of the
                one-node program; bit-identical to W*N devices, compile time grows with N),
-               "scan" (a loop: also bit-identical and compiled once, but ~5x slower conv steps
+               "scan" (a loop: also bit-identical and compiled once, but 5-9x slower conv steps
                on XLA:CPU) or "vmap" (batched: fast, not bit-identical). See jlp.train.step.
   axis_name    the mesh axis the gradients are reduced over ("data").
 
