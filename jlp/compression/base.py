@@ -1,0 +1,195 @@
+"""The compressor protocol, the registry, and what every compressor gets from its layout.
+
+A compressor is a frozen dataclass (hashable: a static argument of jitted code) validated on
+construction. It declares its payload `layout` (jlp.compression.layout) and writes two functions
+over unpacked fields:
+
+  compress(x, state, key) -> (fields, state)   x: float32[n]; fields: {name: array} with one
+                                               uint8 code per element for each Packed field,
+                                               dtype[count] for Scalars, and count / indices /
+                                               values for a Sparse field
+  decompress(fields, n) -> float32[n]
+
+and, when it has state, `init`. The base class turns these into the protocol the synchronisation
+(`jlp.compression.sync`), the train step and the wire use:
+
+  init(x) -> state                      error-feedback residual, DGC's U and V; {} if none
+  encode(x, state, key=None) -> (payload, state)
+                                        x of any shape, taken flat in C order; payload: fixed-
+                                        shape arrays holding the packed codes
+  decode(payload, n) -> float32[n];  decode_add(payload, acc) -> acc + decode(payload, n)
+  to_bytes(payload) -> numpy uint8;  from_bytes(data, n) -> payload   (HiPress's wire bytes)
+  wire_bytes(n) -> int                  the bytes one payload puts on the wire (sparse: capacity)
+  server() -> Compressor                what an aggregator re-encodes with (CaSync-PS, §2.2);
+                                        `self` unless the algorithm says otherwise (DGC)
+
+Writing a new one (hipress.md §3.3, replacing CompLL's DSL): see README "Writing a compressor".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlp.compression import layout as layout_lib
+from jlp.compression import ops
+
+__all__ = ["COMPRESSORS", "Compressor", "get", "register"]
+
+COMPRESSORS: dict[str, type["Compressor"]] = {}
+
+
+def invalid(field: str, given: Any, allowed: str) -> ValueError:
+  return ValueError(f"{field}={given!r} is not allowed; expected {allowed}.")
+
+
+def register(name: str):
+  """Class decorator: makes the compressor class available as `jlp.compression.get(name)` (and
+  as config.compression.name in the runner); checks its layout."""
+  def wrap(cls):
+    if not (isinstance(cls, type) and issubclass(cls, Compressor)):
+      raise TypeError(f"register({name!r}) needs a Compressor subclass, got {cls!r}.")
+    if name in COMPRESSORS and COMPRESSORS[name] is not cls:
+      raise ValueError(f"compressor name {name!r} is already registered to "
+                       f"{COMPRESSORS[name].__name__}.")
+    layout_lib.check_layout(cls.layout, cls.__name__)
+    if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+      raise TypeError(f"{cls.__name__} must be a frozen dataclass (hashable, static under jit).")
+    cls.name = name
+    COMPRESSORS[name] = cls
+    return cls
+  return wrap
+
+
+def get(name: str, **kwargs: Any) -> "Compressor":
+  """The registered compressor `name` built with `kwargs` (its dataclass fields)."""
+  if name not in COMPRESSORS:
+    raise invalid("name", name, f"one of {sorted(COMPRESSORS)}")
+  cls = COMPRESSORS[name]
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(kwargs) - fields)
+  if unknown:
+    raise invalid(f"{name} argument {unknown[0]}", kwargs[unknown[0]],
+                  f"one of the fields of {cls.__name__}: {sorted(fields)}")
+  return cls(**kwargs)
+
+
+def check_impl(owner: str, impl: Any) -> None:
+  if impl not in ops.IMPLS:
+    raise invalid(f"{owner}.impl", impl, f"one of {ops.IMPLS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+  """Base class (see the module docstring). Subclasses are frozen dataclasses with a `layout`,
+  `compress` and `decompress`, registered with `@register(name)`."""
+
+  name: ClassVar[str] = ""
+  layout: ClassVar[tuple] = ()
+  #: whether encode draws random numbers (then a key is required).
+  needs_key: ClassVar[bool] = False
+  #: whether decode is linear in the payload and payloads of equal layout can be summed (psum).
+  linear: ClassVar[bool] = False
+
+  # -- what a compressor writes ----------------------------------------------------------------
+  def init(self, x: jax.Array) -> Any:
+    """The state for tensors like x (flat float32[n] arrays); {} when there is none."""
+    del x
+    return {}
+
+  def compress(self, x: jax.Array, state: Any, key: jax.Array | None) -> tuple[dict, Any]:
+    raise NotImplementedError
+
+  def decompress(self, fields: dict[str, jax.Array], n: int) -> jax.Array:
+    raise NotImplementedError
+
+  def decompress_add(self, fields: dict[str, jax.Array], acc: jax.Array) -> jax.Array:
+    """acc + decompress(fields, n); sparse compressors scatter-add instead."""
+    return acc + self.decompress(fields, acc.shape[0])
+
+  def server(self) -> "Compressor":
+    """The compressor an aggregator re-encodes the merged partition with (CaSync-PS)."""
+    return self
+
+  # -- what comes with it ----------------------------------------------------------------------
+  @property
+  def impl_(self) -> str:
+    return getattr(self, "impl", "xla")
+
+  def residual_state(self, x: jax.Array) -> dict[str, jax.Array]:
+    """{"residual": zeros like flat x}: the state of an error-feedback compressor."""
+    return {"residual": jnp.zeros((jnp.size(x),), jnp.float32)}
+
+  def init_flat(self, n: int) -> Any:
+    return self.init(jnp.zeros((n,), jnp.float32))
+
+  def encode(self, x: jax.Array, state: Any = None, key: jax.Array | None = None
+             ) -> tuple[dict[str, jax.Array], Any]:
+    """(payload, new state) of float32 x (any shape, flat in C order); state None: fresh."""
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+      raise invalid(f"{type(self).__name__}.encode x.dtype", str(x.dtype), "float32")
+    x = x.reshape(-1)
+    n = x.shape[0]
+    if n == 0:
+      raise invalid(f"{type(self).__name__}.encode x.size", 0, "at least one element")
+    if state is None:
+      state = self.init(x)
+    if self.needs_key and key is None:
+      raise invalid(f"{type(self).__name__}.encode key", None,
+                    "a jax.random key (this compressor draws random numbers)")
+    fields, state = self.compress(x, state, key)
+    return self._pack(fields, n), state
+
+  def _pack(self, fields: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+    payload = {}
+    for f in self.layout:
+      if isinstance(f, layout_lib.Header):
+        payload[f.name] = jnp.full((1,), f.value(self, n), f.dtype)
+      elif isinstance(f, layout_lib.Packed):
+        payload[f.name] = ops.pack_bits(fields[f.name], f.bits, f.pad, impl=self.impl_)
+      elif isinstance(f, layout_lib.Scalars):
+        payload[f.name] = jnp.asarray(fields[f.name], f.dtype).reshape(f.count)
+      elif isinstance(f, layout_lib.Sparse):
+        payload["count"] = jnp.asarray(fields["count"], jnp.int32).reshape(())
+        payload["indices"] = jnp.asarray(fields["indices"], jnp.int32)
+        payload["values"] = jnp.asarray(fields["values"], jnp.float32)
+    return payload
+
+  def _unpack(self, payload: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+    fields = dict(payload)
+    for f in self.layout:
+      if isinstance(f, layout_lib.Packed):
+        fields[f.name] = ops.unpack_bits(payload[f.name], f.bits, n, impl=self.impl_)
+    return fields
+
+  def decode(self, payload: dict[str, jax.Array], n: int) -> jax.Array:
+    """float32[n]: the tensor the payload stands for."""
+    payload = jax.tree.map(jnp.asarray, payload)
+    return self.decompress(self._unpack(payload, n), n)
+
+  def decode_add(self, payload: dict[str, jax.Array], acc: jax.Array) -> jax.Array:
+    """acc + decode(payload, acc.size) (CaSync's merge), acc float32[n]."""
+    payload = jax.tree.map(jnp.asarray, payload)
+    acc = jnp.asarray(acc, jnp.float32).reshape(-1)
+    return self.decompress_add(self._unpack(payload, acc.shape[0]), acc)
+
+  def payload_spec(self, n: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of the payload of n elements."""
+    return layout_lib.payload_spec(self.layout, self, n)
+
+  def wire_bytes(self, n: int) -> int:
+    """Bytes one payload of n elements puts on the wire (sparse ones at capacity)."""
+    return layout_lib.wire_size(self.layout, self, n)
+
+  def to_bytes(self, payload: dict[str, Any]) -> np.ndarray:
+    """HiPress's wire bytes of a payload (numpy uint8, little-endian)."""
+    return layout_lib.to_bytes(self.layout, jax.tree.map(np.asarray, payload))
+
+  def from_bytes(self, data: Any, n: int) -> dict[str, np.ndarray]:
+    """The payload of n elements that `to_bytes` wrote as `data`."""
+    return layout_lib.from_bytes(self.layout, self, data, n)
