@@ -1,0 +1,28 @@
+"""Experiment configs: one `get_config(arg)` per file, and the settings several of them share."""
+
+#: The compressor fields HiPress ran with (hipress.md §1, §1.6), by compressor name.
+HIPRESS_COMPRESSOR_KWARGS = {
+    # §1.5: the onebit kernel is not public; jlp's is Seide's two-means 1-bit SGD with EF.
+    "onebit": {"scale_mode": "two_means"},
+    # §1.1: the MXNet op's default threshold (HiPress's PyTorch example scripts pass 2).
+    "tbq": {"threshold": 1.0},
+    # §1.2: the shipped scripts' bitwidth 2, enable_random 0 (deterministic rounding, no EF).
+    "terngrad": {"bitwidth": 2, "stochastic": False},
+    # §1.3: s_percent 0.001, sample_rate 0.001, momentum 0.9 (dgc_new's defaults).
+    "dgc": {"density": 0.001, "sample_rate": 0.001, "momentum": 0.9},
+    # §1.4: drop_ratio 0.999 in every script, sample_rate 0.001.
+    "graddrop": {"drop_ratio": 0.999, "sample_rate": 0.001},
+}
+#: HiPress's --comp-threshold: compress a gradient iff it has more than this many floats (§2.1).
+HIPRESS_MIN_SIZE = 262144
+
+
+def hipress_compression(c, compressor: str, topology: str):
+  """Sets c.compression to `compressor` ("none" or a name of HIPRESS_COMPRESSOR_KWARGS) with
+  HiPress's fields, over CaSync `topology` ("ps" or "ring"), compressing gradients of more than
+  HIPRESS_MIN_SIZE floats; returns c. Unknown names are left to the config's validation."""
+  c.compression.name = compressor
+  c.compression.topology = topology
+  c.compression.min_size = HIPRESS_MIN_SIZE
+  c.compression.kwargs = dict(HIPRESS_COMPRESSOR_KWARGS.get(compressor, {}))
+  return c

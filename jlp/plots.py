@@ -3,7 +3,9 @@
 `plot_runs` reads each run's `metrics.jsonl` (jlp.train.metrics) and draws loss and accuracy
 against step, one line per run, like CPD's `draw_curve.py`; `plot_quantization_error` draws the
 relative error of `jlp.quantize` over a log-spaced range of values for several formats (the
-notebook's formats explorer). Both return the matplotlib Figure and optionally save it.
+notebook's formats explorer); `plot_accuracy_vs_bytes` draws the compression study's rows
+(jlp.studies.compression_study): test accuracy against bytes sent per step. Each returns the
+matplotlib Figure and optionally saves it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,30 @@ def plot_quantization_error(formats: Sequence, lo: float = 2.0 ** -20, hi: float
   ax.set_ylabel("relative error |q(x) - x| / x")
   ax.grid(alpha=0.3)
   ax.legend(fontsize="small")
+  fig.tight_layout()
+  if out:
+    fig.savefig(out, dpi=120)
+  return fig
+
+
+def plot_accuracy_vs_bytes(rows: Sequence[dict], out: str | None = None):
+  """Test accuracy against the bytes one device sends per step (log scale), one point per row of
+  `jlp.studies.compression_study`: a marker per topology, a colour per compressor setting."""
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  markers = {"ps": "o", "ring": "s"}
+  colours = {}
+  for r in rows:
+    name = r.get("label", r["compressor"])
+    colour = colours.setdefault(name, f"C{len(colours)}")
+    baseline = r["compressor"] == "none"
+    label = f"{'float32' if baseline else name} / {r['topology']}"
+    ax.scatter(r["wire_bytes"], 100 * r["test_accuracy"], color=colour, label=label,
+               marker="*" if baseline else markers.get(r["topology"], "^"), s=90 if baseline else 45)
+  ax.set_xscale("log")
+  ax.set_xlabel("bytes sent per device per step (gradient sync)")
+  ax.set_ylabel("test accuracy %")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="x-small", ncol=2)
   fig.tight_layout()
   if out:
     fig.savefig(out, dpi=120)

@@ -7,9 +7,10 @@ import os
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jlp.train import config as config_lib
-from jlp.train import loop
+from jlp.train import loop, recipe
 from jlp.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +29,67 @@ def test_full_config_is_valid(name):
   config_lib.validate(c)
   for field in ("max_steps", "log_every", "eval_every", "checkpoint_every", "seed"):
     assert field in c
+
+
+HIPRESS_CONFIGS = ("hipress_vgg19", "hipress_resnet50", "hipress_bert_small")
+# The compressor fields HiPress ran with, written out from hipress.md §1.1-§1.5 (the reference).
+HIPRESS_FIELDS = {
+    "none": {},
+    "onebit": {"scale_mode": "two_means"},                                # §1.5 (Seide, two means)
+    "tbq": {"threshold": 1.0},                                            # §1.1 MXNet op default
+    "terngrad": {"bitwidth": 2, "stochastic": False},                     # §1.2 scripts
+    "dgc": {"density": 0.001, "sample_rate": 0.001, "momentum": 0.9},     # §1.3
+    "graddrop": {"drop_ratio": 0.999, "sample_rate": 0.001},              # §1.4
+}
+
+
+#: The :local variants compress gradients of more than this many floats.
+LOCAL_MIN_SIZE = {"hipress_vgg19": 1024, "hipress_resnet50": 1024, "hipress_bert_small": 0}
+
+
+def param_floats(c):
+  """The number of float32 parameters of the config's model (built abstractly)."""
+  train, _ = recipe.datasets(c)
+  model = nnx.eval_shape(lambda: recipe.model(c, train))
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_the_hipress_configs_are_there():
+  assert set(CONFIGS) >= set(HIPRESS_CONFIGS)
+
+
+@pytest.mark.parametrize("name", HIPRESS_CONFIGS)
+@pytest.mark.parametrize("compressor", sorted(HIPRESS_FIELDS))
+def test_hipress_config_selects_each_compressor_with_hipress_fields(name, compressor):
+  module = importlib.import_module(f"configs.{name}")
+  for topology in ("ps", "ring"):
+    for local in ("", ",local"):
+      c = module.get_config(f"compressor={compressor},topology={topology}{local}")
+      config_lib.validate(c)
+      assert (c.compression.name, c.compression.topology) == (compressor, topology)
+      assert c.compression.min_size == (LOCAL_MIN_SIZE[name] if local else 262144)  # §2.1
+      assert dict(c.compression.kwargs) == HIPRESS_FIELDS[compressor]
+      codec = config_lib.compressor(c)
+      if compressor == "none":
+        assert codec is None
+      else:
+        assert codec.name == compressor
+        for field, value in HIPRESS_FIELDS[compressor].items():
+          assert getattr(codec, field) == value
+
+
+def test_hipress_defaults_and_bad_arguments():
+  defaults = {name: importlib.import_module(f"configs.{name}").get_config()
+              for name in HIPRESS_CONFIGS}
+  assert {n: (c.compression.name, c.compression.topology) for n, c in defaults.items()} == {
+      "hipress_vgg19": ("onebit", "ps"), "hipress_bert_small": ("onebit", "ps"),
+      "hipress_resnet50": ("dgc", "ring")}  # hipress.md §4.2: the headline runs
+  c = importlib.import_module("configs.hipress_vgg19").get_config("compressor=bogus")
+  with pytest.raises(ValueError, match="compression.name='bogus' is not allowed"):
+    config_lib.validate(c)
+  c = importlib.import_module("configs.hipress_vgg19").get_config("topology=tree")
+  with pytest.raises(ValueError, match="compression.topology='tree' is not allowed"):
+    config_lib.validate(c)
 
 
 def test_parse_arg():
@@ -61,3 +123,35 @@ def test_local_variant_trains(name, tmp_path, fast_compile):
     assert 0 <= result["eval_miou"] <= 1
   if name == "bfp_resnet18_cifar100":  # the schedule switches presets; the controller logs widths
     assert "zse_fw" in rows[-1] and "bits_w" in rows[-1]
+  if name in HIPRESS_CONFIGS:  # every gradient compressed: fewer bytes than a float32 ring
+    w = jax.device_count()
+    assert 0 < rows[-1]["wire_bytes"] < 2 * (w - 1) / w * 4 * param_floats(c) / 4
+
+
+def test_hipress_bert_small_trains_on_glue_tsv_files(tmp_path, fast_compile):
+  """The full BERT config's data path (glue_tsv: SST-2 layout, WordPiece over vocab.txt) with a
+  tiny model: two steps with TBQ over CaSync-Ring."""
+  vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "good", "bad", "film", "##s", "not", "."]
+  (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+  sentences = [("a good film .", 1), ("a bad film .", 0), ("not good films", 0),
+               ("good , good !", 1)] * 4
+  for split, rows in (("train", sentences), ("dev", sentences[:8])):
+    (tmp_path / f"{split}.tsv").write_text(
+        "sentence\tlabel\n" + "".join(f"{s}\t{l}\n" for s, l in rows))
+  c = importlib.import_module("configs.hipress_bert_small").get_config(
+      "compressor=tbq,topology=ring")
+  c.dataset.root = str(tmp_path)
+  c.model.kwargs.vocab = len(vocab)
+  c.model.kwargs.max_len = 8         # the dataset's max_len follows (a reference)
+  c.model.kwargs.update({"hidden": 16, "num_layers": 1, "heads": 2, "mlp_dim": 32})
+  c.compression.min_size = 0
+  c.batch_size, c.eval_batch_size = 16, 8
+  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 2, 1, 2, 0
+  train, _ = recipe.datasets(c)
+  assert train.image_shape == (8,) and train.vocab_size == len(vocab)
+  np.testing.assert_array_equal(train.ids[0], [2, 4, 5, 7, 10, 3, 0, 0])  # a good film .
+  result = loop.train_and_evaluate(c, str(tmp_path / "run"), progress=False)
+  rows = read_metrics(str(tmp_path / "run"))
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(np.isfinite(r["train_loss"]) and r["wire_bytes"] > 0 for r in rows)
+  assert 0 <= result["eval_accuracy"] <= 1

@@ -25,3 +25,30 @@ def test_quickstart_executes(tmp_path, monkeypatch):
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if "image/png" in o.get("data", {})]
   assert len(images) >= 3  # formats explorer, the fp8 run's curves, the APS curves
+
+
+def test_compression_executes(tmp_path, monkeypatch):
+  """notebooks/compression.ipynb in quick mode: every section runs; the PS and ring syncs agree on
+  every rank; the study's table and the plots come out."""
+  nbclient = pytest.importorskip("nbclient")
+  path = os.path.join(ROOT, "notebooks", "compression.ipynb")
+  nb = nbformat.read(path, as_version=4)
+  monkeypatch.setenv("JLP_NOTEBOOK_STEPS", "6")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                   resources={"metadata": {"path": str(tmp_path)}})
+  client.execute()
+  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                    for o in c.get("outputs", []))
+  sync_lines = [l.split() for l in outputs.splitlines()
+                if l.split()[:1] and l.split()[0] in ("onebit", "tbq", "terngrad", "dgc", "graddrop")
+                and len(l.split()) == 6 and l.split()[1] in ("ps", "ring")]
+  assert len(sync_lines) == 10 and all(l[2] == "True" for l in sync_lines)  # same bits on every rank
+  assert all(float(l[5]) < 0.1 for l in sync_lines)  # bytes: under a tenth of float32's ring
+  assert "tbq without EF" in outputs and "N=16 ring" in outputs
+  assert "x fp32" in outputs and "onebit     ring" in outputs  # the study's table
+  images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if "image/png" in o.get("data", {})]
+  assert len(images) >= 2  # error feedback, accuracy against bytes

@@ -68,3 +68,20 @@ def test_plot_cli(tmp_path):
   r = subprocess.run([sys.executable, "-m", "experiments.plot", "--out=x.png"], cwd=ROOT,
                      capture_output=True, text=True, timeout=120)
   assert r.returncode != 0 and "expected one or more run directories" in r.stderr
+
+
+def test_plot_accuracy_vs_bytes_draws_one_point_per_row(tmp_path):
+  rows = [{"compressor": "none", "topology": "ring", "wire_bytes": 36000.0, "test_accuracy": 0.98},
+          {"compressor": "onebit", "label": "onebit", "topology": "ps", "wire_bytes": 2100.0,
+           "test_accuracy": 0.975},
+          {"compressor": "tbq", "label": "tbq(threshold=0.001)", "topology": "ring",
+           "wire_bytes": 2300.0, "test_accuracy": 0.8}]
+  out = str(tmp_path / "tradeoff.png")
+  fig = plots.plot_accuracy_vs_bytes(rows, out)
+  ax = fig.axes[0]
+  assert ax.get_xscale() == "log"
+  points = [c.get_offsets()[0].tolist() for c in ax.collections]
+  assert points == [[36000.0, 98.0], [2100.0, 97.5], [2300.0, 80.0]]
+  assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+      "float32 / ring", "onebit / ps", "tbq(threshold=0.001) / ring"]
+  assert Image.open(out).size[0] > 0

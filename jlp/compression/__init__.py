@@ -13,8 +13,14 @@ unpacked fields (`jlp.compression.base`; README "Writing a compressor").
 
 from jlp.compression import ops
 from jlp.compression.base import COMPRESSORS, Compressor, get, register
-from jlp.compression.codecs import TBQ
+from jlp.compression.codecs import DGC, TBQ, DGCServer, GradDrop, OneBit, TernGrad
+from jlp.compression.contrib import QSGD, EFSignSGD
 from jlp.compression.layout import Header, Packed, Scalars, Sparse
+from jlp.compression.profile import fit_cost_model
+from jlp.compression.secopa import CostModel, plan_for_tree, secopa_plan
+from jlp.compression.sync import TOPOLOGIES, init_state, leaf_routes, sync, sync_with_bytes
 
-__all__ = ["COMPRESSORS", "Compressor", "Header", "Packed", "Scalars", "Sparse", "TBQ", "get",
-           "ops", "register"]
+__all__ = ["COMPRESSORS", "Compressor", "CostModel", "DGC", "DGCServer", "EFSignSGD", "GradDrop",
+           "Header", "OneBit", "Packed", "QSGD", "Scalars", "Sparse", "TBQ", "TernGrad",
+           "TOPOLOGIES", "get", "fit_cost_model", "init_state", "leaf_routes", "ops",
+           "plan_for_tree", "register", "secopa_plan", "sync", "sync_with_bytes"]

@@ -10,8 +10,12 @@ over unpacked fields:
                                                values for a Sparse field
   decompress(fields, n) -> float32[n]
 
-and, when it has state, `init`. The base class turns these into the protocol the synchronisation
-(`jlp.compression.sync`), the train step and the wire use:
+and, when it has state, `init`. With `error_feedback = True` the base class keeps the residual
+r (state {"residual"}): compress sees v = x + r, and the new residual is v - decode(payload),
+computed after the payload is packed (a second pass over x and r, so that a donated residual is
+updated in place: XLA would otherwise copy it); `feedback(v, payload)`, where a compressor
+defines it, gives the same bits from v without unpacking the payload. The base class turns these into the protocol
+the synchronisation (`jlp.compression.sync`), the train step and the wire use:
 
   init(x) -> state                      error-feedback residual, DGC's U and V; {} if none
   encode(x, state, key=None) -> (payload, state)
@@ -20,8 +24,16 @@ and, when it has state, `init`. The base class turns these into the protocol the
   decode(payload, n) -> float32[n];  decode_add(payload, acc) -> acc + decode(payload, n)
   to_bytes(payload) -> numpy uint8;  from_bytes(data, n) -> payload   (HiPress's wire bytes)
   wire_bytes(n) -> int                  the bytes one payload puts on the wire (sparse: capacity)
-  server() -> Compressor                what an aggregator re-encodes with (CaSync-PS, §2.2);
-                                        `self` unless the algorithm says otherwise (DGC)
+  server(num_ranks=1) -> Compressor     what an aggregator of num_ranks payloads re-encodes with
+                                        (CaSync-PS, §2.2); `self` unless the algorithm says
+                                        otherwise (DGC: the union of the non-zeros)
+
+A layout that depends on the compressor's fields (TernGrad's bit width, onebit's scale count) is
+a `layout` property instead of a class attribute. A compressor whose layout is one Sparse field
+gets decompress (zero-fill, then scatter) and decompress_add (scatter-add) from the base class;
+unused slots (index n, or past `count`) are skipped. `needs_key` may also be a property.
+encode, decode and decode_add each run as one jitted program (inlined under an outer jit, vmap
+or shard_map), so eager calls give jit's bits.
 
 Writing a new one (hipress.md §3.3, replacing CompLL's DSL): see README "Writing a compressor".
 """
@@ -29,11 +41,14 @@ Writing a new one (hipress.md §3.3, replacing CompLL's DSL): see README "Writin
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jlp.compression import layout as layout_lib
 from jlp.compression import ops
@@ -56,13 +71,20 @@ def register(name: str):
     if name in COMPRESSORS and COMPRESSORS[name] is not cls:
       raise ValueError(f"compressor name {name!r} is already registered to "
                        f"{COMPRESSORS[name].__name__}.")
-    layout_lib.check_layout(cls.layout, cls.__name__)
-    if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+    if "__dataclass_params__" not in vars(cls) or not cls.__dataclass_params__.frozen:
       raise TypeError(f"{cls.__name__} must be a frozen dataclass (hashable, static under jit).")
+    layout_lib.check_layout(_default_layout(cls), cls.__name__)
     cls.name = name
     COMPRESSORS[name] = cls
     return cls
   return wrap
+
+
+def _default_layout(cls: type["Compressor"]) -> tuple:
+  """cls.layout, or the layout of its default instance where `layout` is a property."""
+  if isinstance(inspect.getattr_static(cls, "layout"), property):
+    return cls().layout
+  return cls.layout
 
 
 def get(name: str, **kwargs: Any) -> "Compressor":
@@ -79,8 +101,23 @@ def get(name: str, **kwargs: Any) -> "Compressor":
 
 
 def check_impl(owner: str, impl: Any) -> None:
-  if impl not in ops.IMPLS:
+  if not isinstance(impl, str) or impl not in ops.IMPLS:
     raise invalid(f"{owner}.impl", impl, f"one of {ops.IMPLS}")
+
+
+def check_num_ranks(owner: str, num_ranks: Any) -> None:
+  if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+    raise invalid(f"{owner}.server num_ranks", num_ranks, "an int >= 1")
+
+
+def _scatter(fields: dict[str, jax.Array], out: jax.Array, add: bool) -> jax.Array:
+  """out with the sparse fields' first `count` (index, value) pairs set or added; other slots
+  (and indices outside [0, n)) are dropped."""
+  indices, values = fields["indices"], fields["values"].astype(jnp.float32)
+  used = (jnp.arange(indices.shape[0]) < fields["count"]) & (indices >= 0)
+  indices = jnp.where(used, indices, out.shape[0])
+  at = out.at[indices]
+  return at.add(values, mode="drop") if add else at.set(values, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,31 +131,50 @@ class Compressor:
   needs_key: ClassVar[bool] = False
   #: whether decode is linear in the payload and payloads of equal layout can be summed (psum).
   linear: ClassVar[bool] = False
+  #: whether the base class keeps an error-feedback residual (see the module docstring).
+  error_feedback: ClassVar[bool] = False
 
   # -- what a compressor writes ----------------------------------------------------------------
   def init(self, x: jax.Array) -> Any:
-    """The state for tensors like x (flat float32[n] arrays); {} when there is none."""
-    del x
-    return {}
+    """The state for tensors like x (flat float32[n] arrays): {"residual": zeros} with error
+    feedback, else {}."""
+    return self.residual_state(x) if self.error_feedback else {}
 
   def compress(self, x: jax.Array, state: Any, key: jax.Array | None) -> tuple[dict, Any]:
     raise NotImplementedError
 
   def decompress(self, fields: dict[str, jax.Array], n: int) -> jax.Array:
-    raise NotImplementedError
+    """float32[n] from unpacked fields. Sparse layouts: zeros with the kept values scattered."""
+    if self._sparse():
+      return _scatter(fields, jnp.zeros((n,), jnp.float32), add=False)
+    raise NotImplementedError(f"{type(self).__name__}.decompress")
 
   def decompress_add(self, fields: dict[str, jax.Array], acc: jax.Array) -> jax.Array:
-    """acc + decompress(fields, n); sparse compressors scatter-add instead."""
+    """acc + decompress(fields, n); sparse layouts scatter-add the kept values instead."""
+    if self._sparse():
+      return _scatter(fields, acc, add=True)
     return acc + self.decompress(fields, acc.shape[0])
 
-  def server(self) -> "Compressor":
-    """The compressor an aggregator re-encodes the merged partition with (CaSync-PS)."""
+  def feedback(self, v: jax.Array, payload: dict[str, jax.Array]) -> jax.Array | None:
+    """v - decode(payload) with error feedback, computed elementwise from v (bit for bit the
+    same: the codes are v's), so that the residual pass does not unpack the payload; None: the
+    base class decodes the payload instead."""
+    del v, payload
+    return None
+
+  def server(self, num_ranks: int = 1) -> "Compressor":
+    """The compressor an aggregator re-encodes the sum of `num_ranks` payloads with (CaSync-PS
+    §2.2, and the ring's reduce hops); `self` unless the algorithm says otherwise."""
+    check_num_ranks(type(self).__name__, num_ranks)
     return self
 
   # -- what comes with it ----------------------------------------------------------------------
   @property
   def impl_(self) -> str:
     return getattr(self, "impl", "xla")
+
+  def _sparse(self) -> bool:
+    return any(isinstance(f, layout_lib.Sparse) for f in self.layout)
 
   def residual_state(self, x: jax.Array) -> dict[str, jax.Array]:
     """{"residual": zeros like flat x}: the state of an error-feedback compressor."""
@@ -142,8 +198,7 @@ class Compressor:
     if self.needs_key and key is None:
       raise invalid(f"{type(self).__name__}.encode key", None,
                     "a jax.random key (this compressor draws random numbers)")
-    fields, state = self.compress(x, state, key)
-    return self._pack(fields, n), state
+    return _encode(self, x, state, key)
 
   def _pack(self, fields: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     payload = {}
@@ -169,14 +224,12 @@ class Compressor:
 
   def decode(self, payload: dict[str, jax.Array], n: int) -> jax.Array:
     """float32[n]: the tensor the payload stands for."""
-    payload = jax.tree.map(jnp.asarray, payload)
-    return self.decompress(self._unpack(payload, n), n)
+    return _decode(self, jax.tree.map(jnp.asarray, payload), n)
 
   def decode_add(self, payload: dict[str, jax.Array], acc: jax.Array) -> jax.Array:
     """acc + decode(payload, acc.size) (CaSync's merge), acc float32[n]."""
-    payload = jax.tree.map(jnp.asarray, payload)
     acc = jnp.asarray(acc, jnp.float32).reshape(-1)
-    return self.decompress_add(self._unpack(payload, acc.shape[0]), acc)
+    return _decode_add(self, jax.tree.map(jnp.asarray, payload), acc)
 
   def payload_spec(self, n: int) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes and dtypes of the payload of n elements."""
@@ -193,3 +246,36 @@ class Compressor:
   def from_bytes(self, data: Any, n: int) -> dict[str, np.ndarray]:
     """The payload of n elements that `to_bytes` wrote as `data`."""
     return layout_lib.from_bytes(self.layout, self, data, n)
+
+
+# encode, decode and decode_add run as one compiled program even when called outside jit (inside
+# jit, vmap or shard_map these calls are inlined): XLA fuses a float32 multiply and add into one
+# fused multiply-add where op-by-op execution rounds twice, so eager calls give jit's bits.
+@functools.partial(jax.jit, static_argnums=0)
+def _encode(compressor: Compressor, x: jax.Array, state: Any, key: jax.Array | None):
+  # pylint: disable=protected-access
+  n = x.shape[0]
+  if not compressor.error_feedback:
+    fields, state = compressor.compress(x, state, key)
+    return compressor._pack(fields, n), state
+  fields, state = compressor.compress(x + state["residual"], state, key)
+  payload = compressor._pack(fields, n)
+  # The residual update reads x and r only once the payload exists: one pass computes the
+  # payload, the next the residual, written over a donated r with no copy of it.
+  payload, x, residual = lax.optimization_barrier((payload, x, state["residual"]))
+  v = x + residual
+  new_residual = compressor.feedback(v, payload)
+  if new_residual is None:
+    new_residual = v - compressor.decompress(compressor._unpack(payload, n), n)
+  return payload, {**state, "residual": new_residual}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _decode(compressor: Compressor, payload: dict[str, jax.Array], n: int) -> jax.Array:
+  return compressor.decompress(compressor._unpack(payload, n), n)  # pylint: disable=protected-access
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode_add(compressor: Compressor, payload: dict[str, jax.Array], acc: jax.Array) -> jax.Array:
+  fields = compressor._unpack(payload, acc.shape[0])  # pylint: disable=protected-access
+  return compressor.decompress_add(fields, acc)

@@ -17,20 +17,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jlp.compression.base import Compressor, check_impl, invalid, register
-from jlp.compression.layout import Packed
+from jlp.compression import ops
+from jlp.compression.base import Compressor, check_impl, check_num_ranks, invalid, register
+from jlp.compression.layout import Header, Packed, Scalars, Sparse, decimal, fraction_count
 
-__all__ = ["TBQ"]
+__all__ = ["DGC", "DGCServer", "GradDrop", "OneBit", "TBQ", "TernGrad"]
+
+
+SCALE_MODES = ("two_means", "l1_mean")
 
 
 def _positive_finite(owner: str, field: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
       math.isfinite(value) and value > 0):
     raise invalid(f"{owner}.{field}", value, "a positive finite float")
+
+
+def _divide(a: jax.Array, b: int) -> jax.Array:
+  """a / b in float32, correctly rounded, for finite a. XLA rewrites a division by a constant,
+  or (under vmap) by a broadcast scalar, into a multiplication by the rounded reciprocal, which
+  is not correctly rounded; a divisor computed from a (0*a + b: XLA keeps float 0*a) is
+  neither."""
+  return a / (0 * a + jnp.float32(b))
+
+
+def _fraction(owner: str, field: str, value: Any, closed_at: int) -> None:
+  """value a float in (0, 1] (closed_at=1) or in [0, 1) (closed_at=0)."""
+  interval = "(0, 1]" if closed_at else "[0, 1)"
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      (0 < value <= 1) if closed_at else (0 <= value < 1)):
+    raise invalid(f"{owner}.{field}", value, f"a float in {interval}")
 
 
 @register("tbq")
@@ -48,23 +71,327 @@ class TBQ(Compressor):
   impl: str = "xla"
 
   layout = (Packed("codes", bits=2, pad=1),)
+  error_feedback = True  # the base class: v = r + x; r = v - decode = v -+ τ or v
 
   def __post_init__(self):
     _positive_finite("TBQ", "threshold", self.threshold)
     check_impl("TBQ", self.impl)
 
-  def init(self, x):
-    return self.residual_state(x)
-
-  def compress(self, x, state, key):
+  def compress(self, v, state, key):
     del key
     tau = jnp.float32(self.threshold)
-    r = state["residual"] + x
-    up, down = r >= tau, r <= -tau
-    codes = jnp.where(up, 2, jnp.where(down, 0, 1)).astype(jnp.uint8)
-    r = jnp.where(up, r - tau, jnp.where(down, r + tau, r))
-    return {"codes": codes}, {"residual": r}
+    codes = jnp.where(v >= tau, 2, jnp.where(v <= -tau, 0, 1)).astype(jnp.uint8)
+    return {"codes": codes}, state
 
   def decompress(self, fields, n):
     del n
     return (fields["codes"].astype(jnp.float32) - 1.0) * jnp.float32(self.threshold)
+
+  def feedback(self, v, payload):
+    # v - decode exactly: the decoded value is +τ, -τ or +0 (v - +0 = v, also for v = -0).
+    del payload
+    tau = jnp.float32(self.threshold)
+    return jnp.where(v >= tau, v - tau, jnp.where(v <= -tau, v + tau, v))
+
+
+@register("onebit")
+@dataclasses.dataclass(frozen=True)
+class OneBit(Compressor):
+  """One sign bit per element with error feedback (Seide et al. 2014; hipress.md §1.5).
+
+  v = x + r (r: the residual, state). bit = 1 iff v < 0. scale_mode="two_means" (Seide, and
+  GRACE's onebit): set bits decode to the mean of the negative entries of v, clear bits to the
+  mean of the non-negative ones (a mean over no entries is 0). scale_mode="l1_mean" (BytePS's
+  onebit with scaling): decode -s / +s with s = mean|v|. r = v - decode(payload).
+  Wire: ceil(n/8) bytes, element i at bit i mod 8 of byte i // 8 (unused tail bits 0), then the
+  float32 scales, little-endian: two_means the negatives' mean, then the non-negatives'; l1_mean
+  the one mean|v|. HiPress's onebit kernel is not public; BytePS packs 32 bits per uint32
+  MSB-first, a different bit order.
+  """
+
+  scale_mode: str = "two_means"
+  impl: str = "xla"
+
+  def __post_init__(self):
+    if self.scale_mode not in SCALE_MODES:
+      raise invalid("OneBit.scale_mode", self.scale_mode, f"one of {SCALE_MODES}")
+    check_impl("OneBit", self.impl)
+
+  @property
+  def layout(self):
+    return (Packed("signs", bits=1), Scalars("scales", 2 if self.scale_mode == "two_means" else 1))
+
+  error_feedback = True  # the base class: v = x + r; r = v - decode
+
+  def compress(self, v, state, key):
+    del key
+    negative = v < 0
+    if self.scale_mode == "two_means":
+      # One pass for the three sums (XLA:CPU materialises the masked values of separate sums).
+      sum_neg, sum_pos, count = lax.reduce(
+          (jnp.where(negative, v, 0.0), jnp.where(negative, 0.0, v), negative.astype(jnp.int32)),
+          (jnp.float32(0), jnp.float32(0), jnp.int32(0)),
+          lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]), (0,))
+      mean_neg = sum_neg / jnp.maximum(count, 1).astype(jnp.float32)
+      mean_pos = sum_pos / jnp.maximum(v.shape[0] - count, 1).astype(jnp.float32)
+      scales = jnp.stack([mean_neg, mean_pos])
+    else:
+      scales = _divide(jnp.sum(jnp.abs(v)), v.shape[0])[None]
+    return {"signs": negative.astype(jnp.uint8), "scales": scales}, state
+
+  def decompress(self, fields, n):
+    del n
+    negative, scales = fields["signs"] == 1, fields["scales"]
+    if self.scale_mode == "two_means":
+      return jnp.where(negative, scales[0], scales[1])
+    return jnp.where(negative, -scales[0], scales[0])
+
+  def feedback(self, v, payload):
+    # The sign bits are v < 0, so this is v - decompress without unpacking them.
+    return v - self.decompress({"signs": (v < 0).astype(jnp.uint8), "scales": payload["scales"]},
+                               v.shape[0])
+
+
+def _terngrad_bitwidth(compressor: "TernGrad", n: int) -> int:
+  del n
+  return compressor.bitwidth
+
+
+def _terngrad_tail(compressor: "TernGrad", n: int) -> int:
+  return compressor.tail(n)
+
+
+@register("terngrad")
+@dataclasses.dataclass(frozen=True)
+class TernGrad(Compressor):
+  """HiPress's TernGrad: a b-bit uniform quantiser between the tensor's min and max (hipress.md
+  §1.2; not Wen et al.'s ternary {-s, 0, s}). No error feedback, no state.
+
+  All in float32: mn, mx = min(x), max(x); gap = (mx - mn) / (2^b - 1); inv = 1 / (gap + 1e-8);
+  code = round-half-even((x - mn) * inv) (stochastic=False, HiPress's `random=0` default, biased)
+  or floor((x - mn) * inv + u) (stochastic=True, unbiased), clamped to [0, 2^b - 1].
+  Decode: code * gap + mn (two float32 roundings), except that the top code decodes to mx
+  itself (HiPress computes (2^b - 1) * gap + mn, which misses mx by an ulp for about one tensor
+  in five; jlp keeps every decode within [min, max]).
+  u is uniform in [0, 1), drawn with jax.random from the key (one draw per element; HiPress uses
+  a timestamp-seeded LCG and rounds the tail byte deterministically: not reproducible, so not
+  reproduced).
+  Wire (10-byte header, little-endian): uint8 b, uint8 tail (unused slots of the last byte: 0 or
+  8/b - n mod (8/b)), float32 min, float32 max, then ceil(n*b/8) bytes of codes, element
+  i*(8/b) + j at bit offset b*j of byte i (unused slots 0).
+  """
+
+  bitwidth: int = 2
+  stochastic: bool = False
+  impl: str = "xla"
+
+  def __post_init__(self):
+    if isinstance(self.bitwidth, bool) or self.bitwidth not in (1, 2, 4, 8):
+      raise invalid("TernGrad.bitwidth", self.bitwidth, "one of (1, 2, 4, 8)")
+    if not isinstance(self.stochastic, bool):
+      raise invalid("TernGrad.stochastic", self.stochastic, "a bool")
+    check_impl("TernGrad", self.impl)
+
+  @property
+  def layout(self):
+    return (Header("bitwidth", "uint8", _terngrad_bitwidth), Header("tail", "uint8", _terngrad_tail),
+            Scalars("min"), Scalars("max"), Packed("codes", bits=self.bitwidth))
+
+  @property
+  def needs_key(self) -> bool:
+    return self.stochastic
+
+  @property
+  def top_code(self) -> int:
+    return (1 << self.bitwidth) - 1
+
+  def tail(self, n: int) -> int:
+    """Unused code slots in the last byte of n codes."""
+    per_byte = 8 // self.bitwidth
+    return (-n) % per_byte
+
+  def compress(self, x, state, key):
+    mn, mx = jnp.min(x), jnp.max(x)
+    gap = _divide(mx - mn, self.top_code)
+    inv = jnp.float32(1.0) / (gap + jnp.float32(1e-8))
+    scaled = (x - mn) * inv
+    if self.stochastic:
+      codes = jnp.floor(scaled + ops.uniform(key, x.shape))
+    else:
+      codes = jnp.round(scaled)  # half to even
+    codes = jnp.clip(codes, 0, self.top_code).astype(jnp.uint8)
+    return {"min": mn, "max": mx, "codes": codes}, state
+
+  def decompress(self, fields, n):
+    del n
+    mn, mx = fields["min"][0], fields["max"][0]
+    gap = _divide(mx - mn, self.top_code)
+    # The 2^b levels as a table (the barrier keeps code*gap and + mn two roundings in every
+    # program: XLA fuses them into one FMA in some and not in others), looked up per code.
+    steps = lax.optimization_barrier(jnp.arange(self.top_code + 1, dtype=jnp.float32) * gap)
+    levels = (steps + mn).at[self.top_code].set(mx)
+    return _lookup(levels, fields["codes"], self.bitwidth)
+
+
+def _lookup(levels: jax.Array, codes: jax.Array, bits: int) -> jax.Array:
+  """levels[codes]: for b <= 2 a tree of selects on the code's bits (XLA:CPU's gather is half as
+  fast), else a gather."""
+  if bits > 2:
+    return jnp.take(levels, codes.astype(jnp.int32), mode="clip")
+  values = [levels[i] for i in range(1 << bits)]
+  for j in range(bits):
+    bit = ((codes >> j) & 1) == 1
+    values = [jnp.where(bit, values[2 * i + 1], values[2 * i]) for i in range(len(values) // 2)]
+  return values[0]
+
+
+def _sparsify(acc: jax.Array, key: jax.Array, sample_rate: float, density: float | Fraction,
+              capacity: int, impl: str) -> tuple[dict[str, jax.Array], jax.Array]:
+  """HiPress's selection (§1.3, §1.4): the sampled threshold thr of |acc|, every i with
+  |acc_i| > thr, capped at `capacity` by |acc|. (sparse fields, indices: unused slots n)."""
+  threshold = ops.sampled_threshold(jnp.abs(acc), key, sample_rate, density)
+  indices, count = ops.capped_threshold_select(acc, threshold, capacity, impl=impl)
+  return _sparse_fields(acc, indices, count), indices
+
+
+def _sparse_fields(acc: jax.Array, indices: jax.Array, count: jax.Array) -> dict[str, jax.Array]:
+  return {"count": count, "indices": indices,
+          "values": jnp.take(acc, indices, mode="fill", fill_value=0)}
+
+
+def _zero_at(fields: dict[str, jax.Array], *arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """The arrays with zeros at the payload's indices, once the payload has been read from them
+  (the barrier: XLA then zeroes a donated state in place instead of copying it first)."""
+  fields, arrays = lax.optimization_barrier((fields, arrays))
+  return tuple(a.at[fields["indices"]].set(0.0, mode="drop") for a in arrays)
+
+
+def _dgc_capacity(compressor: "DGC", n: int) -> int:
+  return fraction_count(n, compressor.density)
+
+
+@register("dgc")
+@dataclasses.dataclass(frozen=True)
+class DGC(Compressor):
+  """Deep Gradient Compression as HiPress's dgc_new (hipress.md §1.3), with momentum correction
+  and momentum-factor masking; no gradient clipping or warm-up (HiPress has neither).
+
+  State u (momentum) and v (velocity). u = m*u + x; v = v + u. S = ceil(n*sample_rate) indices
+  drawn uniformly with replacement (jax.random, from the key); thr = the element at position
+  floor(S*density) of the sampled |v| in descending order; selected: every i with |v_i| > thr,
+  capped at k = ceil(n*density) by the largest |v| (HiPress's truncation compares the already
+  zeroed gradient instead, keeping an arbitrary subset: not reproduced). Payload: v at the
+  selected indices; then v[idx] = u[idx] = 0. Invariant: v_before + u_new = decode + v_after.
+  Sparse payload (layout.Sparse, capacity k); wire int32 M = 4 + 8*count, int32 idx[count],
+  float32 val[count]. The aggregator re-encodes with `server(num_ranks)` (DGCServer).
+  """
+
+  density: float = 0.001
+  sample_rate: float = 0.001
+  momentum: float = 0.9
+  impl: str = "xla"
+
+  layout = (Sparse(capacity=_dgc_capacity),)
+  needs_key = True
+
+  def __post_init__(self):
+    _fraction("DGC", "density", self.density, closed_at=1)
+    _fraction("DGC", "sample_rate", self.sample_rate, closed_at=1)
+    _fraction("DGC", "momentum", self.momentum, closed_at=0)
+    check_impl("DGC", self.impl)
+
+  def init(self, x):
+    n = jnp.size(x)
+    return {"u": jnp.zeros((n,), jnp.float32), "v": jnp.zeros((n,), jnp.float32)}
+
+  def compress(self, x, state, key):
+    u = jnp.float32(self.momentum) * state["u"] + x
+    v = state["v"] + u
+    fields, _ = _sparsify(v, key, self.sample_rate, self.density,
+                          _dgc_capacity(self, x.shape[0]), self.impl)
+    u, v = _zero_at(fields, u, v)
+    return fields, {"u": u, "v": v}
+
+  def server(self, num_ranks: int = 1) -> "DGCServer":
+    """HiPress's dgc_new_server: every non-zero of the aggregate of num_ranks payloads."""
+    check_num_ranks("DGC", num_ranks)
+    return DGCServer(density=self.density, num_ranks=num_ranks, impl=self.impl)
+
+
+def _dgc_server_capacity(compressor: "DGCServer", n: int) -> int:
+  return min(n, compressor.num_ranks * fraction_count(n, compressor.density))
+
+
+@dataclasses.dataclass(frozen=True)
+class DGCServer(Compressor):
+  """DGC's aggregator re-encode (HiPress's dgc_new_server, hipress.md §1.3): every non-zero of
+  the merged partition, with no threshold, no re-sparsification and no state. Capacity
+  min(n, num_ranks * ceil(n*density)), which the union of num_ranks DGC payloads fits; past it
+  (e.g. when the aggregator's own dense contribution entered) the largest |x| are kept. Not
+  registered: it is what `DGC.server(num_ranks)` returns. Same wire format as DGC.
+  """
+
+  name: ClassVar[str] = "dgc_server"
+
+  density: float = 0.001
+  num_ranks: int = 1
+  impl: str = "xla"
+
+  layout = (Sparse(capacity=_dgc_server_capacity),)
+
+  def __post_init__(self):
+    _fraction("DGCServer", "density", self.density, closed_at=1)
+    if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+      raise invalid("DGCServer.num_ranks", self.num_ranks, "an int >= 1")
+    check_impl("DGCServer", self.impl)
+
+  def compress(self, x, state, key):
+    del key
+    indices, count = ops.capped_threshold_select(x, 0.0, _dgc_server_capacity(self, x.shape[0]),
+                                                 impl=self.impl)
+    return _sparse_fields(x, indices, count), state
+
+
+def _graddrop_capacity(compressor: "GradDrop", n: int) -> int:
+  return fraction_count(n, compressor.density)
+
+
+@register("graddrop")
+@dataclasses.dataclass(frozen=True)
+class GradDrop(Compressor):
+  """Gradient dropping (Aji & Heafield 2017) as HiPress's gd kernel (hipress.md §1.4).
+
+  r = r + x (r: the residual, state); the sampled threshold exactly as DGC's with density
+  d = 1 - drop_ratio (on decimal values: drop_ratio=0.999 gives d = 0.001 and k = ceil(1000*d)
+  = 1 for n = 1000); selected: |r_i| > thr, capped at k = ceil(n*d) by the largest |r|; payload:
+  r at the selected indices; then r[idx] = 0. Invariant: x + r_before = decode + r_after.
+  Same wire format as DGC. At a CaSync-PS root the aggregate is re-encoded with the same encoder
+  and the root's own residual (`server()` is self).
+  """
+
+  drop_ratio: float = 0.999
+  sample_rate: float = 0.001
+  impl: str = "xla"
+
+  layout = (Sparse(capacity=_graddrop_capacity),)
+  needs_key = True
+
+  def __post_init__(self):
+    _fraction("GradDrop", "drop_ratio", self.drop_ratio, closed_at=0)
+    _fraction("GradDrop", "sample_rate", self.sample_rate, closed_at=1)
+    check_impl("GradDrop", self.impl)
+
+  @property
+  def density(self) -> Fraction:
+    """1 - drop_ratio, exactly, on the decimal values written."""
+    return 1 - decimal(self.drop_ratio)
+
+  def init(self, x):
+    return self.residual_state(x)
+
+  def compress(self, x, state, key):
+    r = state["residual"] + x
+    fields, _ = _sparsify(r, key, self.sample_rate, self.density,
+                          _graddrop_capacity(self, x.shape[0]), self.impl)
+    (r,) = _zero_at(fields, r)
+    return fields, {"residual": r}

@@ -163,7 +163,10 @@ def to_bytes(layout: tuple[Field, ...], payload: dict[str, Any]) -> np.ndarray:
 
 
 def from_bytes(layout: tuple[Field, ...], compressor: Any, data: Any, n: int) -> dict[str, Any]:
-  """The payload (numpy arrays of the in-jit shapes) of wire bytes; ValueError on a mismatch."""
+  """The payload (numpy arrays of the in-jit shapes) of wire bytes (bytes or a uint8 array);
+  ValueError on a mismatch."""
+  if isinstance(data, (bytes, bytearray, memoryview)):
+    data = np.frombuffer(data, np.uint8)
   data = np.asarray(data, np.uint8).reshape(-1)
   name = type(compressor).__name__
   out: dict[str, Any] = {}
@@ -181,7 +184,7 @@ def from_bytes(layout: tuple[Field, ...], compressor: Any, data: Any, n: int) ->
 
   for f in layout:
     if isinstance(f, Header):
-      got = take(1, f.dtype)[0]
+      got = take(1, f.dtype)[0].item()
       want = f.value(compressor, n)
       if got != want:
         raise ValueError(f"{name}.from_bytes: header {f.name}={got!r} is not allowed for n={n}; "
@@ -202,6 +205,10 @@ def from_bytes(layout: tuple[Field, ...], compressor: Any, data: Any, n: int) ->
       values = np.zeros(k, np.float32)
       indices[:count] = take(count, "int32")
       values[:count] = take(count, "float32")
+      bad = (indices[:count] < 0) | (indices[:count] >= n)
+      if bad.any():
+        raise ValueError(f"{name}.from_bytes: sparse index {int(indices[:count][bad][0])} is not "
+                         f"allowed for n={n}; expected 0 <= index < {n}.")
       out.update(count=np.int32(count), indices=indices, values=values)
   if pos != data.size:
     raise ValueError(f"{name}.from_bytes: {data.size} bytes is not allowed for n={n}; "

@@ -3,8 +3,13 @@
   pack_bits(codes, bits, pad)        uint8 codes (one per element) -> packed bytes, LSB-first
   unpack_bits(packed, bits, n)       the inverse
   capacity_filter(mask, capacity)    the first `capacity` indices where mask holds (ascending)
+  threshold_select(values, thr, capacity)
+                                     capacity_filter(|values| > thr, capacity)
   top_k(scores, k)                   indices of the k largest scores (ascending index order)
   capped_select(mask, scores, k)     indices where mask holds, capped at k by the largest scores
+  capped_threshold_select(values, thr, k)
+                                     capped_select(|values| > thr, |values|, k): DGC's and
+                                     GradDrop's selection (hipress.md §1.3, §1.4)
   sampled_threshold(mag, key, sample_rate, density)
                                      HiPress's sampled threshold: the sample's element at rank
                                      floor(S * density) of its descending order
@@ -25,8 +30,9 @@ from jax import lax
 
 from jlp.compression.layout import BITS, decimal, packed_size
 
-__all__ = ["IMPLS", "capacity_filter", "capped_select", "fold", "pack_bits", "sampled_threshold",
-           "top_k", "uniform", "unpack_bits"]
+__all__ = ["IMPLS", "capacity_filter", "capped_select", "capped_threshold_select", "fold",
+           "pack_bits", "sampled_threshold", "threshold_select", "top_k", "uniform",
+           "unpack_bits"]
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -44,8 +50,12 @@ def _check_bits(bits: int) -> None:
 
 def pack_bits(codes: jax.Array, bits: int, pad: int = 0, impl: str = "xla") -> jax.Array:
   """uint8[ceil(n*bits/8)]: code i at bit offset bits*(i mod 8/bits) of byte i // (8/bits);
-  slots past n hold `pad`. Codes must fit in `bits` bits (higher bits are dropped)."""
+  slots past n hold `pad`, a `bits`-bit code. Codes must fit in `bits` bits (higher bits are
+  dropped)."""
   _check_bits(bits)
+  if not 0 <= pad < (1 << bits):
+    raise ValueError(f"pad={pad!r} is not allowed; expected a {bits}-bit code.")
+  pad = int(pad)
   codes = jnp.asarray(codes).reshape(-1).astype(jnp.uint8)
   if use_pallas(impl):
     from pallas_kernels import pack_bits as kernel  # pylint: disable=g-import-not-at-top
@@ -61,6 +71,13 @@ def pack_bits_xla(codes: jax.Array, bits: int, pad: int = 0) -> jax.Array:
   codes = codes & mask
   if m * per != n:
     codes = jnp.concatenate([codes, jnp.full((m * per - n,), pad, jnp.uint8)])
+  if bits == 1:
+    # Eight codes as two little-endian uint32 words (XLA:CPU vectorises word shifts; per-byte
+    # slices gather): the word lo | hi << 4 holds code j at bit 8j (j < 4) or 8(j-4) + 4.
+    words = lax.bitcast_convert_type(codes.reshape(m, 2, 4), jnp.uint32)
+    w = words[:, 0] | (words[:, 1] << jnp.uint32(4))
+    return (w | (w >> jnp.uint32(7)) | (w >> jnp.uint32(14)) | (w >> jnp.uint32(21))
+            ).astype(jnp.uint8)
   rows = codes.reshape(m, per)
   out = rows[:, 0]
   for j in range(1, per):
@@ -92,10 +109,42 @@ def capacity_filter(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Arra
   """(indices int32[capacity], count int32): the first `capacity` positions where `mask` holds,
   ascending; unused slots hold n (out of range: scatters with mode="drop" skip them)."""
   mask = jnp.asarray(mask).reshape(-1)
-  n = mask.shape[0]
-  (idx,) = jnp.nonzero(mask, size=capacity, fill_value=n)
-  count = jnp.minimum(jnp.sum(mask, dtype=jnp.int32), capacity)
-  return idx.astype(jnp.int32), count
+  idx, total = _compact_xla(mask, lambda m: m, capacity, False)
+  return idx, jnp.minimum(total, capacity)
+
+
+_COMPACT_BLOCK = 16
+
+
+def _compact_xla(values: jax.Array, selected, capacity: int, pad) -> tuple[jax.Array, jax.Array]:
+  """(the first `capacity` i with selected(values)[i], ascending, unused slots n; how many i
+  are selected), for flat `values` and an elementwise predicate. By blocks of 16 (as the Pallas
+  kernel by tiles): the selected count of every block, the first `capacity` blocks with any
+  (recursively), and a cumsum within those blocks only. jnp.nonzero's cumsum over all n costs
+  XLA:CPU ~10 passes over the mask; this costs about one."""
+  n = values.shape[0]
+  if n <= 4096 or capacity == 0:
+    mask = selected(values)
+    (idx,) = jnp.nonzero(mask, size=capacity, fill_value=n)
+    return idx.astype(jnp.int32), jnp.sum(mask, dtype=jnp.int32)
+  size = _COMPACT_BLOCK
+  blocks = -(-n // size)
+  if blocks * size != n:
+    values = jnp.pad(values, (0, blocks * size - n), constant_values=pad)
+  rows = values.reshape(blocks, size)
+  # The barrier materialises the counts once (XLA would otherwise fuse this pass over all n into
+  # each of the counts' three consumers).
+  counts = lax.optimization_barrier(jnp.sum(selected(rows), axis=1, dtype=jnp.int32))
+  active, _ = _compact_xla(counts > 0, lambda m: m, min(capacity, blocks), False)
+  chosen = selected(jnp.take(rows, active, axis=0, mode="fill", fill_value=pad))
+  before = jnp.take(counts, active, mode="fill", fill_value=0)
+  slot = (jnp.cumsum(before, dtype=jnp.int32) - before)[:, None] + (
+      jnp.cumsum(chosen, axis=1, dtype=jnp.int32) - chosen)
+  slot = jnp.where(chosen & (slot < capacity), slot, capacity)
+  position = active[:, None] * size + jnp.arange(size, dtype=jnp.int32)
+  idx = jnp.full((capacity,), n, jnp.int32).at[slot.reshape(-1)].set(position.reshape(-1),
+                                                                     mode="drop")
+  return idx, jnp.sum(counts)
 
 
 def top_k(scores: jax.Array, k: int) -> jax.Array:
@@ -119,12 +168,80 @@ def capped_select(mask: jax.Array, scores: jax.Array, capacity: int
 
   def truncate(_):
     masked = jnp.where(mask, scores, -jnp.inf)
-    return top_k(masked, capacity), jnp.int32(capacity)
+    return top_k(masked, capacity), jnp.minimum(total, capacity)  # typed like total (vma)
 
   def keep_all(_):
     return capacity_filter(mask, capacity)
 
   return lax.cond(total > capacity, truncate, keep_all, None)
+
+
+def _threshold_select(values: jax.Array, threshold: jax.Array, capacity: int, impl: str
+                      ) -> tuple[jax.Array, jax.Array]:
+  """(capacity_filter(|values| > threshold, capacity)'s indices, the uncapped count)."""
+  if use_pallas(impl):
+    from pallas_kernels import threshold_select as kernel  # pylint: disable=g-import-not-at-top
+    return kernel.threshold_select(values, threshold, capacity,
+                                   interpret=jax.default_backend() != "gpu")
+  return _compact_xla(values, lambda v: jnp.abs(v) > threshold, capacity, jnp.nan)
+
+
+def _float32_values(values: jax.Array, threshold: jax.Array | float
+                    ) -> tuple[jax.Array, jax.Array]:
+  values = jnp.asarray(values)
+  if values.dtype != jnp.float32:
+    raise ValueError(f"values has dtype {values.dtype}; expected float32.")
+  threshold = jnp.asarray(threshold, jnp.float32)
+  if threshold.shape != ():
+    raise ValueError(f"threshold has shape {threshold.shape}; expected a scalar.")
+  return values.reshape(-1), threshold
+
+
+def threshold_select(values: jax.Array, threshold: jax.Array | float, capacity: int,
+                     impl: str = "xla") -> tuple[jax.Array, jax.Array]:
+  """(indices int32[capacity], count int32): `capacity_filter(|values| > threshold, capacity)`
+  for float32 `values` (any shape, flattened) and a float32 scalar threshold: the first
+  `capacity` indices i with |values[i]| > threshold, ascending, unused slots n; count =
+  min(number selected, capacity). NaN values and values equal to the threshold are not selected.
+  impl="pallas" runs `pallas_kernels.threshold_select` (per-tile counts, a prefix sum over tiles,
+  per-tile compaction), with the same result."""
+  values, threshold = _float32_values(values, threshold)
+  idx, total = _threshold_select(values, threshold, capacity, impl)
+  return idx, jnp.minimum(total, capacity)
+
+
+def capped_threshold_select(values: jax.Array, threshold: jax.Array | float, capacity: int,
+                            impl: str = "xla") -> tuple[jax.Array, jax.Array]:
+  """(indices int32[min(capacity, n)] ascending, count): `capped_select(|values| > threshold,
+  |values|, capacity)` for float32 `values` (any shape, flattened): every index with
+  |values[i]| > threshold if there are at most `capacity`, else the `capacity` largest
+  |values[i]| (ties: lower index); unused slots n. DGC's and GradDrop's selection (hipress.md
+  §1.3, §1.4). impl="pallas" selects with `pallas_kernels.threshold_select`; the truncation, when
+  over capacity, stays XLA's top_k (over the first 2*capacity selected when that is all of them,
+  else over all n)."""
+  values, threshold = _float32_values(values, threshold)
+  n = values.shape[0]
+  capacity = min(capacity, n)
+  # Up to 2*capacity candidates: a sampled threshold over-selects a little more often than not,
+  # and then top_k runs over the candidates only (HiPress sorts the selected, not all n).
+  candidates = min(n, 2 * capacity)
+  idx, total = _threshold_select(values, threshold, candidates, impl)
+
+  def keep_all(_):
+    return idx[:capacity], total
+
+  def truncate_candidates(_):
+    magnitude = jnp.take(jnp.abs(values), idx, mode="fill", fill_value=-jnp.inf)
+    _, best = lax.top_k(magnitude, capacity)
+    return jnp.sort(idx[best]), jnp.minimum(total, capacity)  # typed like total (vma)
+
+  def truncate(_):
+    magnitude = jnp.abs(values)
+    masked = jnp.where(magnitude > threshold, magnitude, -jnp.inf)
+    return top_k(masked, capacity), jnp.minimum(total, capacity)
+
+  branch = (total > capacity).astype(jnp.int32) + (total > candidates).astype(jnp.int32)
+  return lax.switch(branch, (keep_all, truncate_candidates, truncate), None)
 
 
 def sampled_threshold(magnitude: jax.Array, key: jax.Array, sample_rate: float,

@@ -1,5 +1,6 @@
-"""Input data: loaders (digits, CIFAR-10/100, ImageNet folders, Cityscapes), augmentation,
-and the deterministic, per-process input pipeline with prefetching.
+"""Input data: loaders (digits, CIFAR-10/100, ImageNet folders, Cityscapes, GLUE-style TSV
+sentences with BERT's WordPiece tokenizer), augmentation, and the deterministic, per-process
+input pipeline with prefetching.
 
   ds = jlp.data.get_dataset("cifar10", root="data", split="train")
   pipe = jlp.data.Pipeline(ds, global_batch_size=512, seed=0)
@@ -10,6 +11,7 @@ and the deterministic, per-process input pipeline with prefetching.
 from jlp.data.dataset import ArrayDataset, CropFlip, Dataset, Normalization
 from jlp.data.pipeline import SAMPLERS, Pipeline, Prefetcher, Sampler
 from jlp.data.registry import DATASETS, get_dataset
+from jlp.data.text import TokenDataset, WordPiece
 
 __all__ = [
     "ArrayDataset",
@@ -21,5 +23,7 @@ __all__ = [
     "Prefetcher",
     "SAMPLERS",
     "Sampler",
+    "TokenDataset",
+    "WordPiece",
     "get_dataset",
 ]

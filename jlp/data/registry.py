@@ -7,8 +7,11 @@
   "cifar100"    train, test   cifar-100-python/                  recipe, label, mean, std, ...
   "imagenet"    train, val    train/<wnid>/, val/<wnid>/         crop_size, resize_size, ...
   "cityscapes"  train, val    leftImg8bit/, gtFine/              crop_size, scale_range, ...
+  "glue_tsv"    train, dev    train.tsv, dev.tsv, vocab.txt      vocab, max_len, lowercase, ...
+  "digits_tokens"             nothing (digits as token ids)      max_len
+(the last two, jlp.data.text, give int32 token ids under "image", for BERT.)
 
-`split` may also be "eval" (the evaluation split: "test" or "val"). `root`
+`split` may also be "eval" (the evaluation split: "test", "val" or "dev"). `root`
 defaults to $JLP_DATA_DIR, else "data" (the seeds' `--data ./data`). `augment`
 defaults to True for the training split only. See each loader's module for the
 layout and transforms; a missing or malformed folder raises
@@ -28,6 +31,7 @@ from jlp.data.cityscapes import CityscapesDataset, cityscapes
 from jlp.data.dataset import Dataset
 from jlp.data.digits import digits, digits_segmentation
 from jlp.data.imagenet import ImageFolderDataset, imagenet
+from jlp.data.text import digits_tokens, glue_tsv
 
 DATA_DIR_ENV = "JLP_DATA_DIR"
 DEFAULT_DATA_DIR = "data"
@@ -66,6 +70,8 @@ DATASETS: dict[str, DatasetInfo] = {
     "imagenet": DatasetInfo(imagenet, "train", "val",
                             tuple(o for o in _keyword_options(ImageFolderDataset) if o != "name")),
     "cityscapes": DatasetInfo(cityscapes, "train", "val", _keyword_options(CityscapesDataset)),
+    "glue_tsv": DatasetInfo(glue_tsv, "train", "dev", _keyword_options(glue_tsv)),
+    "digits_tokens": DatasetInfo(digits_tokens, "train", "test", _keyword_options(digits_tokens)),
 }
 
 

@@ -137,7 +137,10 @@ class Bert(nnx.Module):
   """BERT encoder + [CLS] classification head.
 
     Knobs: vocab, max_len, hidden, num_layers, heads, mlp_dim (default 4 x hidden), num_classes,
-    type_vocab (2), dropout (0.1), deterministic (initial dropout mode; model.eval()/train()).
+    type_vocab (2), dropout (0.1), deterministic (initial dropout mode; model.eval()/train()),
+    pad_id (None; an id: when no attention_mask is given, tokens equal to pad_id are not
+    attended, the mask a tokenizer gives for [PAD]; this is how the train step's
+    ``model(batch["image"])`` masks padding, jlp.data.text).
     Call: ``model(input_ids, token_type_ids=None, attention_mask=None)`` with int (B, T) ids ->
     logits (B, num_classes). ``model.encode(...)`` returns the (B, T, hidden) sequence output.
     """
@@ -155,9 +158,11 @@ class Bert(nnx.Module):
       type_vocab: int = 2,
       dropout: float = 0.1,
       deterministic: bool = False,
+      pad_id: int | None = None,
       rngs: nnx.Rngs,
   ):
     mlp_dim = 4 * hidden if mlp_dim is None else mlp_dim
+    self.pad_id = pad_id
     det = deterministic
     self.embeddings = BertEmbeddings(vocab,
                                      hidden,
@@ -175,6 +180,8 @@ class Bert(nnx.Module):
     self.classifier = _dense(hidden, num_classes, rngs)
 
   def encode(self, input_ids, token_type_ids=None, attention_mask=None):
+    if attention_mask is None and self.pad_id is not None:
+      attention_mask = input_ids != self.pad_id
     x = self.embeddings(input_ids, token_type_ids)
     for layer in self.layers:
       x = layer(x, attention_mask)

@@ -28,6 +28,24 @@ Fields (see `base_config` for defaults):
                                 for many nodes; "vmap": batched, not bit-identical to devices;
                                 see jlp.train.step); grad_format is derived from grad_exp/grad_man
                                 unless set to a format name directly ("e4m3", "float8_e5m2", ...).
+  compression.name              "none" (the CPD all-reduce above) or a jlp.compression compressor
+                                ("onebit", "tbq", "terngrad", "dgc", "graddrop", ...): gradients
+                                are then summed by HiPress's compressed sync (jlp.compression.sync,
+                                hipress.md §2) with per-device error-feedback state, which is
+                                checkpointed. Needs the float32 sequential settings of the CPD
+                                fields (grad_format e8m23, no APS / Kahan / ring / emulated nodes).
+  compression.topology          "ps" (CaSync-PS) or "ring" (CaSync-Ring).
+  compression.min_size          compress a gradient iff it has more than min_size elements
+                                (HiPress's --comp-threshold, 262144; 0: every gradient).
+  compression.kwargs            the compressor's fields, e.g. {"threshold": 2.0} for "tbq"; from
+                                the command line as a dict literal:
+                                --config.compression.kwargs='{"threshold": 2.0}'.
+  compression.plan              "" (min_size decides), the path of a SeCoPa plan file
+                                (jlp.compression.secopa.read_plan: `name,size,y|n,K` lines, name
+                                = jax.tree_util.keystr of the gradient's path, e.g.
+                                "['conv1']['kernel'].value"), or "secopa": SeCoPa's plan for this
+                                model with HiPress's seed cost model (4, 8 or 16 devices).
+  Every step logs wire_bytes: the bytes one device sends for the gradient sync (jlp.train.step).
   loss_scale                    static loss scale (the reduced gradient is divided by it).
   unscale_grads                 False: CPD DavidNet's bug, the loss scale is never divided out
                                 (the optimizer gets loss_scale x the gradient; cpd.md §4).
@@ -45,16 +63,19 @@ Fields (see `base_config` for defaults):
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 import ml_collections
 
 from jlp.formats import FloatFormat, as_format
-from jlp.train.sync import ALGORITHMS, FORMS, NODE_MAPS
+from jlp.train.sync import ALGORITHMS, DEFAULT_MIN_SIZE, FORMS, NODE_MAPS, TOPOLOGIES
 
 TASKS = ("classification", "segmentation")
 APS_MODES = ("exact", "cpd")
+#: config.compression.plan value: plan with SeCoPa's seed cost model for the model being trained.
+SECOPA = "secopa"
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -92,6 +113,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.emulate_node_map = "unroll"
   c.loss_scale = 1.0
   c.unscale_grads = True
+  c.compression = ml_collections.ConfigDict({
+      "name": "none", "topology": "ps", "min_size": DEFAULT_MIN_SIZE,
+      "kwargs": ml_collections.ConfigDict(), "plan": ""})
 
   c.quant_rules = ()
   c.bfp = ml_collections.ConfigDict({
@@ -174,6 +198,23 @@ def quant_rules(config: ml_collections.ConfigDict) -> list[Any]:
   return out
 
 
+def compressor(config: ml_collections.ConfigDict) -> Any:
+  """The jlp.compression Compressor of config.compression (None for "none"); ValueError naming
+  the field and the allowed values."""
+  from jlp import compression  # pylint: disable=g-import-not-at-top
+  c = config.compression
+  names = ("none",) + tuple(sorted(compression.COMPRESSORS))
+  _check(c.name in names, "compression.name", c.name, f"one of {names}")
+  if c.name == "none":
+    return None
+  kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(c.kwargs).items()}
+  try:
+    return compression.get(c.name, **kwargs)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"config.compression.kwargs={kwargs!r} is not allowed for compressor "
+                     f"{c.name!r}: {e}") from None
+
+
 def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
   if not ok:
     raise ValueError(f"config.{field}={value!r} is not allowed; expected {allowed}.")
@@ -219,6 +260,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(_int(config.emulate_nodes) and config.emulate_nodes >= 1, "emulate_nodes",
          config.emulate_nodes, "an int >= 1")
 
+  _check_compression(config, fmt)
+
   quant_rules(config)
   if config.bfp.controller:
     bfp_controller.SimpleController.from_string(config.bfp.controller)  # raises on a bad string
@@ -227,3 +270,26 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for epoch in config.bfp.schedule:
     _check(str(epoch).isdigit(), "bfp.schedule", dict(config.bfp.schedule),
            "a mapping {epoch (int >= 0): preset name}")
+
+
+def _check_compression(config: ml_collections.ConfigDict, fmt: FloatFormat | None) -> None:
+  c = config.compression
+  codec = compressor(config)
+  _check(c.topology in TOPOLOGIES, "compression.topology", c.topology, f"one of {TOPOLOGIES}")
+  _check(_int(c.min_size) and c.min_size >= 0, "compression.min_size", c.min_size,
+         "an int >= 0 (elements; 0 compresses every gradient)")
+  plans = f"'', {SECOPA!r} or the path of an existing SeCoPa plan file"
+  _check(isinstance(c.plan, str), "compression.plan", c.plan, plans)
+  if codec is None:
+    return
+  _check(c.plan in ("", SECOPA) or os.path.isfile(c.plan), "compression.plan", c.plan, plans)
+  why = f"with config.compression.name={c.name!r} (the compressed sync sums float32 gradients)"
+  _check(fmt is None, "grad_format", config.grad_format, f"float32 (grad_exp=8, grad_man=23) {why}")
+  _check(not config.use_aps, "use_aps", config.use_aps, f"False {why}")
+  _check(not config.use_kahan, "use_kahan", config.use_kahan, f"False {why}")
+  _check(config.grad_algorithm == "sequential", "grad_algorithm", config.grad_algorithm,
+         f"'sequential' {why}; its topology is config.compression.topology")
+  _check(config.emulate_nodes == 1, "emulate_nodes", config.emulate_nodes,
+         f"1 {why}: it runs between real devices, emulated nodes are not compressed")
+  _check(config.emulate_form == "flat", "emulate_form", config.emulate_form,
+         f"'flat' {why}: CPD's two-level form casts node gradients")

@@ -6,14 +6,18 @@ One call runs (or resumes) an experiment config (jlp.train.config) in `workdir`:
   2. Builds the data pipelines, the model (with its BFPsim preset, when one is set), the optimizer
      and the data-parallel step (jlp.train.TrainStep with the config's gradient all-reduce).
   3. Restores the newest checkpoint of `workdir/checkpoints` if there is one, then trains to
-     `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard), evaluation every
-     `eval_every` steps and at the end, a checkpoint every `checkpoint_every` steps and at the end.
+     `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard; `wire_bytes` is
+     the bytes one device sent for that step's gradient sync, see jlp.train.step), evaluation
+     every `eval_every` steps and at the end, a checkpoint every `checkpoint_every` steps and at
+     the end.
 
 Resume is bit-exact: the state (parameters, optimizer state, BatchNorm statistics, PRNG key data,
-BFP widths), the BFP controller's state and the current preset are checkpointed; every batch is a
-pure function of (seed, step) (jlp.data.Pipeline), so a resumed run logs, from the checkpoint on,
-exactly the rows the uninterrupted run logs (`time` and `throughput` aside). Ctrl-C (SIGINT) ends
-the current step, writes a checkpoint and returns with `interrupted=True`; a second Ctrl-C aborts.
+BFP widths, the compressed sync's per-device state, saved sharded), the BFP controller's state
+and the current preset are checkpointed; every batch is a pure function of (seed, step)
+(jlp.data.Pipeline) and a compressor's random stream one of (config.seed, step), so a resumed run
+logs, from the checkpoint on, exactly the rows the uninterrupted run logs (`time` and
+`throughput` aside). Ctrl-C (SIGINT) ends the current step, writes a checkpoint and returns with
+`interrupted=True`; a second Ctrl-C aborts.
 
 Progress: a tqdm bar (steps/s, ETA) on a terminal; plain log lines otherwise. In a multi-process
 run (jlp.train.initialize first) every process runs this function; process 0 writes the metrics.
@@ -152,7 +156,8 @@ class Run:
     def eval_step(state, batch):
       return recipe.eval_sums(merge_model(eval_graphdef, state), batch, task, classes)
 
-    self.eval_fn = jax.jit(eval_step, in_shardings=(replicated(self.mesh), batch_sharding(self.mesh)),
+    self.eval_fn = jax.jit(eval_step,
+                           in_shardings=(self.step_fn.state_shardings, batch_sharding(self.mesh)),
                            out_shardings=replicated(self.mesh))
 
   def evaluate(self, state: TrainState) -> dict[str, float]:
@@ -173,7 +178,8 @@ class Run:
     self.preset = preset
     _, params, stats, keys, model_state = split_model(self.model)
     self.compile_step()
-    return TrainState(state.step, params, stats, keys, model_state, state.opt_state)
+    return TrainState(state.step, params, stats, keys, model_state, state.opt_state,
+                      state.sync_state)
 
 
 def setup(config: ml_collections.ConfigDict) -> Run:
@@ -182,12 +188,13 @@ def setup(config: ml_collections.ConfigDict) -> Run:
   train_ds, eval_ds = recipe.datasets(config)
   mesh = data_mesh()
   recipe.check_batch_sizes(config, mesh.size)
-  sync = recipe.grad_sync(config)
+  sync = recipe.grad_sync(config, mesh.size)
   train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
   spe = max(1, train_pipe.steps_per_epoch)
   lr = recipe.schedule(config, spe, train_ds.size)
   quant = QuantPlan(config, spe)
   model = recipe.model(config, train_ds)
+  sync = recipe.plan_sync(config, sync, split_model(model)[1], mesh.size)
   return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, sync,
              quant)
 
@@ -255,7 +262,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   run.preset = run.quant.preset_at(start // spe)
   run.report = run.quant.quantize(run.model, run.preset)
   run.model.train()
-  _, state = init_train_state(run.model, run.optimizer, run.mesh)  # graphdef: compile_step
+  _, state = init_train_state(run.model, run.optimizer, run.mesh, run.sync)  # graphdef: compile_step
   if start:
     saved, meta = checkpoints.restore(start, saveable(state))
     state = from_saveable(saved, state)
@@ -301,6 +308,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "learning_rate": float(run.lr(step - 1)),
                  "throughput": (step - last_step) * config.batch_size / max(now - last_time, 1e-9),
                  "epoch": step / spe,
+                 "wire_bytes": float(metrics["wire_bytes"]),
                  **_bfp_metrics(run, zse)}
           if run.quant.schedule is not None:
             row["bfp_preset"] = run.preset

@@ -19,6 +19,7 @@ E = steps per epoch of the training pipeline:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -31,8 +32,9 @@ from flax import nnx
 
 from jlp import data as jdata
 from jlp import models
+from jlp.compression import secopa
 from jlp.train import optim
-from jlp.train.config import grad_format
+from jlp.train.config import SECOPA, compressor, grad_format
 from jlp.train.step import cross_entropy_loss
 from jlp.train.sync import GradSync
 
@@ -141,16 +143,47 @@ def optimizer(config: ml_collections.ConfigDict, lr: optax.Schedule) -> optax.Gr
                          weight_decay=config.weight_decay, decay_mask=mask)
 
 
-def grad_sync(config: ml_collections.ConfigDict) -> GradSync:
-  """The gradient all-reduce of the CPD fields (grad_format, use_aps, aps_mode, use_kahan, ...)."""
+def grad_sync(config: ml_collections.ConfigDict, num_devices: int | None = None) -> GradSync:
+  """The gradient sync: the CPD all-reduce of grad_format, use_aps, aps_mode, use_kahan, ...,
+  or, with config.compression.name set, HiPress's compressed sync (compressor built from
+  compression.kwargs, topology, min_size, the plan of a SeCoPa plan file, config.seed).
+
+  compression.plan="secopa" plans per model (`plan_sync`, once the model exists); with
+  `num_devices` the device count is checked against the seed cost model's here."""
   fmt = grad_format(config)
   aps: bool | str = bool(config.use_aps)
   if aps and config.aps_mode == "cpd":
     aps = "cpd"
+  compressed = {}
+  codec = compressor(config)
+  if codec is not None:
+    c = config.compression
+    plan = None
+    if c.plan == SECOPA:
+      if num_devices is not None and num_devices not in secopa.SEED_COEFFICIENTS.nodes:
+        raise _bad("compression.plan", c.plan, f"a plan file, or 'secopa' on "
+                   f"{secopa.SEED_COEFFICIENTS.nodes} devices (the seed cost model's node counts; "
+                   f"this run has {num_devices})")
+    elif c.plan:
+      plan = {e.name: (e.compress, e.partitions) for e in secopa.read_plan(c.plan)}
+    compressed = dict(compression=codec, topology=c.topology, min_size=int(c.min_size),
+                      plan=plan, seed=int(config.seed))
   return GradSync(fmt=fmt, algorithm=config.grad_algorithm, kahan=bool(config.use_kahan), aps=aps,
                   emulate_nodes=int(config.emulate_nodes), form=config.emulate_form,
                   node_map=config.emulate_node_map,
-                  cast_single=config.emulate_form == "cpd" and config.model.name == "resnet50")
+                  cast_single=config.emulate_form == "cpd" and config.model.name == "resnet50",
+                  **compressed)
+
+
+def plan_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any,
+              num_devices: int) -> GradSync:
+  """`sync` with SeCoPa's plan for gradients shaped like `params` on `num_devices` devices
+  (HiPress's seed cost model, `jlp.compression.plan_for_tree`) when config.compression.plan is
+  "secopa"; `sync` itself otherwise."""
+  if sync.compression is None or config.compression.plan != SECOPA:
+    return sync
+  plan = secopa.plan_for_tree(params, num_nodes=num_devices, topology=sync.topology)
+  return dataclasses.replace(sync, plan=plan)
 
 
 # -- loss and evaluation ------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The data-parallel train step: per-node gradients in `jax.shard_map`, a custom-precision
-gradient all-reduce (`jlp.collectives`), an optax update on float32 master weights.
+gradient all-reduce (`jlp.collectives`) or a compressed sync (`jlp.compression.sync`), an optax
+update on float32 master weights.
 
 One step, for W devices on the mesh axis ("data") and N = `GradSync.emulate_nodes` virtual nodes
 per device (cpd.md §3.2, §6.1):
@@ -31,6 +32,13 @@ per device (cpd.md §3.2, §6.1):
      (skipped when loss_scale == 1, or with unscale_grads=False: CPD's DavidNet never divides
      its static loss scale out, so the optimizer sees loss_scale times the gradient while the
      weight decay it adds is not scaled; cpd.md §4).
+     With `GradSync.compression` (N = 1), `jlp.compression.sync_with_bytes` sums the W device
+     gradients (each loss_scale / W times the device's gradient: a compressor with an absolute
+     threshold, such as TBQ's, sees them at that scale) with HiPress's CaSync (hipress.md §2):
+     device d encodes with its own compression state (error-feedback residuals, DGC's
+     momentum), row d of `TrainState.sync_state`, which the step returns updated; compressors
+     that draw use key = fold_in(key(GradSync.seed), step) (the step number before the update),
+     folded further per leaf, partition and device by the sync.
   4. `optimizer.update` (any optax transformation, see `jlp.train.optim`) and
      `optax.apply_updates` on the replicated float32 parameters, outside the shard_map.
 
@@ -44,11 +52,32 @@ The state after a step is a deterministic function of the state and the global b
     not change. Other non-parameter state (RNG counters, BFP widths, ...) is taken from node 0;
     it evolves identically on every node.
   * Metrics: `loss` (the mean of the node losses, without loss_scale) and the mean over the nodes
-    of every entry of `aux` (float32 scalars), each summed in node order as above.
+    of every entry of `aux` (float32 scalars), each summed in node order as above; and
+    `wire_bytes` (below).
+
+Wire bytes: metrics["wire_bytes"] (float32) is the number of bytes one device sends for the
+gradient sync of the step, counted from what the program exchanges between devices (the BatchNorm
+statistics and metrics exchanged beside it are not counted):
+  * uncompressed (`jlp.collectives`, `GradSync.allreduce_wire_bytes`): 4 bytes per float32 that
+    leaves the device, whatever fmt the values hold (the emulation carries them as float32), for
+    n = the parameter count, W devices, N nodes per device:
+      sequential  an all_gather of the device's n values to W-1 peers: (W-1) * 4 * n;
+      ring        W-1 hops of one chunk of C = ceil(size / W) values per leaf, then the all_gather
+                  of the device's reduced chunk of every leaf: 2 * (W-1) * 4 * sum(C)
+                  (3 * ... with Kahan, whose compensation travels beside the sum);
+      N > 1, form "flat": the all_gather of the N stacked node gradients: (W-1) * 4 * N * n
+                  (the node reduction then runs locally); form "cpd": the local fold sends
+                  nothing, then sequential / ring over the W devices as above;
+      W = 1: 0. APS's exponent agreement (one pmax of a scalar per leaf) is not counted.
+  * compressed: `jlp.compression.sync_with_bytes`: HiPress's wire size of every payload a device
+    sends (sparse payloads at their real count), averaged over the devices; uncompressed leaves
+    count as a float32 ring all-reduce, 2 * (W-1)/W * 4 * n.
 
 `TrainState` is a NamedTuple of replicated arrays and `nnx.State`s (a plain pytree: orbax saves it
-once typed PRNG keys are turned into key data). Build it with `init_train_state`; the model for
-evaluation is `merge_model(graphdef, state)`.
+once typed PRNG keys are turned into key data) plus `sync_state`, the compression state of every
+device stacked on a leading [W] axis and sharded over the data axis (None without compression;
+orbax saves and restores it sharded). Build it with `init_train_state(model, optimizer, mesh,
+sync)`; the model for evaluation is `merge_model(graphdef, state)`.
 """
 
 from __future__ import annotations
@@ -63,7 +92,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jlp.nn.rules import ZSEProbe, bfp_zse_metrics
 from jlp.numerics.sums import sequential_sum
@@ -75,6 +104,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "cross_entropy_loss",
+    "init_sync_state",
     "init_train_state",
     "merge_model",
     "split_model",
@@ -85,13 +115,17 @@ LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 class TrainState(NamedTuple):
-  """Everything a step reads and writes (replicated on the mesh)."""
+  """Everything a step reads and writes: replicated on the mesh, except `sync_state`."""
   step: jax.Array  # int32 scalar: steps taken
   params: nnx.State  # nnx.Param variables, float32 master weights
   batch_stats: nnx.State  # nnx.BatchStat variables (BatchNorm running mean / var)
   rng_keys: nnx.State  # nnx.RngKey variables
   model_state: nnx.State  # every other variable (RNG counters, BFP widths, ...)
   opt_state: optax.OptState
+  # The compressed sync's per-rank state (error-feedback residuals, ...): every rank's state
+  # stacked on a leading [W] axis, sharded over the data axis (rank d holds row d); None without
+  # compression. Built by `init_sync_state`.
+  sync_state: Any = None
 
 
 def split_model(model: nnx.Module):
@@ -104,21 +138,57 @@ def merge_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
   return nnx.merge(graphdef, state.params, state.batch_stats, state.rng_keys, state.model_state)
 
 
+def sync_state_sharding(mesh: Mesh, sync: GradSync) -> NamedSharding:
+  """The sharding of `TrainState.sync_state`: leading [W] axis split over `sync.axis_name`."""
+  return NamedSharding(mesh, P(sync.axis_name))
+
+
+def init_sync_state(params: Any, sync: GradSync, mesh: Mesh) -> Any:
+  """The compressed sync's fresh state for gradients shaped like `params`: every rank's state
+  (`GradSync.init_state`, the same for all ranks) stacked on a leading [W] axis and sharded over
+  `sync.axis_name`; None when `sync` has no compression. Multi-process safe (every process
+  builds the rows of its own devices)."""
+  if sync.compression is None:
+    return None
+  num_devices = sync.check_mesh(mesh)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+  one = sync.init_state(shapes, num_devices)
+  sharding = sync_state_sharding(mesh, sync)
+
+  def stack(x):
+    host = np.asarray(x)
+    full = np.broadcast_to(host, (num_devices,) + host.shape)
+    return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+
+  return jax.tree.map(stack, one)
+
+
 def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
-                     mesh: Mesh | None = None) -> tuple[nnx.GraphDef, TrainState]:
+                     mesh: Mesh | None = None, sync: GradSync | None = None
+                     ) -> tuple[nnx.GraphDef, TrainState]:
   """The model's graphdef and its initial TrainState, replicated on `mesh` when one is given.
 
-  In a multi-process run every process must pass the same model values (same seed).
+  With a compressed `sync` (GradSync.compression set; needs `mesh`), the state also holds the
+  compression state of every rank (`init_sync_state`). In a multi-process run every process must
+  pass the same model values (same seed).
   """
   graphdef, params, batch_stats, rng_keys, model_state = split_model(model)
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     if jnp.asarray(leaf).dtype != jnp.float32:
       raise ValueError(f"params{jax.tree_util.keystr(path)}.dtype={jnp.asarray(leaf).dtype} is not "
                        "allowed; expected float32 master weights.")
+  if sync is not None and not isinstance(sync, GradSync):
+    raise ValueError(f"sync={sync!r} is not allowed; expected None or a jlp.train.GradSync.")
+  compressed = sync is not None and sync.compression is not None
+  if compressed and mesh is None:
+    raise ValueError("mesh=None is not allowed with a compressed sync; expected the data mesh "
+                     "(the compression state has one row per device).")
   state = TrainState(jnp.zeros((), jnp.int32), params, batch_stats, rng_keys, model_state,
                      optimizer.init(params))
   if mesh is not None:
     state = replicate(state, mesh)
+  if compressed:
+    state = state._replace(sync_state=init_sync_state(params, sync, mesh))
   return graphdef, state
 
 
@@ -192,7 +262,8 @@ class TrainStep:
     graphdef: the model's graphdef from `init_train_state`.
     optimizer: an optax GradientTransformation (applied to the summed, unscaled gradient).
     mesh: the data mesh (`jlp.train.data_mesh()`).
-    sync: the gradient reduction (`GradSync`); its axis_name must be a mesh axis.
+    sync: the gradient reduction (`GradSync`); its axis_name must be a mesh axis. A compressed
+      sync needs a state built with the same sync (`init_train_state(..., sync=sync)`).
     loss_fn: `loss_fn(model, micro_batch) -> (mean loss, aux dict of float32 scalars)`.
     loss_scale: static loss scale: the node losses are multiplied by it before differentiation
       and the summed gradient is divided by it (float32) before the optimizer.
@@ -242,10 +313,32 @@ class TrainStep:
     self.num_nodes = self.num_devices * sync.emulate_nodes
     self.zse_report = zse_report
     state_sharding = replicated(mesh)
+    #: The TrainState's shardings (replicated, sync_state split over the axis): a pytree prefix.
+    self.state_shardings = TrainState(*[state_sharding] * 6, sync_state_sharding(mesh, sync))
     self.jitted = jax.jit(self._step,
-                          in_shardings=(state_sharding, batch_sharding(mesh, sync.axis_name)),
-                          out_shardings=(state_sharding, state_sharding),
+                          in_shardings=(self.state_shardings, batch_sharding(mesh, sync.axis_name)),
+                          out_shardings=(self.state_shardings, state_sharding),
                           donate_argnums=(0,) if donate else ())
+
+  def check_state(self, state: TrainState) -> None:
+    """ValueError unless `state.sync_state` fits the sync: None without compression, one row
+    per device with it (`init_train_state(..., sync=sync)` builds it)."""
+    if not isinstance(state, TrainState):
+      raise ValueError(f"state of type {type(state).__name__} is not allowed; expected a "
+                       "jlp.train.TrainState (init_train_state).")
+    if self.sync.compression is None:
+      if jax.tree.leaves(state.sync_state):
+        raise ValueError("state.sync_state is not allowed without compression; expected None "
+                         "(the state was built for a compressed sync).")
+      return
+    if state.sync_state is None:
+      raise ValueError("state.sync_state=None is not allowed with a compressed sync; expected "
+                       "the compression state: build the state with "
+                       "init_train_state(model, optimizer, mesh, sync).")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state.sync_state)[0]:
+      if not np.ndim(leaf) or np.shape(leaf)[0] != self.num_devices:
+        raise ValueError(f"state.sync_state{jax.tree_util.keystr(path)} shape={np.shape(leaf)} is "
+                         f"not allowed; expected a leading axis of the {self.num_devices} devices.")
 
   def check_batch(self, batch: Any) -> int:
     """The global batch size B; ValueError unless every leaf has it and W*N divides it."""
@@ -267,6 +360,7 @@ class TrainStep:
     return size
 
   def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    self.check_state(state)
     self.check_batch(batch)
     return self.jitted(state, batch)
 
@@ -311,7 +405,7 @@ class TrainStep:
       start += size
     return jax.tree.unflatten(treedef, out)
 
-  def _device(self, params, batch_stats, rng_keys, model_state, batch):
+  def _device(self, params, batch_stats, rng_keys, model_state, step, sync_state, batch):
     sync, n = self.sync, self.sync.emulate_nodes
     first = lax.axis_index(sync.axis_name) * n
     micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
@@ -327,26 +421,30 @@ class TrainStep:
     grads, loss, aux, stats, state, probe_grads = out
     if not sync.uses_emulation:
       grads = jax.tree.map(lambda g: g[0], grads)
-    grads = reduce_gradients(grads, sync)
+    own_state = jax.tree.map(lambda x: x[0], sync_state)  # this rank's row
+    grads, own_state, wire_bytes = reduce_gradients(grads, sync, own_state, step)
+    sync_state = jax.tree.map(lambda x: x[None], own_state)
     loss, aux, stats, probe_grads = self._node_means((loss, aux, stats, probe_grads))
-    metrics = {"loss": loss, **aux}
+    metrics = {"loss": loss, **aux, "wire_bytes": wire_bytes}
     if self.zse_report is not None:
       model = nnx.merge(self.graphdef, params, batch_stats, rng_keys, model_state, copy=True)
       metrics["zse"] = bfp_zse_metrics(model, nnx.merge_state(grads, probe_grads), self.zse_report)
     state = jax.tree.map(lambda x: x[0], state)
-    return grads, stats, state, metrics
+    return grads, stats, state, metrics, sync_state
 
   def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-    grads, batch_stats, model_state, metrics = jax.shard_map(
+    axis = P(self.sync.axis_name)
+    grads, batch_stats, model_state, metrics, sync_state = jax.shard_map(
         self._device,
         mesh=self.mesh,
-        in_specs=(P(), P(), P(), P(), P(self.sync.axis_name)),
-        out_specs=(P(), P(), P(), P()),
-        check_vma=False)(state.params, state.batch_stats, state.rng_keys, state.model_state, batch)
+        in_specs=(P(), P(), P(), P(), P(), axis, axis),
+        out_specs=(P(), P(), P(), P(), axis),
+        check_vma=False)(state.params, state.batch_stats, state.rng_keys, state.model_state,
+                         state.step, state.sync_state, batch)
     if self.loss_scale != 1.0 and self.unscale_grads:
       grads = jax.tree.map(lambda g: g / self.loss_scale, grads)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(state.step + 1, params, batch_stats, state.rng_keys, model_state,
-                           opt_state)
+                           opt_state, sync_state)
     return new_state, metrics

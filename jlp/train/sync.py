@@ -1,6 +1,7 @@
 """Gradient synchronisation settings of the data-parallel step (`GradSync`) and the reduction.
 
-`GradSync` says how the per-node gradients of one step are summed (cpd.md §3, §4):
+`GradSync` says how the per-node gradients of one step are summed, either with CPD's custom-
+precision all-reduce (cpd.md §3, §4) or with a HiPress compressor (hipress.md §2):
 
   fmt          None (float32) or the format of every value of the reduction (a FloatFormat or a
                name such as "e4m3"; CPD's numerics: FloatFormat(4, 3, compat="cpd")).
@@ -22,24 +23,58 @@
                on XLA:CPU) or "vmap" (batched: fast, not bit-identical). See jlp.train.step.
   axis_name    the mesh axis the gradients are reduced over ("data").
 
-The reduction itself is `jlp.collectives` (`allreduce` for N == 1, `emulated_allreduce`
-otherwise); this module only validates the settings and dispatches, inside `jax.shard_map`.
+Compressed synchronisation (HiPress's CaSync, `jlp.compression.sync`):
+
+  compression  None (the CPD all-reduce above) or a `jlp.compression.Compressor` (or a registered
+               name such as "onebit", built with its default fields). Gradients are then summed by
+               `jlp.compression.sync_with_bytes`: leaves of more than `min_size` elements (or as
+               `plan` says) are encoded, exchanged and decoded, each device with its own state
+               (error-feedback residuals, ...: `TrainState.sync_state`), the others summed by
+               one float32 psum.
+  topology     "ps" (CaSync-PS: co-located aggregators, all_to_all + all_gather) or "ring"
+               (CaSync-Ring: decode-merge-encode at every reduce hop), hipress.md §2.2-§2.3.
+  min_size     compress a leaf iff it has more than min_size elements (HiPress's
+               --comp-threshold, default 262144 floats = 1 MiB); leaves named in `plan` follow it.
+  plan         None or a SeCoPa plan (`jlp.compression.secopa`): {keystr(path): (compress, K)},
+               stored as the sorted tuple ((path, compress, K), ...) so that GradSync stays
+               hashable (a dict is converted on construction; `plan_dict` gives it back).
+  seed         the random stream of compressors that draw (`Compressor.needs_key`): step s
+               (the step count before the update) uses key = fold_in(key(seed), s), which the
+               sync folds further per leaf, partition, device and encode.
+  The compressed sync runs over the W real devices of `axis_name` with float32 gradients: it
+  excludes fmt, aps, kahan, algorithm="ring" (the compressed topology is `topology`) and
+  emulated nodes (emulate_nodes > 1 or form="cpd" with cast_single), each rejected on
+  construction; without compression, topology, min_size and plan must keep their defaults.
+
+The CPD reduction is `jlp.collectives` (`allreduce` for N == 1, `emulated_allreduce` otherwise);
+this module only validates the settings, dispatches inside `jax.shard_map` and counts the bytes
+each device sends (`GradSync.allreduce_wire_bytes`, convention in jlp.train.step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jlp import collectives
 from jlp.collectives import ALGORITHMS, APS_MODES, FORMS
+from jlp.compression import COMPRESSORS, Compressor, get as get_compressor
+from jlp.compression.sync import DEFAULT_MIN_SIZE, TOPOLOGIES, sync_with_bytes
+from jlp.compression.sync import init_state as init_compression_state
 from jlp.formats import FloatFormat, as_format
 
-__all__ = ["GradSync", "NODE_MAPS", "reduce_gradients"]
+__all__ = ["DEFAULT_MIN_SIZE", "GradSync", "NODE_MAPS", "Plan", "TOPOLOGIES", "normalise_plan",
+           "reduce_gradients"]
 
 NODE_MAPS = ("unroll", "scan", "vmap")
+#: A SeCoPa plan as GradSync stores it: ((keystr(path), compress, K), ...) sorted by path.
+Plan = tuple[tuple[str, bool, int], ...]
 
 
 def _invalid(field: str, given: Any, allowed: str) -> ValueError:
@@ -51,12 +86,50 @@ def _check_bool(field: str, value: Any) -> None:
     raise _invalid(field, value, "True or False")
 
 
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def normalise_plan(plan: Any) -> Plan:
+  """A SeCoPa plan, {keystr(path): (compress, K)} or ((path, compress, K), ...), as the sorted
+  tuple GradSync stores (ValueError naming the bad entry)."""
+  if isinstance(plan, dict):
+    items = []
+    for path, entry in plan.items():
+      if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+        raise _invalid(f"plan[{path!r}]", entry, "a pair (compress: bool, K: int >= 1)")
+      items.append((path, *entry))
+  elif isinstance(plan, (tuple, list)):
+    items = list(plan)
+  else:
+    raise _invalid("plan", plan, "None, a dict {keystr(path): (compress, K)} or a tuple of "
+                   "(path, compress, K) triples")
+  out = []
+  for item in items:
+    if not (isinstance(item, (tuple, list)) and len(item) == 3):
+      raise _invalid("plan entry", item, "a triple (path: str, compress: bool, K: int >= 1)")
+    path, compress, k = item
+    if not isinstance(path, str):
+      raise _invalid("plan path", path, "a jax.tree_util.keystr of a gradient leaf")
+    if not isinstance(compress, (bool, np.bool_)):
+      raise _invalid(f"plan[{path!r}] compress", compress, "True or False")
+    if not _is_int(k) or k < 1:
+      raise _invalid(f"plan[{path!r}] K", k, "an int >= 1 (the number of partitions)")
+    out.append((path, bool(compress), int(k)))
+  paths = [p for p, _, _ in out]
+  if len(set(paths)) != len(paths):
+    repeated = sorted({p for p in paths if paths.count(p) > 1})
+    raise _invalid("plan paths", repeated, "each gradient path at most once")
+  return tuple(sorted(out))
+
+
 @dataclasses.dataclass(frozen=True)
 class GradSync:
   """How the gradients of the W devices x N virtual nodes are summed (see the module docstring).
 
-  Validated on construction; a format name is turned into its FloatFormat, so two equal settings
-  compare and hash equal (usable as a static jit argument).
+  Validated on construction; a format name is turned into its FloatFormat, a compressor name into
+  its Compressor and a plan dict into a sorted tuple, so two equal settings compare and hash equal
+  (usable as a static jit argument).
   """
 
   fmt: FloatFormat | str | None = None
@@ -68,6 +141,11 @@ class GradSync:
   cast_single: bool = False
   node_map: str = "unroll"
   axis_name: str = "data"
+  compression: Compressor | str | None = None
+  topology: str = "ps"
+  min_size: int = DEFAULT_MIN_SIZE
+  plan: Plan | dict | None = None
+  seed: int = 0
 
   def __post_init__(self):
     fmt = self.fmt
@@ -97,6 +175,52 @@ class GradSync:
       raise _invalid("node_map", self.node_map, f"one of {NODE_MAPS}")
     if not isinstance(self.axis_name, str) or not self.axis_name:
       raise _invalid("axis_name", self.axis_name, "a mesh axis name such as 'data'")
+    self._check_compression()
+
+  def _check_compression(self) -> None:
+    compressor = self.compression
+    if isinstance(compressor, str):
+      if compressor not in COMPRESSORS:
+        raise _invalid("compression", compressor,
+                       f"None, a jlp.compression.Compressor or one of {sorted(COMPRESSORS)}")
+      compressor = get_compressor(compressor)
+      object.__setattr__(self, "compression", compressor)
+    if compressor is not None and not isinstance(compressor, Compressor):
+      raise _invalid("compression", compressor,
+                     "None, a jlp.compression.Compressor or a registered compressor name")
+    if self.topology not in TOPOLOGIES:
+      raise _invalid("topology", self.topology, f"one of {TOPOLOGIES}")
+    if not _is_int(self.min_size) or self.min_size < 0:
+      raise _invalid("min_size", self.min_size, "an int >= 0 (elements; 0 compresses every leaf)")
+    object.__setattr__(self, "min_size", int(self.min_size))
+    if self.plan is not None:
+      object.__setattr__(self, "plan", normalise_plan(self.plan))
+    if not _is_int(self.seed):
+      raise _invalid("seed", self.seed, "an int")
+    object.__setattr__(self, "seed", int(self.seed))
+    if compressor is None:
+      for field, default in (("topology", "ps"), ("min_size", DEFAULT_MIN_SIZE), ("plan", None)):
+        if getattr(self, field) != default:
+          raise _invalid(field, getattr(self, field),
+                         f"{default!r} without compression (it only applies to a compressed sync)")
+      return
+    why = "with compression (the compressed sync sums float32 gradients of real devices)"
+    if self.fmt is not None:
+      raise _invalid("fmt", self.fmt, f"None {why}")
+    if self.aps is not False:
+      raise _invalid("aps", self.aps, f"False {why}")
+    if self.kahan:
+      raise _invalid("kahan", self.kahan, f"False {why}")
+    if self.algorithm != "sequential":
+      raise _invalid("algorithm", self.algorithm,
+                     "'sequential' with compression (the compressed sync's topology is `topology`)")
+    if self.emulate_nodes != 1:
+      raise _invalid("emulate_nodes", self.emulate_nodes,
+                     "1 with compression (CaSync exchanges payloads between the devices of the "
+                     "mesh axis; emulated nodes are not compressed)")
+    if self.uses_emulation:
+      raise _invalid("cast_single", self.cast_single,
+                     "False with compression (form='cpd' with cast_single emulates nodes)")
 
   def check_mesh(self, mesh: jax.sharding.Mesh) -> int:
     """The number of devices W along `axis_name`; ValueError if the mesh has no such axis."""
@@ -109,27 +233,85 @@ class GradSync:
     """Whether the reduction goes through `emulated_allreduce` (stacked per-node gradients)."""
     return self.emulate_nodes > 1 or (self.form == "cpd" and self.cast_single)
 
+  @property
+  def plan_dict(self) -> dict[str, tuple[bool, int]] | None:
+    """The plan as `jlp.compression.sync` takes it: {keystr(path): (compress, K)}, or None."""
+    return None if self.plan is None else {p: (c, k) for p, c, k in self.plan}
 
-def reduce_gradients(grads: Any, sync: GradSync) -> Any:
-  """The summed gradient on every device; call inside `jax.shard_map` over `sync.axis_name`.
+  def init_state(self, grads: Any, num_devices: int) -> Any:
+    """One rank's fresh compression state for gradients shaped like `grads` (arrays or
+    ShapeDtypeStructs) over `num_devices` ranks; None without compression."""
+    if self.compression is None:
+      return None
+    return init_compression_state(grads, self.compression, num_devices, topology=self.topology,
+                                  min_size=self.min_size, plan=self.plan_dict)
+
+  def allreduce_wire_bytes(self, sizes: Sequence[int], num_devices: int) -> int:
+    """Bytes one device sends in the uncompressed (CPD) reduction of leaves of `sizes` elements
+    (one node's) over `num_devices` devices: 4 per float32 that crosses devices.
+
+      sequential:  one all_gather of every leaf: (W-1) * 4 * n
+      ring:        W-1 hops of one chunk per leaf, then one all_gather of each leaf's reduced
+                   chunk: (W-1) * 4 * sum(C) * 2 (3 with Kahan: the compensation travels too),
+                   C = ceil(size / W) per leaf
+      emulated nodes, form="flat":  the all_gather of the N stacked nodes: (W-1) * 4 * N * n
+      emulated nodes, form="cpd":   the local fold sends nothing; then as above over W devices
+    with n = sum(sizes). APS's exponent agreement (one pmax of one scalar per leaf) is not
+    counted. Values of a low-precision fmt travel as float32 in this emulation and count 4 bytes.
+    """
+    w = int(num_devices)
+    if w <= 1:
+      return 0
+    total = sum(int(s) for s in sizes)
+    if self.uses_emulation and self.form == "flat":
+      return 4 * (w - 1) * self.emulate_nodes * total
+    if self.algorithm == "sequential":
+      return 4 * (w - 1) * total
+    chunks = sum(-(-int(s) // w) if s else 1 for s in sizes)
+    return 4 * (w - 1) * chunks * (3 if self.kahan else 2)
+
+
+def reduce_gradients(grads: Any, sync: GradSync, sync_state: Any = None,
+                     step: jax.Array | None = None) -> tuple[Any, Any, jax.Array]:
+  """(summed gradient, new sync state, wire bytes) on every device; call inside `jax.shard_map`
+  over `sync.axis_name`.
 
   `grads` holds one gradient per leaf when `sync.uses_emulation` is False, and leaves stacked on
-  a leading axis of the device's nodes (in node order) otherwise.
+  a leading axis of the device's nodes (in node order) otherwise. With compression,
+  `sync_state` is this rank's compression state (`GradSync.init_state`) and `step` the step
+  number that selects the random stream (compressors that draw); without, the state passes
+  through. Wire bytes: a float32 scalar, the bytes this device sends (`allreduce_wire_bytes`;
+  `jlp.compression.sync_with_bytes` with compression).
   """
+  if sync.compression is not None:
+    key = None
+    if sync.compression.needs_key:
+      if step is None:
+        raise _invalid("step", step, "the step number (the compressor draws random numbers)")
+      key = jax.random.fold_in(jax.random.key(sync.seed), step)
+    return sync_with_bytes(grads, sync.axis_name, sync.compression, sync_state,
+                           topology=sync.topology, min_size=sync.min_size, plan=sync.plan_dict,
+                           key=key)
+  num_devices = lax.axis_size(sync.axis_name)
   if sync.uses_emulation:
-    return collectives.emulated_allreduce(grads,
-                                          fmt=sync.fmt,
-                                          algorithm=sync.algorithm,
-                                          kahan=sync.kahan,
-                                          aps=sync.aps,
-                                          mean=False,
-                                          form=sync.form,
-                                          axis_name=sync.axis_name,
-                                          cast_single=sync.cast_single)
-  return collectives.allreduce(grads,
-                               sync.axis_name,
-                               fmt=sync.fmt,
-                               algorithm=sync.algorithm,
-                               kahan=sync.kahan,
-                               aps=sync.aps,
-                               mean=False)
+    sizes = [x[0].size for x in jax.tree.leaves(grads)]
+    summed = collectives.emulated_allreduce(grads,
+                                            fmt=sync.fmt,
+                                            algorithm=sync.algorithm,
+                                            kahan=sync.kahan,
+                                            aps=sync.aps,
+                                            mean=False,
+                                            form=sync.form,
+                                            axis_name=sync.axis_name,
+                                            cast_single=sync.cast_single)
+  else:
+    sizes = [x.size for x in jax.tree.leaves(grads)]
+    summed = collectives.allreduce(grads,
+                                   sync.axis_name,
+                                   fmt=sync.fmt,
+                                   algorithm=sync.algorithm,
+                                   kahan=sync.kahan,
+                                   aps=sync.aps,
+                                   mean=False)
+  wire = jnp.float32(sync.allreduce_wire_bytes(sizes, num_devices))
+  return summed, sync_state, wire

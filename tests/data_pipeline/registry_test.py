@@ -12,7 +12,7 @@ from jlp.data import registry
 
 def test_registry_names():
   assert sorted(DATASETS) == ["cifar10", "cifar100", "cityscapes", "digits", "digits_segmentation",
-                              "imagenet"]
+                              "digits_tokens", "glue_tsv", "imagenet"]
 
 
 def test_eval_alias_and_reported_properties():

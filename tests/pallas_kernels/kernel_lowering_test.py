@@ -25,6 +25,8 @@ from jlp.numerics.bfp import bfp_rows_bits
 from jlp.numerics.float_cast import cast_bits
 from pallas_kernels import bfp as bfp_kernel
 from pallas_kernels import float_cast as float_cast_kernel
+from pallas_kernels import pack_bits as pack_kernel
+from pallas_kernels import threshold_select as select_kernel
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -94,6 +96,39 @@ def test_bfp_lowers_to_triton(shape, block, man, rows_per_tile, rounding):
   hlo = lower_for_h100(lambda x, r: bfp_kernel.bfp_quantize(x, fmt, r, rows_per_tile=rows_per_tile),
                        _sds(shape, jnp.float32), _sds(shape, jnp.uint32))
   assert TRITON_CALL in hlo
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,block_codes,grid", [
+    (100_000, 8192, 13),  # default tiles, ragged
+    (5, 8192, 1),         # less than one word
+    (4000, 256, 16),      # small tiles
+], ids=str)
+def test_pack_bits_lowers_to_triton(bits, n, block_codes, grid):
+  hlo = lower_for_h100(lambda c: pack_kernel.pack_bits(c, bits, 1, block_codes=block_codes),
+                       _sds((n,), jnp.uint8))
+  assert TRITON_CALL in hlo
+  assert f"grid_x = {grid} " in hlo
+  hlo = lower_for_h100(lambda p: pack_kernel.unpack_bits(p, bits, n, block_codes=block_codes),
+                       _sds((-(-n * bits // 8),), jnp.uint8))
+  assert TRITON_CALL in hlo
+  assert f"grid_x = {grid} " in hlo
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("n,capacity,block_size,grid", [
+    (100_000, 100, 4096, 25),  # DGC's density 0.001; ragged last tile
+    (100_000, 1000, 4096, 25),
+    (3000, 37, 256, 12),
+    (5, 9, 4096, 1),           # capacity > n, one tile of 8
+], ids=str)
+def test_threshold_select_lowers_to_triton(n, capacity, block_size, grid):
+  hlo = lower_for_h100(
+      lambda v, t: select_kernel.threshold_select(v, t, capacity, block_size=block_size),
+      _sds((n,), jnp.float32), _sds((), jnp.float32))
+  assert hlo.count(TRITON_CALL) == 2  # tile counts, compaction
+  assert hlo.count(f"grid_x = {grid} ") == 2
 
 
 @pytest.mark.lowering
@@ -193,3 +228,15 @@ def test_bfp_kernel_body_shifts_below_width():
   bodies = {repr(f): (lambda u, r, f=f: bfp_rows_bits(u, f, r if f.rounding == "stochastic" else None))
             for f in formats}
   assert shifts_at_or_above_width(bodies, u, _random_bits(u.shape, 2)) == []
+
+
+def test_pack_kernel_bodies_shift_below_width():
+  codes = np.random.default_rng(3).integers(0, 256, 4096).astype(np.uint8)
+  codes[:64] = 255
+  words = _random_bits((1024,), 4)
+  words[:4] = 0xFFFFFFFF
+  bodies = {}
+  for bits in (1, 2, 4, 8):
+    bodies[f"pack {bits}"] = lambda c, w, b=bits: pack_kernel.pack_words(c.reshape(-1, 32 // b), b)
+    bodies[f"unpack {bits}"] = lambda c, w, b=bits: pack_kernel.unpack_words(w, b)
+  assert shifts_at_or_above_width(bodies, codes, words) == []

@@ -71,6 +71,19 @@ def all_cases(part: int = 0, parts: int = 1) -> dict[str, np.ndarray]:
   flat, _ = jax.tree_util.tree_flatten_with_path(state)
   for path, leaf in flat:
     out["train/state" + jax.tree_util.keystr(path)] = np.asarray(leaf.addressable_data(0))
+
+  # A compressed sync (onebit, CaSync-PS): the per-device error-feedback state lives on the
+  # devices of every process (sharded over 'data'); the second step's update depends on it.
+  sync = jlp.train.GradSync(compression="onebit", min_size=0)
+  graphdef, state = jlp.train.init_train_state(tiny_models.build("small_cnn", dict(width=4)),
+                                               optimizer, mesh, sync)
+  step = jlp.train.TrainStep(graphdef, optimizer, mesh, sync)
+  for i in range(STEPS):
+    state, metrics = step(state, jlp.train.shard_batch(local_batch, mesh))
+    for name in ("loss", "wire_bytes"):
+      out[f"compressed/{name}{i}"] = np.asarray(metrics[name].addressable_data(0))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+    out["compressed/params" + jax.tree_util.keystr(path)] = np.asarray(leaf.addressable_data(0))
   return out
 
 

@@ -1,7 +1,8 @@
 """Two processes x 4 CPU devices (jax.distributed on localhost, gloo) give exactly the results of
 one process with 8 devices: custom-precision all-reduces (float32 sequential, e4m3 ring + Kahan +
 APS, e5m2 sequential + CPD APS) and two data-parallel train steps (small CNN, e4m3 APS gradient
-sync, 2 emulated nodes per device, SGD with momentum and masked weight decay).
+sync, 2 emulated nodes per device, SGD with momentum and masked weight decay), and two with a
+compressed sync (onebit with error feedback, CaSync-PS, per-device state sharded over processes).
 
 Reference: the same code (`multiprocess_driver.all_cases`) run in this single 8-device process;
 the comparison is bitwise.
@@ -85,6 +86,7 @@ def test_two_processes_equal_one_process(tmp_path):
   expected = driver.all_cases()
   assert any(k.startswith("allreduce/") for k in expected)
   assert any(k.startswith("train/state") for k in expected)
+  assert any(k.startswith("compressed/params") for k in expected)
   for i, got in enumerate(results):
     assert sorted(got) == sorted(expected)
     for key, want in expected.items():

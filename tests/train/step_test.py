@@ -83,6 +83,9 @@ def _run(devices, sync, seeds, *, quant=None, loss_scale=1.0, lr=0.1):
   metrics = []
   for seed in seeds:
     state, m = step(state, _batch(seed))
+    # The traffic depends on the device layout (1 device x 8 nodes sends nothing); it is checked
+    # in compressed_step_test.test_wire_bytes.
+    assert m.pop("wire_bytes").shape == ()
     metrics.append(m)
   state = state._replace(rng_keys=jax.tree.map(jax.random.key_data, state.rng_keys))
   return jax.tree.map(np.asarray, (state, metrics))

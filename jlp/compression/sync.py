@@ -1,0 +1,643 @@
+"""Compression-aware synchronisation (HiPress's CaSync, hipress.md §2.1-§2.3, §2.6) in shard_map.
+
+`sync(tree, axis_name, compressor, state)` sums a pytree of float32 leaves over the W ranks of
+`axis_name` (inside `jax.shard_map`); every rank gets the same bits and its own new state.
+
+Routing (§2.1, static per leaf, `leaf_routes`): a leaf is compressed iff it has more than
+`min_size` elements (HiPress's --comp-threshold, "minimal (excluded) number of floats to
+compress"), in K = W partitions. A SeCoPa `plan` {jax.tree_util.keystr(path): (compress, K)}
+overrides the leaves it names (1 <= K <= W). Other leaves are summed uncompressed by one
+`lax.psum` of all of them (HiPress sends them through NCCL / PS-Lite).
+
+A compressed leaf of n elements is flattened (C order), zero-padded to K*c elements and cut into
+K partitions of c = ceil(n/K). Each rank keeps, per compressed leaf, K state slots of c elements
+(the compressor's state vmapped over the partitions: EF residual, DGC's U and V), keyed by leaf
+*and* partition (§5 takeaway 3). S = compressor.server(W) is what an aggregator re-encodes W
+contributions with (itself for most; DGC: the union of the non-zeros).
+
+topology="ps" (CaSync-PS with co-located servers, §2.2; DeepSpeed's compressed_allreduce shape):
+  1. every rank encodes each of its K partitions j with slot j (vmap over the partitions);
+  2. one `all_to_all` delivers partition j's payloads to its owner, rank j (rows >= K of the
+     exchange are fixed-shape zero dummies, for K < W);
+  3. owner j merges: acc = its own RAW partition j (its contribution enters uncompressed, as in
+     HiPress), then acc = S.decode_add(payload of rank r, acc) for r = 0, 1, ..., W-1 in
+     ascending order, r != j (worker payloads are decoded with the compressor itself);
+  4. owner j re-encodes acc with S, using its own slot j (the slot its worker encode of step 1
+     would have used: HiPress GradDrop's root uses the same residual buffer) when S's state has
+     the compressor's structure; a stateless S (state {}) starts fresh and slot j keeps its old
+     value; the owner's own step-1 payload and state for j are discarded;
+  5. one `all_gather` of the K server payloads; every rank decodes partitions 0..K-1 with S.
+
+topology="ring" (CaSync-Ring, §2.3): K chunks (chunks K..W-1 are zero dummies) reduced as in
+`jlp.collectives.allreduce`'s ring: chunk k starts at rank k+1, which encodes its raw chunk with
+the compressor and its slot k; at reduce hop t = 0..W-2 every rank r receives from rank r-1 the
+payload of chunk k = r-2-t (mod W), decodes it onto its own raw chunk (acc = raw + decode, with
+the compressor that encoded it) and re-encodes acc with S_m = compressor.server(m), m = t+2 the
+number of contributions it holds (the compressor itself for TBQ, onebit, TernGrad, GradDrop:
+then exactly "encode with its own state for that chunk"), with its own slot k (stateless S_m:
+fresh, slot unchanged); after W-1 hops rank k holds chunk k, encoded once more by itself (W
+encodes and W-1 decodes per chunk). The gather phase does no arithmetic: the reduced payloads
+are forwarded as they are (one `all_gather`, the same bits as W-1 forwarding hops) and every rank
+decodes each of the K chunks once with S_W. All leaves travel in the same hops: each hop is one
+`ppermute` of every leaf's payload side by side (payloads are bitcast to bytes and
+concatenated), as in the bucketed ring of `jlp.collectives.allreduce`.
+
+Random draws (`compressor.needs_key`; `key` required): the encode of partition/chunk p by rank r
+at step s of leaf i (i = the leaf's index in the flattened tree) uses
+`ops.fold(key, i, p, r, s)`: PS s = 0 worker, 1 server; ring s = 0 first encode, t+1 at reduce hop
+t. Every draw is independent and the result is deterministic for a given key.
+
+State: `init_state(tree, compressor, W, ...)` is ONE rank's fresh state, {keystr(path): the
+compressor's state with a leading axis of K slots} for the compressed leaves (zeros for the
+built-in compressors); `sync` returns the same structure. Every rank's state is its own: a train
+step carries it stacked on a leading [W] axis sharded over the axis,
+    stacked = jax.tree.map(lambda s: jnp.stack([s] * W), init_state(grads, c, W))
+passed with in_specs P(axis) and unstacked inside the shard_map body
+(`jax.tree.map(lambda s: s[0], block)`, returned as `s[None]` with out_specs P(axis)).
+
+Wire bytes (`sync_with_bytes`): the bytes a device sends in the call, averaged over the devices
+(they differ for K < W and with sparse payloads), a float32 scalar identical on every rank. A
+message counts its payload's HiPress wire size (`Compressor.wire_bytes`), sparse fields from the
+real count (4 + 8*count) rather than the capacity; dummy partitions / chunks and a rank's
+message to itself are not counted. PS: K(W-1) worker messages and K(W-1) server messages in all;
+ring: K messages per reduce hop and K(W-1) forwarded ones. Uncompressed leaves count as a
+float32 ring all-reduce: 2(W-1)/W * 4n bytes per device.
+
+The results of compressed leaves are identical on every rank but typed as varying over
+`axis_name` (they come from an all_gather): return them with out_specs naming the axis, or use
+`check_vma=False` for out_specs=P().
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jlp.collectives.allreduce import axis_size
+from jlp.compression import layout as layout_lib
+from jlp.compression import ops
+from jlp.compression.base import Compressor, invalid
+from jlp.gemm.accum import opaque_zero
+
+__all__ = ["DEFAULT_MIN_SIZE", "TOPOLOGIES", "Route", "init_state", "leaf_routes", "sync",
+           "sync_with_bytes"]
+
+TOPOLOGIES = ("ps", "ring")
+#: HiPress's --comp-threshold: compress iff a leaf has more than this many floats (§2.1).
+DEFAULT_MIN_SIZE = 262144
+
+
+class Route(NamedTuple):
+  """How `sync` moves one leaf: compressed in K partitions, or by the float32 psum."""
+  path: str
+  size: int
+  compress: bool
+  K: int
+
+
+# -- validation and routing (static) ---------------------------------------------------------------
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_topology(topology: Any) -> None:
+  if not isinstance(topology, str) or topology not in TOPOLOGIES:
+    raise invalid("topology", topology, f"one of {TOPOLOGIES}")
+
+
+def _check_min_size(min_size: Any) -> None:
+  if not _is_int(min_size) or min_size < 0:
+    raise invalid("min_size", min_size, "an int >= 0 (elements; 0 compresses every non-empty leaf)")
+
+
+def _check_compressor(compressor: Any) -> None:
+  if not isinstance(compressor, Compressor):
+    raise invalid("compressor", compressor,
+                  "a jlp.compression.Compressor (e.g. jlp.compression.get('tbq'))")
+
+
+def _leaf_specs(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+  """(keystr(path), shape) of every leaf (arrays or ShapeDtypeStructs), all float32."""
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = jax.tree_util.keystr(path)
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+      dtype = jnp.asarray(x).dtype
+    if jnp.dtype(dtype) != jnp.float32:
+      raise invalid(f"tree{name}.dtype", str(dtype), "float32")
+    out.append((name, tuple(int(d) for d in np.shape(x))))
+  return out
+
+
+def _routes(specs: list[tuple[str, tuple[int, ...]]], num_ranks: int, min_size: Any,
+            plan: Any) -> list[Route]:
+  _check_min_size(min_size)
+  if plan is None:
+    plan = {}
+  if not isinstance(plan, dict):
+    raise invalid("plan", plan, "None or a dict {keystr(path): (compress: bool, K: int)}")
+  paths = {p for p, _ in specs}
+  unknown = sorted(set(plan) - paths)
+  if unknown:
+    raise invalid("plan path", unknown[0], f"a leaf path of the tree, one of {sorted(paths)}")
+  routes = []
+  for path, shape in specs:
+    size = math.prod(shape)
+    compress, k = size > min_size, num_ranks
+    if path in plan:
+      entry = plan[path]
+      if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+        raise invalid(f"plan[{path!r}]", entry, "a pair (compress: bool, K: int)")
+      compress, k = entry
+      if not isinstance(compress, (bool, np.bool_)):
+        raise invalid(f"plan[{path!r}] compress", compress, "True or False")
+      if not _is_int(k) or not 1 <= k <= num_ranks:
+        raise invalid(f"plan[{path!r}] K", k, f"an int in [1, {num_ranks}] (the number of ranks)")
+      if compress and size == 0:
+        raise invalid(f"plan[{path!r}] compress", compress, "False for an empty leaf")
+    routes.append(Route(path, size, bool(compress), int(k)))
+  return routes
+
+
+def leaf_routes(tree: Any, num_ranks: int, *, min_size: int = DEFAULT_MIN_SIZE,
+                plan: dict[str, tuple[bool, int]] | None = None) -> list[Route]:
+  """How `sync` routes each leaf of `tree` over `num_ranks` ranks: [Route(path, size, compress,
+  K)] in flattening order (K = num_ranks unless the plan says otherwise)."""
+  if not _is_int(num_ranks) or num_ranks < 1:
+    raise invalid("num_ranks", num_ranks, "an int >= 1")
+  return _routes(_leaf_specs(tree), int(num_ranks), min_size, plan)
+
+
+def _server(compressor: Compressor, num_ranks: int) -> Compressor:
+  """compressor.server(num_ranks) (or server() where it takes no argument)."""
+  params = inspect.signature(compressor.server).parameters
+  return compressor.server(num_ranks) if params else compressor.server()
+
+
+def _shapes(tree: Any) -> Any:
+  return jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)
+
+
+def _server_stateful(compressor: Compressor, server: Compressor, width: int) -> bool:
+  """Whether `server` re-encodes with the aggregator's slot (its state has the compressor's
+  structure) rather than a fresh state (stateless: {})."""
+  if server is compressor:
+    return True
+  own = jax.eval_shape(lambda: compressor.init_flat(width))
+  theirs = jax.eval_shape(lambda: server.init_flat(width))
+  if not jax.tree.leaves(theirs):
+    return False
+  if _shapes(own) != _shapes(theirs):
+    raise invalid(f"{type(server).__name__} (the server of {type(compressor).__name__}) state",
+                  jax.tree.map(lambda a: a.shape, theirs),
+                  "the compressor's state structure or no state")
+  return True
+
+
+class _Leaf(NamedTuple):
+  index: int
+  route: Route
+  shape: tuple[int, ...]
+  width: int  # c = ceil(n / K)
+
+
+def _leaves(specs: list[tuple[str, tuple[int, ...]]], routes: list[Route]) -> list[_Leaf]:
+  return [_Leaf(i, r, shape, -(-r.size // r.K)) for i, ((_, shape), r)
+          in enumerate(zip(specs, routes)) if r.compress]
+
+
+def _slot_state(compressor: Compressor, leaf: _Leaf) -> Any:
+  one = compressor.init_flat(leaf.width)
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (leaf.route.K,) + a.shape), one)
+
+
+def init_state(tree: Any, compressor: Compressor, num_ranks: int, *, topology: str = "ps",
+               min_size: int = DEFAULT_MIN_SIZE,
+               plan: dict[str, tuple[bool, int]] | None = None) -> dict[str, Any]:
+  """ONE rank's fresh state for leaves shaped like `tree` (arrays or ShapeDtypeStructs) over
+  `num_ranks` ranks: {keystr(path): compressor state with a leading axis of K slots} for the
+  compressed leaves. Callable outside shard_map; stack it on a leading [W] axis for a train
+  state (module docstring)."""
+  _check_topology(topology)
+  _check_compressor(compressor)
+  specs = _leaf_specs(tree)
+  routes = leaf_routes(tree, num_ranks, min_size=min_size, plan=plan)
+  return {leaf.route.path: _slot_state(compressor, leaf) for leaf in _leaves(specs, routes)}
+
+
+# -- payloads as bytes --------------------------------------------------------------------------
+
+def _field_bytes(spec: jax.ShapeDtypeStruct) -> int:
+  return math.prod(spec.shape) * jnp.dtype(spec.dtype).itemsize
+
+
+def _payload_bytes(spec: dict[str, jax.ShapeDtypeStruct]) -> int:
+  return sum(_field_bytes(s) for s in spec.values())
+
+
+def _to_bytes(payload: dict[str, jax.Array], spec: dict[str, jax.ShapeDtypeStruct]) -> jax.Array:
+  """uint8[..., B]: the payload's fields bitcast to bytes side by side (leading batch axes kept)."""
+  parts = []
+  for name, s in spec.items():
+    a = payload[name]
+    lead = a.shape[:a.ndim - len(s.shape)]
+    if a.dtype != jnp.uint8:
+      a = lax.bitcast_convert_type(a, jnp.uint8)
+    parts.append(a.reshape(lead + (-1,)))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def _from_bytes(data: jax.Array, spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+  out, pos = {}, 0
+  lead = data.shape[:-1]
+  for name, s in spec.items():
+    size = _field_bytes(s)
+    chunk = data[..., pos:pos + size]
+    pos += size
+    dtype = jnp.dtype(s.dtype)
+    if dtype == jnp.uint8:
+      out[name] = chunk.reshape(lead + s.shape)
+    else:
+      out[name] = lax.bitcast_convert_type(chunk.reshape(lead + s.shape + (dtype.itemsize,)),
+                                           dtype)
+  return out
+
+
+class _Codec(NamedTuple):
+  """A compressor at one partition width: its payload spec and wire-size parts."""
+  comp: Compressor
+  spec: dict[str, jax.ShapeDtypeStruct]
+  nbytes: int        # bytes of the in-jit payload
+  fixed_wire: int    # wire bytes without the sparse pairs (4 + 8*count: 4 here, 8*count dynamic)
+  sparse: bool
+
+  @classmethod
+  def of(cls, comp: Compressor, width: int) -> "_Codec":
+    spec = comp.payload_spec(width)
+    sparse = any(isinstance(f, layout_lib.Sparse) for f in comp.layout)
+    fixed = comp.wire_bytes(width) - (8 * spec["indices"].shape[0] if sparse else 0)
+    return cls(comp, spec, _payload_bytes(spec), fixed, sparse)
+
+  def sparse_wire(self, payload: dict[str, jax.Array]) -> jax.Array:
+    """int32 (batched like payload): the bytes of the (index, value) pairs, 8*count."""
+    if not self.sparse:
+      return jnp.zeros(payload[next(iter(self.spec))].shape[:-1], jnp.int32)
+    return 8 * payload["count"].astype(jnp.int32)
+
+
+# -- the synchronisation ---------------------------------------------------------------------------
+
+def _keys(key: jax.Array | None, leaf: int, parts: jax.Array | int, rank: jax.Array, step: Any):
+  if key is None:
+    return None
+  if jnp.ndim(parts) == 0:
+    return ops.fold(key, leaf, parts, rank, step)
+  return jax.vmap(lambda p: ops.fold(key, leaf, p, rank, step))(parts)
+
+
+def _dense_merge(comp: Compressor) -> bool:
+  """Whether comp's decode_add is the base class's acc + decode (not sparse, not overridden)."""
+  return (not any(isinstance(f, layout_lib.Sparse) for f in comp.layout)
+          and type(comp).decompress_add is Compressor.decompress_add)
+
+
+def _decode_add(comp: Compressor, payload: dict[str, jax.Array], acc: jax.Array,
+                zero: jax.Array) -> jax.Array:
+  """comp.decode_add(payload, acc), computed so that its bits do not depend on what XLA fuses it
+  with: a dense decode is rounded to float32 before the add (its bits OR-ed with `zero`, an
+  opaque zero: XLA:CPU would otherwise contract a decode's multiply and the add into one FMA in
+  some programs and not in others); any other decode_add (a scatter-add) is computed behind an
+  optimization barrier (XLA would otherwise, e.g., re-associate a merge's scatter-add with the
+  next encode's residual add)."""
+  if _dense_merge(comp):
+    decoded = lax.bitcast_convert_type(comp.decode(payload, acc.shape[0]), jnp.uint32) | zero
+    return acc + lax.bitcast_convert_type(decoded, jnp.float32)
+  return lax.optimization_barrier(comp.decode_add(payload, acc))
+
+
+def _varying(tree: Any, axis_name: Any) -> Any:
+  """tree's arrays typed as varying over axis_name (fori_loop carries must keep their type)."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+  def cast(a):
+    missing = tuple(n for n in names if n not in jax.typeof(a).manual_axis_type.varying)
+    return lax.pcast(a, missing, to="varying") if missing else a
+  return jax.tree.map(cast, tree)
+
+
+def _encode_rows(comp: Compressor, rows: jax.Array, states: Any, keys: jax.Array | None
+                 ) -> tuple[dict[str, jax.Array], Any]:
+  """comp.encode of every row (partition) j with slot j (states: [1, K, ...]) and keys[j], as
+  one batched call (vmap). Batched, a codec's float32 reductions (e.g. onebit's means) may sum
+  in another order than an encode of the row on its own: the partitions of one rank are always
+  encoded together. (A loop of single encodes gives those bits, 4-10x slower on XLA:CPU.)"""
+  slots = jax.tree.map(lambda a: a[0], states)
+  if keys is None:
+    payloads, slots = jax.vmap(lambda r, s: comp.encode(r, s, None))(rows, slots)
+  else:
+    payloads, slots = jax.vmap(comp.encode)(rows, slots, keys)
+  return payloads, jax.tree.map(lambda a: a[None], slots)
+
+
+def _decode_rows(comp: Compressor, payloads: dict[str, jax.Array], width: int) -> jax.Array:
+  """float32[K, width]: the decode of every payload row, batched (decodes are elementwise, or a
+  scatter for sparse payloads: batching changes no bit; one pass writes the result)."""
+  payloads = lax.optimization_barrier(payloads)
+  return lax.optimization_barrier(jax.vmap(lambda p: comp.decode(p, width))(payloads))
+
+
+def _slot(states: Any, j: jax.Array | int) -> Any:
+  """Slot j of states held as [1, K, ...] arrays (see `sync_with_bytes`: the state travels with
+  the leading axis of its shard_map block, which spares XLA a copy of it around each loop)."""
+  def take(a):
+    start = (0, j) + (0,) * (a.ndim - 2)
+    return lax.dynamic_slice(a, start, (1, 1) + a.shape[2:]).reshape(a.shape[2:])
+  return jax.tree.map(take, states)
+
+
+def _set_slot(states: Any, value: Any, j: jax.Array | int) -> Any:
+  def put(a, v):
+    start = (0, j) + (0,) * (a.ndim - 2)
+    return lax.dynamic_update_slice(a, v.astype(a.dtype).reshape((1, 1) + v.shape), start)
+  return jax.tree.map(put, states, value)
+
+
+def _take(tree: Any, i: jax.Array | int) -> Any:
+  return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _put(tree: Any, value: Any, i: jax.Array | int) -> Any:
+  return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0),
+                      tree, value)
+
+
+def _select(pred: jax.Array | bool, a: Any, b: Any) -> Any:
+  if pred is True:
+    return a
+  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _partitions(x: jax.Array, rows: int, width: int) -> jax.Array:
+  flat = x.reshape(-1)
+  return jnp.pad(flat, (0, rows * width - flat.shape[0])).reshape(rows, width)
+
+
+def _unpartition(rows: jax.Array, leaf: _Leaf) -> jax.Array:
+  return rows.reshape(-1)[:leaf.route.size].reshape(leaf.shape)
+
+
+class _Exchange(NamedTuple):
+  """What `_ps` / `_ring` return: the sums, the new states, this device's sparse wire bytes
+  (int32, 8*count of its messages) and the other wire bytes averaged per device (static)."""
+  sums: list[jax.Array]
+  states: list[Any]
+  sparse_bytes: jax.Array
+  fixed_bytes: float
+
+
+def _ps(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor, server: Compressor,
+        states: list[Any], key: jax.Array | None, w: int, axis_name: Any) -> _Exchange:
+  """CaSync-PS of the compressed leaves (module docstring): one all_to_all and one all_gather
+  for all of them."""
+  rank = lax.axis_index(axis_name)
+  sends, work = [], []
+  for x, leaf, state in zip(xs, leaves, states):
+    k, c = leaf.route.K, leaf.width
+    worker, agg = _Codec.of(compressor, c), _Codec.of(server, c)
+    parts = _partitions(x, k, c)
+    owns = True if k == w else rank < k  # rank j owns partition j
+    slot = rank if k == w else jnp.minimum(rank, k - 1)
+    # The owner's slot, copied out before the worker encodes overwrite the state in place.
+    old = lax.optimization_barrier(_slot(state, slot))
+    payloads, encoded = _encode_rows(compressor, parts, state,
+                                     _keys(key, leaf.index, jnp.arange(k), rank, 0))
+    sends.append(jnp.pad(_to_bytes(payloads, worker.spec), ((0, w - k), (0, 0))))
+    work.append((leaf, worker, agg, parts, payloads, encoded, slot, old))
+  recv = lax.all_to_all(jnp.concatenate(sends, axis=1), axis_name, 0, 0)
+  zero = opaque_zero()
+
+  offset, server_data, new_states = 0, [], []
+  sparse = jnp.zeros((), jnp.int32)
+  fixed = 0.0
+  for leaf, worker, agg, parts, payloads, encoded, slot, old in work:
+    k, c = leaf.route.K, leaf.width
+    got = _from_bytes(recv[:, offset:offset + worker.nbytes], worker.spec)
+    offset += worker.nbytes
+
+    acc = lax.dynamic_index_in_dim(parts, slot, keepdims=False)
+    for i in range(w - 1):  # ranks 0..W-1 in ascending order, skipping this rank
+      acc = _decode_add(compressor, _take(got, i + (i >= rank).astype(jnp.int32)), acc, zero)
+    acc = lax.optimization_barrier(acc)  # the server encodes the merged partition on its own
+    owns = True if k == w else rank < k
+    server_key = _keys(key, leaf.index, rank, rank, 1)
+    if _server_stateful(compressor, server, c):
+      payload, served = server.encode(acc, old, server_key)
+    else:  # a stateless server: the owner's slot keeps its old value
+      payload, served = server.encode(acc, None, server_key)[0], old
+    # The owner's worker encode of its own partition is discarded, payload and state.
+    new_states.append(_set_slot(encoded, _select(owns, served, _slot(encoded, slot)), slot))
+    server_data.append(_to_bytes(payload, agg.spec))
+    own_sends = jnp.where(jnp.arange(k) != rank, worker.sparse_wire(payloads), 0)
+    sparse += jnp.sum(own_sends) + jnp.where(owns, (w - 1) * agg.sparse_wire(payload), 0)
+    fixed += k * (w - 1) * (worker.fixed_wire + agg.fixed_wire) / w
+
+  gathered = lax.all_gather(jnp.concatenate(server_data), axis_name)
+  sums, offset = [], 0
+  for leaf, _, agg, *_ in work:
+    rows = _from_bytes(gathered[:leaf.route.K, offset:offset + agg.nbytes], agg.spec)
+    offset += agg.nbytes
+    sums.append(_unpartition(_decode_rows(server, rows, leaf.width), leaf))
+  return _Exchange(sums, new_states, sparse, fixed)
+
+
+def _ring(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor,
+          states: list[Any], key: jax.Array | None, w: int, axis_name: Any) -> _Exchange:
+  """CaSync-Ring of the compressed leaves (module docstring): every hop one ppermute of all of
+  them, then one all_gather."""
+  rank = lax.axis_index(axis_name)
+  to_next = [(i, (i + 1) % w) for i in range(w)]
+  zero = opaque_zero()
+  # coders[s]: what encodes at step s (0: the compressor, t+1: server(t+2) at reduce hop t).
+  coders = [compressor] + [_server(compressor, m) for m in range(2, w + 1)]
+  chunks = [_partitions(x, w, leaf.width) for x, leaf in zip(xs, leaves)]
+  codecs = [[_Codec.of(comp, leaf.width) for comp in coders] for leaf in leaves]
+  stateful = [[_server_stateful(compressor, comp, leaf.width) for comp in coders]
+              for leaf in leaves]
+
+  def encode_step(s, step, k, accs, states):
+    """Every leaf's chunk k (accs) encoded by coders[s] at `step` (the key's step id: s, traced
+    inside the loop) with this rank's slot k; the bytes to send and their sparse wire bytes."""
+    datas, new_states, sparse = [], [], jnp.zeros((), jnp.int32)
+    for leaf, acc, state, codec, full in zip(leaves, accs, states, codecs, stateful):
+      real = True if leaf.route.K == w else k < leaf.route.K
+      slot = k if leaf.route.K == w else jnp.minimum(k, leaf.route.K - 1)
+      keys = _keys(key, leaf.index, k, rank, step)
+      if full[s]:
+        old = _slot(state, slot)
+        payload, new = coders[s].encode(acc, old, keys)
+        state = _set_slot(state, _select(real, new, old), slot)
+      else:
+        payload, _ = coders[s].encode(acc, None, keys)
+      datas.append(_to_bytes(payload, codec[s].spec))
+      new_states.append(state)
+      sparse += jnp.where(real, codec[s].sparse_wire(payload), 0)
+    return jnp.concatenate(datas), new_states, sparse
+
+  def hop(s, t, wire, states, sparse):
+    """Reduce hop t (coders[s], s = t + 1, encodes; t may be traced): receive chunk r-2-t from
+    rank r-1, decode it onto this rank's raw chunk, re-encode."""
+    got = lax.ppermute(wire, axis_name, to_next)
+    k = (rank - 2 - t) % w
+    accs, offset = [], 0
+    for chunk, codec in zip(chunks, codecs):
+      sent = codec[s - 1]
+      payload = _from_bytes(got[offset:offset + sent.nbytes], sent.spec)
+      offset += sent.nbytes
+      raw = lax.dynamic_index_in_dim(chunk, k, keepdims=False)
+      # Materialised once: fused into the encode, the decode would run in each of its passes.
+      accs.append(lax.optimization_barrier(_decode_add(sent.comp, payload, raw, zero)))
+    wire, states, more = encode_step(s, t + 1, k, accs, states)
+    sent_on = t + 1 < w - 1  # the last encode is forwarded by the gather phase, counted there
+    return wire, states, sparse + jnp.where(sent_on, more, 0)
+
+  k0 = (rank - 1) % w
+  first = [lax.dynamic_index_in_dim(chunk, k0, keepdims=False) for chunk in chunks]
+  wire, states, sparse = encode_step(0, 0, k0, first, list(states))
+  carry = wire, states, sparse if w > 1 else jnp.zeros((), jnp.int32)
+  if w > 1:
+    carry = hop(1, 0, *carry)
+  if w > 2 and all(comp == coders[2] for comp in coders[2:]):
+    # Hops 1..W-2 receive and encode with the same codec: one loop body.
+    carry = lax.fori_loop(1, w - 1, lambda t, c: hop(2, t, *c), carry)
+  else:
+    for t in range(1, w - 1):
+      carry = hop(t + 1, t, *carry)
+  wire, states, sparse = carry
+
+  # Gather phase: rank k holds chunk k. It does no arithmetic, so one all_gather gives the bits
+  # of the W-1 forwarding hops, in which rank r forwards every chunk except chunk r+1.
+  gathered = lax.all_gather(wire, axis_name)
+  sums, offset, fixed = [], 0, 0.0
+  for leaf, codec in zip(leaves, codecs):
+    k, last = leaf.route.K, codec[w - 1]
+    rows = _from_bytes(gathered[:, offset:offset + last.nbytes], last.spec)
+    offset += last.nbytes
+    forwarded = (jnp.arange(w) < k) & (jnp.arange(w) != (rank + 1) % w)
+    sparse += jnp.sum(jnp.where(forwarded, last.sparse_wire(rows), 0))
+    fixed += k * (sum(c.fixed_wire for c in codec[:-1]) + (w - 1) * last.fixed_wire) / w
+    rows = jax.tree.map(lambda a, k=k: a[:k], rows)
+    sums.append(_unpartition(_decode_rows(last.comp, rows, leaf.width), leaf))
+  return _Exchange(sums, states, sparse, fixed)
+
+
+# -- the public functions --------------------------------------------------------------------------
+
+def _describe(tree: Any) -> Any:
+  return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(np.shape(a))}", tree)
+
+
+def _state_form(state: Any, expected: Any) -> bool:
+  """Whether `state` is in block form ([1, ...] leaves) rather than as init_state gives it;
+  ValueError if it is neither."""
+  def matches(lead):
+    return jax.tree.structure(state) == jax.tree.structure(expected) and all(
+        tuple(np.shape(a)) == lead + tuple(b.shape) and jnp.dtype(a.dtype) == b.dtype
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)))
+  if matches(()):
+    return False
+  if matches((1,)):
+    return True
+  raise invalid("state", _describe(state),
+                f"None, one rank's state as init_state gives it, {_describe(expected)}, or its "
+                "shard_map block (each leaf with a leading axis of 1)")
+
+
+def _coders(compressor: Compressor, topology: str, w: int) -> list[Compressor]:
+  """Every compressor that encodes in a sync: the compressor and its server(s)."""
+  if topology == "ps":
+    return [compressor, _server(compressor, w)]
+  return [compressor] + [_server(compressor, m) for m in range(2, w + 1)]
+
+
+def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: Any = None, *,
+                    topology: str = "ps", min_size: int = DEFAULT_MIN_SIZE,
+                    plan: dict[str, tuple[bool, int]] | None = None,
+                    key: jax.Array | None = None) -> tuple[Any, Any, jax.Array]:
+  """`sync`, plus the wire bytes: a float32 scalar, the bytes a device sent in this call averaged
+  over the devices (module docstring), identical on every rank."""
+  _check_topology(topology)
+  _check_compressor(compressor)
+  specs = _leaf_specs(tree)
+  w = axis_size(axis_name)
+  routes = _routes(specs, w, min_size, plan)
+  leaves = _leaves(specs, routes)
+  coders = _coders(compressor, topology, w)
+  if leaves and key is None and any(c.needs_key for c in coders):
+    raise invalid("key", key, f"a jax.random key ({type(compressor).__name__} draws random "
+                  "numbers)")
+  fresh = lambda: init_state(tree, compressor, w, topology=topology, min_size=min_size,
+                             plan=plan)
+  block = False if state is None else _state_form(state, jax.eval_shape(fresh))
+  state = jax.tree.map(lambda a: jnp.asarray(a)[None], fresh() if state is None else state
+                       ) if not block else state
+
+  flat, treedef = jax.tree.flatten(tree)
+  out = [jnp.asarray(x, jnp.float32) for x in flat]
+  plain = [i for i, r in enumerate(routes) if not r.compress]
+  if plain:
+    for i, total in zip(plain, lax.psum([out[i] for i in plain], axis_name)):
+      out[i] = total
+  fixed = sum(2 * (w - 1) / w * 4 * routes[i].size for i in plain)
+  new_state = dict(state)
+  sparse = None
+  if leaves:
+    run = _ps if topology == "ps" else _ring
+    args = (coders[1],) if topology == "ps" else ()
+    xs = lax.optimization_barrier([out[leaf.index] for leaf in leaves])  # no fusion into encodes
+    done = run(xs, leaves, compressor, *args, [state[leaf.route.path] for leaf in leaves], key, w,
+               axis_name)
+    for leaf, total, leaf_state in zip(leaves, done.sums, done.states):
+      out[leaf.index] = total
+      new_state[leaf.route.path] = leaf_state
+    fixed += done.fixed_bytes
+    if any(_Codec.of(c, leaf.width).sparse for c in coders for leaf in leaves):
+      sparse = done.sparse_bytes
+  wire = jnp.float32(fixed)
+  if sparse is not None:
+    wire = wire + lax.psum(sparse, axis_name).astype(jnp.float32) / jnp.float32(w)
+  if not block:
+    new_state = jax.tree.map(lambda a: a[0], new_state)
+  return jax.tree.unflatten(treedef, out), new_state, wire
+
+
+def sync(tree: Any, axis_name: Any, compressor: Compressor, state: Any = None, *,
+         topology: str = "ps", min_size: int = DEFAULT_MIN_SIZE,
+         plan: dict[str, tuple[bool, int]] | None = None,
+         key: jax.Array | None = None) -> tuple[Any, Any]:
+  """Sum of a pytree of float32 leaves over the W ranks of `axis_name` (inside jax.shard_map),
+  compressing the leaves of more than `min_size` elements (or as `plan` says) with `compressor`.
+
+  Args:
+    tree: this rank's float32 leaves (e.g. gradients), any shapes.
+    axis_name: a mesh axis of the enclosing shard_map.
+    compressor: a jlp.compression.Compressor.
+    state: this rank's state from `init_state` or the previous call; None: fresh (zeros).
+    topology: "ps" (CaSync-PS) or "ring" (CaSync-Ring), see the module docstring.
+    min_size: compress a leaf iff it has more than this many elements.
+    plan: {keystr(path): (compress, K)} overriding the leaves it names (SeCoPa).
+    key: a jax.random key, required when the compressor draws random numbers.
+
+  Returns:
+    (the summed tree, identical on every rank; this rank's new state).
+  """
+  summed, new_state, _ = sync_with_bytes(tree, axis_name, compressor, state, topology=topology,
+                                         min_size=min_size, plan=plan, key=key)
+  return summed, new_state

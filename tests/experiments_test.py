@@ -1,0 +1,71 @@
+"""The experiment entry points in their quick mode: the compression study's table and plots.
+
+References: the table's structure (a float32 run, then every compressor x CaSync topology) and the
+bytes a float32 ring all-reduce sends, 2(W-1) hops of ceil(n/W) floats per leaf of n floats, of
+which every compressor must send a fraction.
+"""
+
+import os
+import re
+
+import jax
+import pytest
+
+from jlp import studies
+
+
+def leaf_sizes():
+  """The digits CNN's parameter sizes (configs/digits.py, built abstractly)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  from jlp.train import recipe  # pylint: disable=g-import-not-at-top
+  config = digits.get_config()
+  train, _ = recipe.datasets(config)
+  model = nnx.eval_shape(lambda: recipe.model(config, train))
+  return [x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def check_study(rows, labels, out, workdir, steps):
+  expected = [("float32", "ring")] + [(l, t) for l in labels for t in ("ps", "ring")]
+  assert [(r["run"] if r["compressor"] == "none" else r["label"], r["topology"])
+          for r in rows] == expected
+  assert all(r["step"] == steps for r in rows)
+  assert all(0 <= r["test_accuracy"] <= 1 and r["train_loss"] > 0 for r in rows)
+  w = jax.device_count()
+  baseline = rows[0]
+  # The float32 ring: every leaf in W chunks of ceil(n/W) floats, 2(W-1) hops of 4 bytes each.
+  assert baseline["wire_bytes"] == 2 * (w - 1) * 4 * sum(-(-n // w) for n in leaf_sizes())
+  for r in rows[1:]:
+    assert 0 < r["wire_bytes"] < baseline["wire_bytes"] / 4, r  # every leaf compressed
+    assert r["bytes_ratio"] == r["wire_bytes"] / baseline["wire_bytes"]
+    assert r["gap_to_float32"] == r["test_accuracy"] - baseline["test_accuracy"]
+  assert "x fp32" in out
+  for label, topology in expected[1:]:
+    assert re.search(rf"^{re.escape(label)}\s+{topology}\s", out, re.M), (label, topology)
+  for name in ("curves.png", "tradeoff.png"):
+    assert os.path.getsize(os.path.join(workdir, name)) > 0
+
+
+def test_compression_digits_quick_two_compressors(tmp_path, capsys):
+  from experiments import compression_digits  # pylint: disable=g-import-not-at-top
+  rows = compression_digits.run(str(tmp_path), quick=True, compressors=("onebit", "graddrop"))
+  check_study(rows, ("onebit", "graddrop"), capsys.readouterr().out, str(tmp_path),
+              compression_digits.QUICK_STEPS)
+
+
+@pytest.mark.slow
+def test_compression_digits_quick(tmp_path, capsys):
+  """The whole table (13 runs; ~90 s on the 2-core machine under load)."""
+  from experiments import compression_digits  # pylint: disable=g-import-not-at-top
+  rows = compression_digits.run(str(tmp_path), quick=True)
+  check_study(rows, studies.HIPRESS_COMPRESSORS + ("tbq(threshold=0.001)",),
+              capsys.readouterr().out, str(tmp_path), compression_digits.QUICK_STEPS)
+
+
+def test_compression_study_rejects_bad_entries(tmp_path):
+  from experiments import compression_digits  # pylint: disable=g-import-not-at-top
+  config = compression_digits.study_config(quick=True)
+  with pytest.raises(ValueError, match="compressors entry='none' is not allowed"):
+    studies.compression_study(config, str(tmp_path), ["none"])
+  with pytest.raises(ValueError, match="compressors entry=3 is not allowed"):
+    studies.compression_study(config, str(tmp_path), [3])

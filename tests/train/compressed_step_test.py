@@ -1,0 +1,319 @@
+"""Compressed gradient sync in the data-parallel step and the runner (HiPress, hipress.md §2).
+
+* A compressed TrainStep's summed gradient and per-device state equal, bit for bit, those of
+  `jlp.compression.sync` run directly (in a shard_map of its own) on the per-device gradients,
+  two steps in a row (state carried); the per-device states differ. Reference: that direct call.
+  The loss is linear in the parameters, so every device's gradient is known exactly (its
+  coefficient row / 8) without running the model.
+* metrics["wire_bytes"]: hand-computed from the convention of jlp.train.step for the float32
+  CPD all-reduce (sequential, ring, ring + Kahan, emulated nodes) and from HiPress's wire sizes
+  for compressed syncs (onebit PS, TBQ ring).
+* A compressed run resumed from its middle checkpoint logs the same rows and ends with the same
+  checkpoint (parameters, optimizer state and the per-device compression state) as the
+  uninterrupted run. Reference: the uninterrupted run.
+* Bad compression settings fail on construction (GradSync) or in config validation, before the
+  model is built, naming the field and what is allowed.
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import orbax.checkpoint as ocp
+
+import jlp.compression as jc
+import jlp.train as jt
+from configs import digits
+from jlp.compression import secopa
+from jlp.compression.sync import sync as compressed_sync
+from jlp.train import loop, recipe
+from jlp.train.metrics import read_metrics
+from tiny_models import build
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+W = 8
+# Leaves of the width-4 small CNN in flattening order (bn1 bias, scale, bn2 bias, scale, conv1,
+# conv2, linear bias, kernel).
+SIZES = (4, 4, 8, 8, 36, 288, 10, 80)
+
+
+def _model():
+  model = build("small_cnn", dict(width=4))
+  model.train()
+  return model
+
+
+def linear_loss(model, batch):
+  """sum over the parameter leaves i of <leaf_i, c[0, slice_i]>: the gradient of a device's loss
+  is its own coefficient row, exactly (the step scales it by 1/8, a power of two)."""
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  coeffs, start, loss = batch["coeffs"][0], 0, jnp.float32(0)
+  for leaf in leaves:
+    loss = loss + jnp.sum(leaf.reshape(-1) * coeffs[start:start + leaf.size])
+    start += leaf.size
+  return loss, {}
+
+
+def _coeffs(seed):
+  """float32[W, n]: device d's coefficient row (one row per device)."""
+  return np.random.default_rng(seed).standard_normal((W, sum(SIZES))).astype(np.float32)
+
+
+def _gradient_recorder() -> optax.GradientTransformation:
+  """Keeps the last gradient it was given as its state; never updates."""
+  return optax.GradientTransformation(
+      init=lambda params: jax.tree.map(jnp.zeros_like, params),
+      update=lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def _device_grads(params, coeffs):
+  """The per-device gradient trees stacked on [W]: row d of coeffs / W, shaped like params."""
+  leaves, treedef = jax.tree.flatten(params)
+  out, start = [], 0
+  for leaf in leaves:
+    out.append((coeffs[:, start:start + leaf.size] / np.float32(W)).reshape((W,) + leaf.shape))
+    start += leaf.size
+  return jax.tree.unflatten(treedef, out)
+
+
+def _direct_sync(mesh, stacked_grads, stacked_state, sync, step):
+  """jlp.compression.sync on each device's gradient (rows of the stacked trees), as a reference."""
+  key = jax.random.fold_in(jax.random.key(sync.seed), step) if sync.compression.needs_key else None
+
+  def body(grads, state):
+    grads, state = jax.tree.map(lambda x: x[0], (grads, state))
+    out, state = compressed_sync(grads, "data", sync.compression, state, topology=sync.topology,
+                                 min_size=sync.min_size, key=key)
+    return out, jax.tree.map(lambda x: x[None], state)
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
+                               out_specs=(P(), P("data")), check_vma=False))(
+                                   stacked_grads, stacked_state)
+
+
+def _assert_trees_equal(got, want):
+  flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
+  flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
+  assert tree_got == tree_want
+  for (path, g), (_, w) in zip(flat_got, flat_want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("sync", [
+    jt.GradSync(compression=jc.get("onebit"), min_size=0),
+    jt.GradSync(compression=jc.get("terngrad", stochastic=True), topology="ring", min_size=20,
+                seed=3),
+], ids=["onebit-ps", "terngrad-stochastic-ring"])
+def test_compressed_step_equals_a_direct_sync(sync):
+  mesh = jt.data_mesh()
+  optimizer = _gradient_recorder()
+  graphdef, state = jt.init_train_state(_model(), optimizer, mesh, sync)
+  assert [x.size for x in jax.tree.leaves(state.params)] == list(SIZES)
+  step = jt.TrainStep(graphdef, optimizer, mesh, sync, loss_fn=linear_loss)
+  want_state = state.sync_state
+  for number, seed in enumerate((10, 11)):
+    coeffs = _coeffs(seed)
+    state, _ = step(state, {"coeffs": coeffs})
+    want_grads, want_state = _direct_sync(mesh, _device_grads(state.params, coeffs), want_state,
+                                          sync, number)
+    _assert_trees_equal(state.opt_state, want_grads)  # the recorder holds the summed gradient
+    _assert_trees_equal(state.sync_state, want_state)
+    # The compressed sum is not the exact one (the test could not pass by summing in float32).
+    exact = jax.tree.map(lambda g: np.sum(np.asarray(g, np.float64), 0),
+                         _device_grads(state.params, coeffs))
+    assert any(np.any(np.asarray(g) != e.astype(np.float32))
+               for g, e in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(exact)))
+  assert int(state.step) == 2
+  residuals = jax.tree.leaves(state.sync_state)
+  assert len(residuals) == (8 if sync.compression.name == "onebit" else 0)
+  if residuals:  # every device's error-feedback residuals are its own
+    assert all(r.sharding.spec == P("data") and r.shape[0] == W for r in residuals)
+    rows = np.concatenate([np.asarray(r).reshape(W, -1) for r in residuals], axis=1)
+    assert len({row.tobytes() for row in rows}) == W
+
+
+# -- wire bytes ---------------------------------------------------------------------------------
+
+
+def _wire_bytes(sync, devices=W):
+  mesh = jt.data_mesh(jax.devices()[:devices])
+  optimizer = _gradient_recorder()
+  graphdef, state = jt.init_train_state(_model(), optimizer, mesh, sync)
+  step = jt.TrainStep(graphdef, optimizer, mesh, sync, loss_fn=linear_loss)
+  return float(step(state, {"coeffs": _coeffs(0)})[1]["wire_bytes"])
+
+
+# n = sum(SIZES) = 438 floats; ring chunks ceil(size / 8) = 1, 1, 1, 1, 5, 36, 2, 10 (sum 57).
+@pytest.mark.parametrize("sync, devices, want", [
+    (jt.GradSync(), 8, 7 * 4 * 438),  # all_gather: (W-1) * 4 * n
+    (jt.GradSync(algorithm="ring"), 8, 7 * 4 * 57 * 2),  # W-1 hops + all_gather of the chunks
+    (jt.GradSync(algorithm="ring", kahan=True, fmt="e5m2"), 8, 7 * 4 * 57 * 3),  # + compensation
+    (jt.GradSync(emulate_nodes=2), 4, 3 * 4 * 2 * 438),  # all_gather of 2 stacked nodes
+    (jt.GradSync(emulate_nodes=2, form="cpd", fmt="e4m3"), 4, 3 * 4 * 438),  # local fold first
+    (jt.GradSync(), 1, 0),
+    # onebit (ceil(c/8) bytes of signs + 2 float32 means), PS, K = 8 partitions of c elements:
+    # per device 7 worker partitions out and its own aggregated partition to 7 peers; conv2
+    # c = 36 -> 5 + 8 bytes, linear kernel c = 10 -> 2 + 8 bytes; the other 70 floats by the
+    # float32 ring psum: 2 * 7/8 * 4 * 70 = 490.
+    (jt.GradSync(compression=jc.get("onebit"), min_size=50), 8, 2 * 7 * (13 + 10) + 490),
+    # TBQ (ceil(c/4) bytes), ring: per chunk 7 reduce hops and 7 forwards, 8 chunks over 8
+    # devices: 2 * 7 per device; conv2 c = 36 -> 9 bytes, linear kernel c = 10 -> 3 bytes.
+    (jt.GradSync(compression=jc.get("tbq"), topology="ring", min_size=50), 8,
+     2 * 7 * (9 + 3) + 490),
+], ids=["sequential", "ring", "ring-kahan", "nodes-flat", "nodes-cpd", "one-device", "onebit-ps",
+        "tbq-ring"])
+def test_wire_bytes(sync, devices, want):
+  assert _wire_bytes(sync, devices) == want
+
+
+# -- the runner: resume, config -----------------------------------------------------------------
+
+
+def compressed_config(**overrides):
+  """loop_test's small digits run, 8 steps, every gradient compressed with onebit (CaSync-PS)."""
+  c = digits.get_config()
+  c.model.kwargs.width = 8
+  c.batch_size = 64
+  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 8, 2, 8, 4
+  c.compression.name = "onebit"
+  c.compression.min_size = 0
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+def stable(rows):
+  return [{k: v for k, v in r.items() if k not in ("time", "throughput")} for r in rows]
+
+
+def final_checkpoint(workdir):
+  """{keystr(path): array} of the newest checkpoint's state (restored without a target)."""
+  directory = os.path.join(workdir, "checkpoints")
+  step = max(int(d) for d in os.listdir(directory) if d.isdigit())
+  with ocp.CheckpointManager(directory, item_names=("state", "meta")) as mgr:
+    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                         meta=ocp.args.JsonRestore()))
+  leaves = jax.tree_util.tree_flatten_with_path(restored.state)[0]
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
+
+
+def test_compressed_run_resumes_bit_exactly(tmp_path):
+  """8 steps straight vs. the same run resumed at its step-4 checkpoint (step 8's removed)."""
+  ref_dir, workdir = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  loop.train_and_evaluate(compressed_config(), ref_dir, progress=False)
+  shutil.copytree(ref_dir, workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  result = loop.train_and_evaluate(compressed_config(), workdir, progress=False)
+  assert result["step"] == 8
+  rows = read_metrics(ref_dir)
+  assert stable(read_metrics(workdir)) == stable(rows)
+  assert all(r["wire_bytes"] > 0 for r in rows) and rows[-1]["train_loss"] < rows[0]["train_loss"]
+  ref_state, state = final_checkpoint(ref_dir), final_checkpoint(workdir)
+  assert state.keys() == ref_state.keys()
+  residuals = [k for k in ref_state if "sync_state" in k and "kernel" in k]
+  assert len(residuals) == 3 and all(np.any(ref_state[k] != 0) for k in residuals)
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
+def test_compressed_config_builds_the_sync(tmp_path):
+  sync = recipe.grad_sync(compressed_config(seed=5))
+  assert sync.compression == jc.get("onebit") and sync.min_size == 0 and sync.seed == 5
+  c = compressed_config()
+  c.compression.update(name="tbq", topology="ring", kwargs={"threshold": 0.5})
+  sync = recipe.grad_sync(c)
+  assert sync.compression == jc.get("tbq", threshold=0.5) and sync.topology == "ring"
+  assert recipe.grad_sync(digits.get_config()).compression is None
+  # A SeCoPa plan file (names: keystr of the gradient paths).
+  path = str(tmp_path / "plan.txt")
+  secopa.write_plan(path, [("['conv1']['kernel'].value", 144, True, 2),
+                           ("['linear']['bias'].value", 10, False, 8)])
+  c.compression.plan = path
+  assert recipe.grad_sync(c).plan == (("['conv1']['kernel'].value", True, 2),
+                                      ("['linear']['bias'].value", False, 8))
+  # "secopa": HiPress's seed cost model plans every gradient of the model; the digits CNN's are
+  # all below its break-even size (~1.27M floats on 8 devices, PS), so none is compressed.
+  c.compression.plan = "secopa"
+  run = loop.setup(c)
+  params = jax.tree_util.tree_flatten_with_path(jt.split_model(run.model)[1])[0]
+  assert run.sync.plan == tuple(sorted((jax.tree_util.keystr(p), False, 8) for p, _ in params))
+  with pytest.raises(ValueError, match=r"config.compression.plan='secopa' is not allowed; .*"
+                     r"\(4, 8, 16\) devices .* this run has 2"):
+    recipe.grad_sync(c, 2)
+
+
+@pytest.mark.parametrize("compression, overrides, message", [
+    ({"name": "zip"}, {}, r"config.compression.name='zip' is not allowed; expected one of "
+     r"\('none', .*'onebit'.*'tbq'"),
+    ({"topology": "tree"}, {}, r"config.compression.topology='tree' is not allowed; expected one "
+     r"of \('ps', 'ring'\)"),
+    ({"min_size": -1}, {}, r"config.compression.min_size=-1 is not allowed; expected an int >= 0"),
+    ({"kwargs": {"scale": 2.0}}, {}, r"config.compression.kwargs=\{'scale': 2.0\} is not allowed "
+     r"for compressor 'onebit'.*one of the fields of OneBit: \['impl', 'scale_mode'\]"),
+    ({"kwargs": {"scale_mode": "median"}}, {}, r"config.compression.kwargs=.*'median'.*"
+     r"OneBit.scale_mode='median' is not allowed; expected one of"),
+    ({"plan": "/no/such/plan.txt"}, {}, r"config.compression.plan='/no/such/plan.txt' is not "
+     r"allowed"),
+    ({}, {"grad_exp": 4, "grad_man": 3}, r"config.grad_format='e4m3' is not allowed; expected "
+     r"float32 .* with config.compression.name='onebit'"),
+    ({}, {"use_kahan": True}, r"config.use_kahan=True is not allowed"),
+    ({}, {"grad_algorithm": "ring"}, r"config.grad_algorithm='ring' is not allowed; expected "
+     r"'sequential' .*config.compression.topology"),
+    ({}, {"emulate_nodes": 2}, r"config.emulate_nodes=2 is not allowed; expected 1"),
+])
+def test_bad_compression_config_fails_before_the_model_is_built(compression, overrides, message,
+                                                                monkeypatch, tmp_path):
+  monkeypatch.setattr(recipe, "model", lambda *a, **k: pytest.fail("model built"))
+  c = compressed_config(**overrides)
+  c.compression.update(compression)
+  with pytest.raises(ValueError, match=message):
+    loop.train_and_evaluate(c, str(tmp_path), progress=False)
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(compression="zip"), r"^compression='zip' is not allowed; expected None, a "
+     r"jlp.compression.Compressor or one of \[.*'onebit'"),
+    (dict(compression=3), r"^compression=3 is not allowed"),
+    (dict(compression="tbq", topology="tree"), r"^topology='tree' is not allowed; expected one of "
+     r"\('ps', 'ring'\)"),
+    (dict(compression="tbq", min_size=-1), r"^min_size=-1 is not allowed"),
+    (dict(compression="tbq", plan={"['a']": (True, 0)}),
+     r"^plan\[\"\['a'\]\"\] K=0 is not allowed; expected an int >= 1"),
+    (dict(compression="tbq", fmt="e4m3"),
+     r"^fmt=.* is not allowed; expected None with compression"),
+    (dict(compression="tbq", kahan=True), r"^kahan=True is not allowed"),
+    (dict(compression="tbq", algorithm="ring"), r"^algorithm='ring' is not allowed; expected "
+     r"'sequential' with compression"),
+    (dict(compression="tbq", emulate_nodes=2), r"^emulate_nodes=2 is not allowed; expected 1 with "
+     r"compression"),
+    (dict(topology="ring"), r"^topology='ring' is not allowed; expected 'ps' without compression"),
+    (dict(plan={"['a']": (True, 2)}), r"^plan=.* is not allowed; expected None without"),
+])
+def test_bad_compressed_sync_settings(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    jt.GradSync(**kwargs)
+
+
+def test_sync_plan_is_hashable_and_state_is_checked():
+  a = jt.GradSync(compression="tbq", plan={"['b']": (False, 8), "['a']": (True, 2)})
+  b = jt.GradSync(compression=jc.get("tbq"), plan=(("['a']", True, 2), ("['b']", False, 8)))
+  assert a == b and hash(a) == hash(b) and a.plan_dict == {"['a']": (True, 2), "['b']": (False, 8)}
+  mesh = jt.data_mesh()
+  optimizer = _gradient_recorder()
+  graphdef, state = jt.init_train_state(_model(), optimizer, mesh)  # no sync: no sync_state
+  sync = jt.GradSync(compression="onebit", min_size=0)
+  step = jt.TrainStep(graphdef, optimizer, mesh, sync, loss_fn=linear_loss)
+  with pytest.raises(ValueError, match=r"state.sync_state=None is not allowed with a compressed "
+                     r"sync; .*init_train_state\(model, optimizer, mesh, sync\)"):
+    step(state, {"coeffs": _coeffs(0)})
+  with pytest.raises(ValueError, match="mesh=None is not allowed with a compressed sync"):
+    jt.init_train_state(_model(), optimizer, None, sync)
