@@ -16,19 +16,20 @@ Floor rows, timed the same way:
 
 * (x * 2): one elementwise pass over the leaf, which any reduction that reads every element and
   writes a result pays;
-* (floor) per compressor and topology: the same collectives moving the same payload shapes, with
-  no encode or decode: PS one all_to_all of the 8 worker payloads and one all_gather of the
-  server payload; ring 7 ppermute hops of one chunk's payload and one all_gather.
+* (floor) per compressor and topology: the sync's collectives moving payload-sized byte buffers,
+  with no encode or decode: PS one all_to_all of the 8 worker payloads and one all_gather of the
+  server payload; ring 7 ppermute hops of one chunk's worker payload and one all_gather of the
+  last server payload.
 
 --stages adds, per compressor, the worker encode alone (every partition encoded with its slot,
 in place, as sync does) and the decode alone (8 payloads into the float32 result).
 
 The 8 devices are emulated on this machine's CPU cores: the numbers measure the arithmetic, the
 memory traffic and the emulated transfers (each collective a rendezvous of 8 threads), not a
-network. Compressed payloads are 16-32x smaller than the float32 data, so the collectives cost
-little here; what psum does in one pass (read, add, write), the compressed sync does in several
-(encode: read the gradient and the residual, write the residual and the codes; merge; decode:
-write the result).
+network. The payloads are 16-32x smaller than the float32 data, so the floor rows are a few
+percent of psum: what a network would reward costs almost nothing here, and what psum does in
+one pass (read, add, write) the compressed sync does in several (encode: read the gradient and
+the residual, write the residual and the codes; merge; decode: write the result).
 """
 
 from __future__ import annotations

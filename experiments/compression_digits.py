@@ -4,10 +4,10 @@ r"""HiPress's compressors on the digits CNN: test accuracy and bytes on the wire
   python -m experiments.compression_digits --quick        # a few steps: the tests' smoke run
 
 Trains the digits CNN (configs/digits.py) on 8 emulated data-parallel workers once with the
-float32 ring all-reduce (the bandwidth-optimal baseline) and once per compressor (onebit, TBQ, TernGrad, DGC, GradDrop;
-hipress.md §1) and CaSync topology (PS and ring; §2.2-§2.3), every gradient leaf compressed
-(compression.min_size=0: the CNN's leaves are far below HiPress's 262,144-float threshold), each
-compressor with its jlp defaults (HiPress's, hipress.md §1.6), plus TBQ at a threshold of the
+float32 ring all-reduce (the bandwidth-optimal baseline) and once per compressor (onebit, TBQ,
+TernGrad, DGC, GradDrop; hipress.md §1) and CaSync topology (PS and ring; §2.2-§2.3), every
+gradient leaf compressed (compression.min_size=0: the CNN's leaves are far below HiPress's
+262,144-float threshold), each compressor with its jlp defaults (HiPress's, hipress.md §1.6), plus TBQ at a threshold of the
 digits gradients' scale (HiPress's 1.0 is far above it: nothing but rare +-1 steps is sent).
 Prints the final test accuracy, the bytes one device sends per step for the gradient sync (the
 runner's `wire_bytes`) and their fraction of float32's, and writes WORKDIR/curves.png (training

@@ -98,8 +98,9 @@ def plot_accuracy_vs_bytes(rows: Sequence[dict], out: str | None = None):
     colour = colours.setdefault(name, f"C{len(colours)}")
     baseline = r["compressor"] == "none"
     label = f"{'float32' if baseline else name} / {r['topology']}"
+    marker = "*" if baseline else markers.get(r["topology"], "^")
     ax.scatter(r["wire_bytes"], 100 * r["test_accuracy"], color=colour, label=label,
-               marker="*" if baseline else markers.get(r["topology"], "^"), s=90 if baseline else 45)
+               marker=marker, s=90 if baseline else 45)
   ax.set_xscale("log")
   ax.set_xlabel("bytes sent per device per step (gradient sync)")
   ax.set_ylabel("test accuracy %")

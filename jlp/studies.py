@@ -91,10 +91,11 @@ def render_table(rows: Sequence[dict[str, float | str]]) -> str:
 #: HiPress's five compressors (hipress.md §1), in the paper's order.
 HIPRESS_COMPRESSORS = ("onebit", "tbq", "terngrad", "dgc", "graddrop")
 CASYNC_TOPOLOGIES = ("ps", "ring")
+#: A compressor of the study: its name, or (name, {field: value}).
+CompressorEntry = str | tuple[str, Mapping[str, Any]]
 
 
-def _compressor_entries(compressors: Sequence[str | tuple[str, Mapping[str, Any]]]
-                        ) -> list[tuple[str, dict[str, Any]]]:
+def _compressor_entries(compressors: Sequence[CompressorEntry]) -> list[tuple[str, dict[str, Any]]]:
   out = []
   for entry in compressors:
     if isinstance(entry, str):
@@ -128,12 +129,12 @@ def _final_row(run_dir: str) -> tuple[dict[str, Any], float]:
 
 
 def compression_study(config: ml_collections.ConfigDict, workdir: str,
-                      compressors: Sequence[str | tuple[str, Mapping[str, Any]]] = HIPRESS_COMPRESSORS,
+                      compressors: Sequence[CompressorEntry] = HIPRESS_COMPRESSORS,
                       topologies: Sequence[str] = CASYNC_TOPOLOGIES, *,
                       baseline_algorithm: str = "ring", fresh: bool = True,
                       progress: bool | None = False) -> list[dict[str, Any]]:
-  """Trains `config` with the float32 sync, then once per compressor x topology; rows of final
-  metrics (module docstring).
+  """Trains `config` with a float32 all-reduce, then once per compressor x topology; rows of
+  final metrics (module docstring).
 
   compressors: names of jlp.compression compressors (with their default fields), or
     (name, {field: value}) pairs. The rest of config.compression (min_size) is kept.
@@ -144,9 +145,8 @@ def compression_study(config: ml_collections.ConfigDict, workdir: str,
     back when it is complete).
 
   Rows: run, compressor ("none" for float32), label (the name, with the fields when given),
-  topology (float32: baseline_algorithm),
-  test_accuracy, gap_to_float32, train_loss, wire_bytes (mean per step over the logged rows),
-  bytes_ratio (wire_bytes / float32's), step.
+  topology (float32: baseline_algorithm), test_accuracy, gap_to_float32, train_loss, wire_bytes
+  (mean per step over the logged rows), bytes_ratio (wire_bytes / float32's), step.
   """
   entries = _compressor_entries(compressors)
   runs = [("float32", "none", None, {})]

@@ -3,6 +3,7 @@
 import glob
 import importlib
 import os
+import re
 
 import jax
 import numpy as np
@@ -155,3 +156,44 @@ def test_hipress_bert_small_trains_on_glue_tsv_files(tmp_path, fast_compile):
   assert [r["step"] for r in rows] == [1, 2]
   assert all(np.isfinite(r["train_loss"]) and r["wire_bytes"] > 0 for r in rows)
   assert 0 <= result["eval_accuracy"] <= 1
+
+
+def test_adamw_optimizer_field():
+  """config.optimizer="adamw" builds optax.adamw with the config's betas, eps and masked decay;
+  reference: optax.adamw built directly."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from jlp.train import recipe  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.optimizer, c.weight_decay, c.wd_exclude, c.adam_b2 = "adamw", 0.1, "bias", 0.99
+  config_lib.validate(c)
+  params = {"w": jnp.full((3,), 2.0), "bias": jnp.full((2,), 2.0)}
+  grads = {"w": jnp.asarray([1.0, -2.0, 0.5]), "bias": jnp.asarray([0.25, 4.0])}
+  opt = recipe.optimizer(c, optax.constant_schedule(0.01))
+  want = optax.adamw(0.01, b2=0.99, weight_decay=0.1,
+                     mask={"w": True, "bias": False})
+  got, _ = opt.update(grads, opt.init(params), params)
+  ref, _ = want.update(grads, want.init(params), params)
+  for k in params:
+    assert jnp.array_equal(got[k], ref[k]), k
+  for field, value, allowed in (("optimizer", "adam", "one of ('sgd', 'adamw')"),
+                                ("adam_b1", 1.0, "a value in [0, 1)"),
+                                ("adam_eps", 0.0, "a value > 0")):
+    bad = config_lib.base_config()
+    bad.optimizer = "adamw"
+    bad[field] = value
+    with pytest.raises(ValueError, match=f"config.{field}=.* is not allowed; expected "
+                                         f"{re.escape(allowed)}"):
+      config_lib.validate(bad)
+  bad = config_lib.base_config()
+  bad.optimizer, bad.use_lars = "adamw", True
+  with pytest.raises(ValueError, match="config.use_lars=True is not allowed"):
+    config_lib.validate(bad)
+
+
+def test_bert_vocab_must_cover_the_dataset():
+  c = importlib.import_module("configs.hipress_bert_small").get_config("local")
+  train, _ = recipe.datasets(c)
+  c.model.kwargs.vocab = train.vocab_size - 1
+  with pytest.raises(ValueError, match="config.model.kwargs.vocab=20 is not allowed"):
+    recipe.model(c, train)

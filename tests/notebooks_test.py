@@ -42,11 +42,11 @@ def test_compression_executes(tmp_path, monkeypatch):
   client.execute()
   outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))
-  sync_lines = [l.split() for l in outputs.splitlines()
-                if l.split()[:1] and l.split()[0] in ("onebit", "tbq", "terngrad", "dgc", "graddrop")
-                and len(l.split()) == 6 and l.split()[1] in ("ps", "ring")]
-  assert len(sync_lines) == 10 and all(l[2] == "True" for l in sync_lines)  # same bits on every rank
-  assert all(float(l[5]) < 0.1 for l in sync_lines)  # bytes: under a tenth of float32's ring
+  names = ("onebit", "tbq", "terngrad", "dgc", "graddrop")
+  sync_lines = [w for w in map(str.split, outputs.splitlines())
+                if len(w) == 6 and w[0] in names and w[1] in ("ps", "ring")]
+  assert len(sync_lines) == 10 and all(w[2] == "True" for w in sync_lines)  # same on every rank
+  assert all(float(w[5]) < 0.1 for w in sync_lines)  # bytes: under a tenth of float32's ring
   assert "tbq without EF" in outputs and "N=16 ring" in outputs
   assert "x fp32" in outputs and "onebit     ring" in outputs  # the study's table
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])

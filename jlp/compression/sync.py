@@ -1,67 +1,85 @@
 """Compression-aware synchronisation (HiPress's CaSync, hipress.md §2.1-§2.3, §2.6) in shard_map.
 
 `sync(tree, axis_name, compressor, state)` sums a pytree of float32 leaves over the W ranks of
-`axis_name` (inside `jax.shard_map`); every rank gets the same bits and its own new state.
+`axis_name` inside `jax.shard_map`; every rank gets the same bits, and its own new state.
 
-Routing (§2.1, static per leaf, `leaf_routes`): a leaf is compressed iff it has more than
-`min_size` elements (HiPress's --comp-threshold, "minimal (excluded) number of floats to
-compress"), in K = W partitions. A SeCoPa `plan` {jax.tree_util.keystr(path): (compress, K)}
-overrides the leaves it names (1 <= K <= W). Other leaves are summed uncompressed by one
-`lax.psum` of all of them (HiPress sends them through NCCL / PS-Lite).
+Routing (§2.1; static, `leaf_routes`). A leaf is compressed iff it has more than `min_size`
+elements (HiPress's --comp-threshold, "minimal (excluded) number of floats to compress"), in
+K = W partitions. A SeCoPa `plan` {jax.tree_util.keystr(path): (compress, K)} overrides the
+leaves it names (1 <= K <= W). The other leaves are summed in float32 by one `lax.psum` of all of
+them (HiPress sends them through NCCL / PS-Lite).
 
-A compressed leaf of n elements is flattened (C order), zero-padded to K*c elements and cut into
-K partitions of c = ceil(n/K). Each rank keeps, per compressed leaf, K state slots of c elements
-(the compressor's state vmapped over the partitions: EF residual, DGC's U and V), keyed by leaf
-*and* partition (§5 takeaway 3). S = compressor.server(W) is what an aggregator re-encodes W
-contributions with (itself for most; DGC: the union of the non-zeros).
+Partitions and state. A compressed leaf of n elements is flattened (C order), zero-padded to K*c
+elements and cut into K partitions of c = ceil(n/K). Each rank keeps, per compressed leaf, K state
+slots of c elements: the compressor's state (EF residual, DGC's u and v) with a leading slot
+axis, keyed by leaf and partition (§5 takeaway 3). S = compressor.server(W) is what re-encodes a
+sum of W contributions (the compressor itself, except DGC: the union of the non-zeros).
 
 topology="ps" (CaSync-PS with co-located servers, §2.2; DeepSpeed's compressed_allreduce shape):
-  1. every rank encodes each of its K partitions j with slot j (vmap over the partitions);
-  2. one `all_to_all` delivers partition j's payloads to its owner, rank j (rows >= K of the
-     exchange are fixed-shape zero dummies, for K < W);
-  3. owner j merges: acc = its own RAW partition j (its contribution enters uncompressed, as in
-     HiPress), then acc = S.decode_add(payload of rank r, acc) for r = 0, 1, ..., W-1 in
-     ascending order, r != j (worker payloads are decoded with the compressor itself);
-  4. owner j re-encodes acc with S, using its own slot j (the slot its worker encode of step 1
-     would have used: HiPress GradDrop's root uses the same residual buffer) when S's state has
-     the compressor's structure; a stateless S (state {}) starts fresh and slot j keeps its old
-     value; the owner's own step-1 payload and state for j are discarded;
+  1. rank r encodes each of its K partitions j with slot j (the K encodes as one vmap);
+  2. one `all_to_all` takes partition j's payloads to its owner, rank j (for K < W the rows of
+     partitions K..W-1 are zero dummies);
+  3. owner j merges, starting from its own RAW partition j (its contribution enters
+     uncompressed, as in HiPress): acc = decode_add(payload of rank r, acc) for
+     r = 0, 1, ..., W-1 ascending, r != j;
+  4. owner j re-encodes acc with S and its slot j as it was before step 1 (HiPress GradDrop's
+     root reuses the same residual buffer): slot j takes S's new state. The owner's own step-1
+     payload and state for partition j are discarded.
+     A stateless S (state {}: DGC's union of the non-zeros, capacity W*k) keeps no residual, so
+     it must only see sparse contributions (a raw partition would lose everything beyond W*k
+     entries for good): then steps 3-4 are acc = 0, acc = decode_add(payload of rank r, acc) for
+     r = 0..W-1 ascending, the owner's own step-1 payload included, and S encodes acc from a
+     fresh state; every slot keeps its step-1 state;
   5. one `all_gather` of the K server payloads; every rank decodes partitions 0..K-1 with S.
+topology="ring" (CaSync-Ring, §2.3), the chunk order of `jlp.collectives.allreduce`'s ring, K
+  chunks (chunks K..W-1 are zero dummies): chunk k starts at rank k+1, which encodes its raw
+  chunk with the compressor and its slot k; at reduce hop t = 0..W-2 rank r receives the payload
+  of chunk k = r-2-t (mod W) from rank r-1, decodes it onto its own raw chunk (acc = raw +
+  decode, with the compressor that encoded it) and re-encodes acc with server(t+2) (the number
+  of contributions it now holds; the compressor itself except for DGC: then this is "encode with
+  its own state for that chunk") and its slot k. A stateless server (DGC's union, capacity
+  (t+2)*k) merges encoded contributions only: the rank's own chunk enters as its worker encode
+  (the compressor, slot k, key step W + t) instead of raw, and the server encodes from a fresh
+  state.
+  After W-1 hops rank k holds chunk k (W encodes and W-1 decodes per chunk). The gather phase
+  does no arithmetic: one `all_gather` of the reduced payloads (the bits of W-1 forwarding hops)
+  and every rank decodes each of the K chunks once, with server(W). All leaves travel in the same
+  hops: each hop is one `ppermute` of every leaf's payload, bitcast to bytes side by side (as in
+  the bucketed ring of `jlp.collectives.allreduce`); the PS exchanges likewise.
 
-topology="ring" (CaSync-Ring, §2.3): K chunks (chunks K..W-1 are zero dummies) reduced as in
-`jlp.collectives.allreduce`'s ring: chunk k starts at rank k+1, which encodes its raw chunk with
-the compressor and its slot k; at reduce hop t = 0..W-2 every rank r receives from rank r-1 the
-payload of chunk k = r-2-t (mod W), decodes it onto its own raw chunk (acc = raw + decode, with
-the compressor that encoded it) and re-encodes acc with S_m = compressor.server(m), m = t+2 the
-number of contributions it holds (the compressor itself for TBQ, onebit, TernGrad, GradDrop:
-then exactly "encode with its own state for that chunk"), with its own slot k (stateless S_m:
-fresh, slot unchanged); after W-1 hops rank k holds chunk k, encoded once more by itself (W
-encodes and W-1 decodes per chunk). The gather phase does no arithmetic: the reduced payloads
-are forwarded as they are (one `all_gather`, the same bits as W-1 forwarding hops) and every rank
-decodes each of the K chunks once with S_W. All leaves travel in the same hops: each hop is one
-`ppermute` of every leaf's payload side by side (payloads are bitcast to bytes and
-concatenated), as in the bucketed ring of `jlp.collectives.allreduce`.
+Random draws (`needs_key`, then `key` is required): the encode of partition / chunk p of leaf i
+(its index in the flattened tree) by rank r at step s uses `ops.fold(key, i, p, r, s)`: PS s = 0
+worker, 1 server; ring s = 0 first encode, t+1 at reduce hop t (W + t: the worker encode of
+the rank's own chunk at hop t under a stateless server). The draws are independent and
+the result is the same run to run for a key.
 
-Random draws (`compressor.needs_key`; `key` required): the encode of partition/chunk p by rank r
-at step s of leaf i (i = the leaf's index in the flattened tree) uses
-`ops.fold(key, i, p, r, s)`: PS s = 0 worker, 1 server; ring s = 0 first encode, t+1 at reduce hop
-t. Every draw is independent and the result is deterministic for a given key.
+Bits. Every encode and decode is the compressor's own, on one partition (or, for a rank's K
+worker encodes in PS, one vmapped call: batched, a codec's float32 reductions such as onebit's
+means may sum in another order than alone, so the reference batches them too), and XLA may not
+change their bits by fusing them with each other: the leaves enter behind an optimization
+barrier, a dense merge adds the decode rounded to float32 (XLA:CPU would otherwise contract the
+decode's multiply and the add into one FMA in some programs and not in others), a sparse merge
+(scatter-add) and every merged partition or chunk pass barriers, and so do the final decodes.
 
-State: `init_state(tree, compressor, W, ...)` is ONE rank's fresh state, {keystr(path): the
+State. `init_state(tree, compressor, W, ...)` is ONE rank's fresh state: {keystr(path): the
 compressor's state with a leading axis of K slots} for the compressed leaves (zeros for the
 built-in compressors); `sync` returns the same structure. Every rank's state is its own: a train
 step carries it stacked on a leading [W] axis sharded over the axis,
     stacked = jax.tree.map(lambda s: jnp.stack([s] * W), init_state(grads, c, W))
-passed with in_specs P(axis) and unstacked inside the shard_map body
-(`jax.tree.map(lambda s: s[0], block)`, returned as `s[None]` with out_specs P(axis)).
+with in_specs / out_specs P(axis). Inside the shard_map body pass the block as it comes (every
+leaf with a leading axis of 1; the new state is returned in the same form) or without its
+leading axis (`s[0]`, then return `s[None]`). Donate it: the update is then in place; XLA pairs
+a donated buffer with the first output of the same size, so return the state before outputs of
+its size.
 
 Wire bytes (`sync_with_bytes`): the bytes a device sends in the call, averaged over the devices
-(they differ for K < W and with sparse payloads), a float32 scalar identical on every rank. A
-message counts its payload's HiPress wire size (`Compressor.wire_bytes`), sparse fields from the
-real count (4 + 8*count) rather than the capacity; dummy partitions / chunks and a rank's
-message to itself are not counted. PS: K(W-1) worker messages and K(W-1) server messages in all;
-ring: K messages per reduce hop and K(W-1) forwarded ones. Uncompressed leaves count as a
-float32 ring all-reduce: 2(W-1)/W * 4n bytes per device.
+(they differ for K < W and with sparse payloads), a float32 scalar, the same on every rank. A
+message counts its payload's HiPress wire size (`Compressor.wire_bytes`), the sparse pairs from
+the real count (4 + 8*count) rather than the capacity; dummy partitions / chunks and a rank's
+message to itself are not counted. PS: K(W-1) worker messages and K(W-1) server messages in
+all; ring: K messages per reduce hop and K(W-1) forwarded ones. Uncompressed leaves count as a
+float32 ring all-reduce: 2(W-1)/W * 4n bytes per device. (Exact while the totals stay below
+2^24 bytes; float32 beyond.)
 
 The results of compressed leaves are identical on every rank but typed as varying over
 `axis_name` (they come from an all_gather): return them with out_specs naming the axis, or use
@@ -282,7 +300,7 @@ class _Codec(NamedTuple):
   @classmethod
   def of(cls, comp: Compressor, width: int) -> "_Codec":
     spec = comp.payload_spec(width)
-    sparse = any(isinstance(f, layout_lib.Sparse) for f in comp.layout)
+    sparse = _is_sparse(comp)
     fixed = comp.wire_bytes(width) - (8 * spec["indices"].shape[0] if sparse else 0)
     return cls(comp, spec, _payload_bytes(spec), fixed, sparse)
 
@@ -303,10 +321,13 @@ def _keys(key: jax.Array | None, leaf: int, parts: jax.Array | int, rank: jax.Ar
   return jax.vmap(lambda p: ops.fold(key, leaf, p, rank, step))(parts)
 
 
+def _is_sparse(comp: Compressor) -> bool:
+  return any(isinstance(f, layout_lib.Sparse) for f in comp.layout)
+
+
 def _dense_merge(comp: Compressor) -> bool:
   """Whether comp's decode_add is the base class's acc + decode (not sparse, not overridden)."""
-  return (not any(isinstance(f, layout_lib.Sparse) for f in comp.layout)
-          and type(comp).decompress_add is Compressor.decompress_add)
+  return not _is_sparse(comp) and type(comp).decompress_add is Compressor.decompress_add
 
 
 def _decode_add(comp: Compressor, payload: dict[str, jax.Array], acc: jax.Array,
@@ -323,22 +344,11 @@ def _decode_add(comp: Compressor, payload: dict[str, jax.Array], acc: jax.Array,
   return lax.optimization_barrier(comp.decode_add(payload, acc))
 
 
-def _varying(tree: Any, axis_name: Any) -> Any:
-  """tree's arrays typed as varying over axis_name (fori_loop carries must keep their type)."""
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-  def cast(a):
-    missing = tuple(n for n in names if n not in jax.typeof(a).manual_axis_type.varying)
-    return lax.pcast(a, missing, to="varying") if missing else a
-  return jax.tree.map(cast, tree)
-
-
 def _encode_rows(comp: Compressor, rows: jax.Array, states: Any, keys: jax.Array | None
                  ) -> tuple[dict[str, jax.Array], Any]:
   """comp.encode of every row (partition) j with slot j (states: [1, K, ...]) and keys[j], as
-  one batched call (vmap). Batched, a codec's float32 reductions (e.g. onebit's means) may sum
-  in another order than an encode of the row on its own: the partitions of one rank are always
-  encoded together. (A loop of single encodes gives those bits, 4-10x slower on XLA:CPU.)"""
+  one batched call (vmap). Batched, a codec's float32 reductions may round differently from a
+  lone encode of the row (module docstring); a loop of lone encodes is 4-10x slower on XLA:CPU."""
   slots = jax.tree.map(lambda a: a[0], states)
   if keys is None:
     payloads, slots = jax.vmap(lambda r, s: comp.encode(r, s, None))(rows, slots)
@@ -355,8 +365,8 @@ def _decode_rows(comp: Compressor, payloads: dict[str, jax.Array], width: int) -
 
 
 def _slot(states: Any, j: jax.Array | int) -> Any:
-  """Slot j of states held as [1, K, ...] arrays (see `sync_with_bytes`: the state travels with
-  the leading axis of its shard_map block, which spares XLA a copy of it around each loop)."""
+  """Slot j of states held as [1, K, ...] arrays (the form of a shard_map block, which the state
+  keeps inside `sync_with_bytes`)."""
   def take(a):
     start = (0, j) + (0,) * (a.ndim - 2)
     return lax.dynamic_slice(a, start, (1, 1) + a.shape[2:]).reshape(a.shape[2:])
@@ -372,11 +382,6 @@ def _set_slot(states: Any, value: Any, j: jax.Array | int) -> Any:
 
 def _take(tree: Any, i: jax.Array | int) -> Any:
   return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
-def _put(tree: Any, value: Any, i: jax.Array | int) -> Any:
-  return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0),
-                      tree, value)
 
 
 def _select(pred: jax.Array | bool, a: Any, b: Any) -> Any:
@@ -420,30 +425,33 @@ def _ps(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor, server
     payloads, encoded = _encode_rows(compressor, parts, state,
                                      _keys(key, leaf.index, jnp.arange(k), rank, 0))
     sends.append(jnp.pad(_to_bytes(payloads, worker.spec), ((0, w - k), (0, 0))))
-    work.append((leaf, worker, agg, parts, payloads, encoded, slot, old))
+    work.append((leaf, worker, agg, parts, payloads, encoded, owns, slot, old))
   recv = lax.all_to_all(jnp.concatenate(sends, axis=1), axis_name, 0, 0)
   zero = opaque_zero()
 
   offset, server_data, new_states = 0, [], []
   sparse = jnp.zeros((), jnp.int32)
   fixed = 0.0
-  for leaf, worker, agg, parts, payloads, encoded, slot, old in work:
+  for leaf, worker, agg, parts, payloads, encoded, owns, slot, old in work:
     k, c = leaf.route.K, leaf.width
     got = _from_bytes(recv[:, offset:offset + worker.nbytes], worker.spec)
     offset += worker.nbytes
-
-    acc = lax.dynamic_index_in_dim(parts, slot, keepdims=False)
-    for i in range(w - 1):  # ranks 0..W-1 in ascending order, skipping this rank
-      acc = _decode_add(compressor, _take(got, i + (i >= rank).astype(jnp.int32)), acc, zero)
-    acc = lax.optimization_barrier(acc)  # the server encodes the merged partition on its own
-    owns = True if k == w else rank < k
     server_key = _keys(key, leaf.index, rank, rank, 1)
     if _server_stateful(compressor, server, c):
+      acc = lax.dynamic_index_in_dim(parts, slot, keepdims=False)
+      for i in range(w - 1):  # ranks 0..W-1 in ascending order, skipping this rank
+        acc = _decode_add(compressor, _take(got, i + (i >= rank).astype(jnp.int32)), acc, zero)
+      acc = lax.optimization_barrier(acc)  # the server encodes the merged partition on its own
       payload, served = server.encode(acc, old, server_key)
-    else:  # a stateless server: the owner's slot keeps its old value
-      payload, served = server.encode(acc, None, server_key)[0], old
-    # The owner's worker encode of its own partition is discarded, payload and state.
-    new_states.append(_set_slot(encoded, _select(owns, served, _slot(encoded, slot)), slot))
+      # The owner's worker encode of its own partition is discarded, payload and state.
+      new_states.append(_set_slot(encoded, _select(owns, served, _slot(encoded, slot)), slot))
+    else:  # a stateless server merges every rank's payload, the owner's own one included
+      acc = jnp.zeros((c,), jnp.float32)
+      for i in range(w):
+        acc = _decode_add(compressor, _take(got, i), acc, zero)
+      acc = lax.optimization_barrier(acc)
+      payload = server.encode(acc, None, server_key)[0]
+      new_states.append(encoded)
     server_data.append(_to_bytes(payload, agg.spec))
     own_sends = jnp.where(jnp.arange(k) != rank, worker.sparse_wire(payloads), 0)
     sparse += jnp.sum(own_sends) + jnp.where(owns, (w - 1) * agg.sparse_wire(payload), 0)
@@ -496,14 +504,23 @@ def _ring(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor,
     rank r-1, decode it onto this rank's raw chunk, re-encode."""
     got = lax.ppermute(wire, axis_name, to_next)
     k = (rank - 2 - t) % w
-    accs, offset = [], 0
-    for chunk, codec in zip(chunks, codecs):
+    accs, offset, states = [], 0, list(states)
+    for i, (leaf, chunk, codec) in enumerate(zip(leaves, chunks, codecs)):
       sent = codec[s - 1]
       payload = _from_bytes(got[offset:offset + sent.nbytes], sent.spec)
       offset += sent.nbytes
-      raw = lax.dynamic_index_in_dim(chunk, k, keepdims=False)
+      own = lax.dynamic_index_in_dim(chunk, k, keepdims=False)
+      if not stateful[i][s]:
+        # A stateless server (DGC's union) merges encoded contributions only: this rank's chunk
+        # enters as its worker encode (slot k, key step W + t), not raw.
+        real = True if leaf.route.K == w else k < leaf.route.K
+        slot = k if leaf.route.K == w else jnp.minimum(k, leaf.route.K - 1)
+        old = _slot(states[i], slot)
+        mine, new = compressor.encode(own, old, _keys(key, leaf.index, k, rank, w + t))
+        states[i] = _set_slot(states[i], _select(real, new, old), slot)
+        own = _decode_add(compressor, mine, jnp.zeros_like(own), zero)
       # Materialised once: fused into the encode, the decode would run in each of its passes.
-      accs.append(lax.optimization_barrier(_decode_add(sent.comp, payload, raw, zero)))
+      accs.append(lax.optimization_barrier(_decode_add(sent.comp, payload, own, zero)))
     wire, states, more = encode_step(s, t + 1, k, accs, states)
     sent_on = t + 1 < w - 1  # the last encode is forwarded by the gather phase, counted there
     return wire, states, sparse + jnp.where(sent_on, more, 0)
@@ -514,7 +531,7 @@ def _ring(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor,
   carry = wire, states, sparse if w > 1 else jnp.zeros((), jnp.int32)
   if w > 1:
     carry = hop(1, 0, *carry)
-  if w > 2 and all(comp == coders[2] for comp in coders[2:]):
+  if w > 2 and all(comp == coders[1] for comp in coders[1:]):
     # Hops 1..W-2 receive and encode with the same codec: one loop body.
     carry = lax.fori_loop(1, w - 1, lambda t, c: hop(2, t, *c), carry)
   else:
@@ -583,11 +600,12 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
   if leaves and key is None and any(c.needs_key for c in coders):
     raise invalid("key", key, f"a jax.random key ({type(compressor).__name__} draws random "
                   "numbers)")
-  fresh = lambda: init_state(tree, compressor, w, topology=topology, min_size=min_size,
-                             plan=plan)
+
+  def fresh():
+    return init_state(tree, compressor, w, topology=topology, min_size=min_size, plan=plan)
   block = False if state is None else _state_form(state, jax.eval_shape(fresh))
-  state = jax.tree.map(lambda a: jnp.asarray(a)[None], fresh() if state is None else state
-                       ) if not block else state
+  if not block:  # inside, every leaf of the state has the block's leading axis of 1
+    state = jax.tree.map(lambda a: jnp.asarray(a)[None], fresh() if state is None else state)
 
   flat, treedef = jax.tree.flatten(tree)
   out = [jnp.asarray(x, jnp.float32) for x in flat]
@@ -601,14 +619,18 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
   if leaves:
     run = _ps if topology == "ps" else _ring
     args = (coders[1],) if topology == "ps" else ()
-    xs = lax.optimization_barrier([out[leaf.index] for leaf in leaves])  # no fusion into encodes
+    # The barrier keeps the leaves from fusing into the encodes, and orders the compressed
+    # exchange after the psum: XLA:CPU runs independent collectives of one program in any order
+    # on each device, and two devices waiting in different collectives deadlock.
+    xs, _ = lax.optimization_barrier(([out[leaf.index] for leaf in leaves],
+                                      [out[i] for i in plain]))
     done = run(xs, leaves, compressor, *args, [state[leaf.route.path] for leaf in leaves], key, w,
                axis_name)
     for leaf, total, leaf_state in zip(leaves, done.sums, done.states):
       out[leaf.index] = total
       new_state[leaf.route.path] = leaf_state
     fixed += done.fixed_bytes
-    if any(_Codec.of(c, leaf.width).sparse for c in coders for leaf in leaves):
+    if any(_is_sparse(c) for c in coders):
       sparse = done.sparse_bytes
   wire = jnp.float32(fixed)
   if sparse is not None:

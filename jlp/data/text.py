@@ -216,7 +216,8 @@ class TokenDataset(Dataset):
     return {"image": self.ids[indices], "label": self.labels[indices]}
 
 
-def read_tsv(path: str, text_column: str, label_column: str, root: str) -> tuple[list[str], list[int]]:
+def read_tsv(path: str, text_column: str, label_column: str,
+             root: str) -> tuple[list[str], list[int]]:
   """(sentences, integer labels) of a GLUE TSV file with a header line (no quoting)."""
   with open(path, encoding="utf-8", newline="") as f:
     rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))

@@ -18,6 +18,8 @@ Fields (see `base_config` for defaults):
                                 checkpoint is always written at the end).
   lr, schedule                  peak learning rate and schedule (`schedule.name` plus its fields;
                                 see jlp.train.optim).
+  optimizer                     "sgd" (torch-style SGD; LARS with use_lars) or "adamw" (optax.adamw:
+                                adam_b1, adam_b2, adam_eps; decoupled weight_decay, for BERT).
   optimizer fields              momentum, nesterov, weight_decay, wd_exclude (regex over parameter
                                 paths without decay, e.g. "bn|bias"), use_lars.
   gradient sync (CPD)           grad_exp, grad_man (the all-reduce format; (8, 23) = float32),
@@ -73,6 +75,7 @@ from jlp.formats import FloatFormat, as_format
 from jlp.train.sync import ALGORITHMS, DEFAULT_MIN_SIZE, FORMS, NODE_MAPS, TOPOLOGIES
 
 TASKS = ("classification", "segmentation")
+OPTIMIZERS = ("sgd", "adamw")
 APS_MODES = ("exact", "cpd")
 #: config.compression.plan value: plan with SeCoPa's seed cost model for the model being trained.
 SECOPA = "secopa"
@@ -100,6 +103,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.weight_decay = 0.0
   c.wd_exclude = ""
   c.use_lars = False
+  c.optimizer = "sgd"
+  c.adam_b1 = 0.9
+  c.adam_b2 = 0.999
+  c.adam_eps = 1e-8
 
   c.grad_exp = 8
   c.grad_man = 23
@@ -239,6 +246,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(_int(config.seed), "seed", config.seed, "an int")
   _check(config.lr >= 0, "lr", config.lr, "a learning rate >= 0")
   _check(0 <= config.momentum < 1, "momentum", config.momentum, "a value in [0, 1)")
+  _check(config.optimizer in OPTIMIZERS, "optimizer", config.optimizer, f"one of {OPTIMIZERS}")
+  _check(not (config.use_lars and config.optimizer != "sgd"), "use_lars", config.use_lars,
+         "False with optimizer='adamw' (LARS is an SGD variant)")
+  for field in ("adam_b1", "adam_b2"):
+    _check(0 <= config[field] < 1, field, config[field], "a value in [0, 1)")
+  _check(config.adam_eps > 0, "adam_eps", config.adam_eps, "a value > 0")
   _check(config.weight_decay >= 0, "weight_decay", config.weight_decay, "a value >= 0")
   try:
     re.compile(config.wd_exclude)

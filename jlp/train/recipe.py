@@ -86,6 +86,11 @@ def model(config: ml_collections.ConfigDict, dataset: jdata.Dataset) -> nnx.Modu
   channels = dataset.image_shape[-1]
   if config.model.name == "small_cnn" or (config.model.name == "fcn" and channels != 3):
     kwargs.setdefault("in_channels", channels)
+  vocab = getattr(dataset, "vocab_size", None)
+  if vocab is not None and config.model.name == "bert_small" and kwargs.get("vocab", 30522) < vocab:
+    raise _bad("model.kwargs.vocab", kwargs.get("vocab", 30522),
+               f"at least the dataset's vocabulary size {vocab} (token ids past the embedding "
+               "table would be clamped)")
   rngs = nnx.Rngs(config.seed, dropout=config.seed + 1, quant=config.seed + 2)
   return models.get_model(config.model.name, num_classes=dataset.num_classes, rngs=rngs, **kwargs)
 
@@ -132,13 +137,18 @@ def schedule(config: ml_collections.ConfigDict, steps_per_epoch: int,
 
 
 def optimizer(config: ml_collections.ConfigDict, lr: optax.Schedule) -> optax.GradientTransformation:
-  """torch-style SGD (momentum, Nesterov, decoupled mask for wd_exclude) or optax LARS."""
+  """torch-style SGD (momentum, Nesterov, decoupled mask for wd_exclude), optax LARS, or
+  optax.adamw (optimizer="adamw": decoupled weight decay masked by wd_exclude)."""
   if config.use_lars:
     return optim.lars(lr, config.momentum, weight_decay=config.weight_decay)
   mask = None
   if config.wd_exclude:
     pattern = re.compile(config.wd_exclude)
     mask = optim.decay_mask(lambda path: bool(pattern.search(path)))
+  if config.optimizer == "adamw":
+    return optax.adamw(lr, b1=float(config.adam_b1), b2=float(config.adam_b2),
+                       eps=float(config.adam_eps), weight_decay=float(config.weight_decay),
+                       mask=mask)
   return optim.torch_sgd(lr, config.momentum, nesterov=config.nesterov,
                          weight_decay=config.weight_decay, decay_mask=mask)
 

@@ -424,7 +424,11 @@ class TrainStep:
     own_state = jax.tree.map(lambda x: x[0], sync_state)  # this rank's row
     grads, own_state, wire_bytes = reduce_gradients(grads, sync, own_state, step)
     sync_state = jax.tree.map(lambda x: x[None], own_state)
-    loss, aux, stats, probe_grads = self._node_means((loss, aux, stats, probe_grads))
+    # The metrics' all_gather after the gradient sync's collectives: XLA:CPU runs independent
+    # collectives of one program in any order on each device, and devices waiting in different
+    # collectives deadlock (seen: a ring's ppermute against this all_gather).
+    per_node, _ = lax.optimization_barrier(((loss, aux, stats, probe_grads), (grads, wire_bytes)))
+    loss, aux, stats, probe_grads = self._node_means(per_node)
     metrics = {"loss": loss, **aux, "wire_bytes": wire_bytes}
     if self.zse_report is not None:
       model = nnx.merge(self.graphdef, params, batch_stats, rng_keys, model_state, copy=True)

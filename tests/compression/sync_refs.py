@@ -3,23 +3,27 @@ sync_test.py, written from the protocol of the task (not from jlp.compression.sy
 
 The simulation loops over ranks, partitions, owners, chunks and hops in Python, holding every
 rank's data and state as numpy arrays. It calls a compressor's own encode / decode / decode_add
-on ONE partition at a time (the codecs are tested against their spec elsewhere); everything else
-is done here: routing, the flattening and zero-padding into K partitions, which rank encodes
-which partition with which state slot and which key, the all_to_all / all_gather / ring hops as
-index arithmetic, the owner's merge order, the server re-encode and its state, the ring's hop
-order, and the wire bytes, counted from HiPress's wire bytes of each message
-(`Compressor.to_bytes`, its length) for every message a rank sends to another rank.
+on one partition at a time (the codecs are tested against their spec elsewhere), except that a
+rank's K worker encodes in PS are one vmapped call, as the protocol makes them (batched, a
+codec's float32 reductions may sum in another order than alone). Everything else is done here:
+routing, the flattening and zero-padding into K partitions, which rank encodes which partition
+with which state slot and which key, the all_to_all / all_gather / ring hops as index
+arithmetic, the owner's merge order, the server re-encode and its state, the ring's hop order,
+and the wire bytes, counted from HiPress's wire bytes of each message (`Compressor.to_bytes`,
+its length) for every message a rank sends to another rank.
 
 Protocol (per compressed leaf i of n elements, K partitions of c = ceil(n/K)):
   keys: fold_in(fold_in(fold_in(fold_in(key, i), partition), rank), step)
-  PS: every rank r encodes partition j < K with slot j (step 0; a rank's K encodes in one
-      vmapped call) and sends it to rank j (not to itself); owner j: acc = its raw partition j, acc = decode_add(payload of r, acc) for r
-      ascending, r != j; encodes acc with server(W) (step 1) and slot j if server(W) has state,
-      else fresh (slot j keeps its old value); sends it to the W-1 others; all decode with
-      server(W).
+  PS: every rank r encodes partition j < K with slot j (step 0) and sends it to rank j (not to
+      itself); owner j: if server(W) is the compressor or has state, acc = its raw partition j, acc =
+      decode_add(payload of r, acc) for r ascending, r != j, then encodes acc with server(W)
+      (step 1) and slot j; another, stateless server(W) (DGC's union): acc = 0, decode_add of every rank's payload
+      (its own included) in rank order, encoded fresh, every slot keeping its step-0 state;
+      sends it to the W-1 others; all decode with server(W).
   ring: chunk k (< K) starts at rank k+1, encoded with the compressor and slot k (step 0);
-      hop t = 0..W-2: rank k+2+t decodes it (with what encoded it) onto its raw chunk k and
-      encodes with server(t+2) (step t+1), slot k if that has state; the last one (rank k)
+      hop t = 0..W-2: rank k+2+t decodes it (with what encoded it) onto its raw chunk k (another,
+      stateless server(t+2): onto the decode of its chunk k encoded with the compressor, slot k,
+      step W + t) and encodes with server(t+2) (step t+1), slot k if that has state; the last one (rank k)
       forwards it to the W-1 others around the ring (ranks k, k+1, ..., k+W-2 send it); all
       decode with server(W).
 """
@@ -137,16 +141,18 @@ def ps_leaf(xs, comp, states, key, leaf, k):
         sent[r] += message_bytes(comp, payloads[r][j])
   merged = []
   for j in range(k):
-    acc = parts[j][j]
-    for r in range(w):
-      if r != j:
-        acc = decode_add(comp, payloads[r][j], acc)
-    if has_state(server, c):
+    if server == comp or has_state(server, c):
+      acc = parts[j][j]
+      for r in range(w):
+        if r != j:
+          acc = decode_add(comp, payloads[r][j], acc)
       payload, st = encode(server, acc, slot(states[j], j), fold(key, leaf, j, j, 1))
-    else:
+      new[j] = set_slot(new[j], j, st)
+    else:  # another, stateless server (DGC's union) merges every rank's payload, the owner's included
+      acc = np.zeros(c, F32)
+      for r in range(w):
+        acc = decode_add(comp, payloads[r][j], acc)
       payload, _ = encode(server, acc, None, fold(key, leaf, j, j, 1))
-      st = slot(states[j], j)
-    new[j] = set_slot(new[j], j, st)
     sent[j] += (w - 1) * message_bytes(server, payload)
     merged.append(payload)
   result = [np.concatenate([decode(server, merged[j], c) for j in range(k)]) for _ in range(w)]
@@ -169,7 +175,12 @@ def ring_leaf(xs, comp, states, key, leaf, k):
     for t in range(w - 1):
       sent[r] += message_bytes(coder[t], payload)
       r = (chunk + 2 + t) % w
-      acc = decode_add(coder[t], payload, parts[r][chunk])
+      own = parts[r][chunk]
+      if coder[t + 1] != comp and not has_state(coder[t + 1], c):  # DGC's union: own chunk encoded
+        mine, st = encode(comp, own, slot(new[r], chunk), fold(key, leaf, chunk, r, w + t))
+        new[r] = set_slot(new[r], chunk, st)
+        own = decode_add(comp, mine, np.zeros(c, F32))
+      acc = decode_add(coder[t], payload, own)
       if has_state(coder[t + 1], c):
         payload, st = encode(coder[t + 1], acc, slot(new[r], chunk),
                              fold(key, leaf, chunk, r, t + 1))

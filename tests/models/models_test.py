@@ -254,3 +254,18 @@ def test_full_size_output_shapes(name, shape, expected):
 
   out = nnx.eval_shape(fwd)
   assert out.shape == expected and out.dtype == jnp.float32
+
+
+def test_bert_pad_id_masks_padding_out_of_attention():
+  """pad_id=0 without an attention_mask: the logits of [ids, PAD, PAD] are those of the ids alone
+  (references: the same model on the truncated sequence, and with the explicit mask)."""
+  model = build("bert_small", dict(TINY["bert_small"][0], pad_id=0))
+  model.eval()
+  ids = jax.random.randint(jax.random.key(4), (B, 6), 1, 50)
+  padded = jnp.concatenate([ids, jnp.zeros((B, 2), ids.dtype)], axis=1)
+  mask = jnp.concatenate([jnp.ones((B, 6), bool), jnp.zeros((B, 2), bool)], axis=1)
+  np.testing.assert_allclose(model(padded), model(ids), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(model(padded), model(padded, attention_mask=mask))
+  unmasked = build("bert_small", TINY["bert_small"][0])  # same parameters, no pad_id
+  unmasked.eval()
+  assert not np.allclose(unmasked(padded), model(padded), atol=1e-4)  # padding is attended there
