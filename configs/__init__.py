@@ -20,9 +20,14 @@ HIPRESS_MIN_SIZE = 262144
 def hipress_compression(c, compressor: str, topology: str):
   """Sets c.compression to `compressor` ("none" or a name of HIPRESS_COMPRESSOR_KWARGS) with
   HiPress's fields, over CaSync `topology` ("ps" or "ring"), compressing gradients of more than
-  HIPRESS_MIN_SIZE floats; returns c. Unknown names are left to the config's validation."""
+  HIPRESS_MIN_SIZE floats; returns c. Unknown names are left to the config's validation.
+  DGC's momentum correction is the momentum (Lin et al. 2018, §3.2: each worker accumulates
+  u = m u + g and sends from v += u), so with DGC the optimizer's own momentum is turned off
+  (c.momentum = 0): both at once compound to 1/(1-m)^2 times the step."""
   c.compression.name = compressor
   c.compression.topology = topology
   c.compression.min_size = HIPRESS_MIN_SIZE
   c.compression.kwargs = dict(HIPRESS_COMPRESSOR_KWARGS.get(compressor, {}))
+  if compressor == "dgc":
+    c.momentum = 0.0
   return c

@@ -160,6 +160,8 @@ def compression_study(config: ml_collections.ConfigDict, workdir: str,
     cfg = ml_collections.ConfigDict(config.to_dict())
     cfg.compression.name = name
     cfg.compression.kwargs = ml_collections.ConfigDict(kwargs)
+    if name == "dgc" and kwargs.get("momentum", 0.9) > 0:
+      cfg.momentum = 0.0  # DGC's momentum correction replaces the optimizer's (Lin et al. §3.2)
     if topology is not None:
       cfg.compression.topology = topology
     else:

@@ -18,7 +18,7 @@ from jlp.compression.contrib import QSGD, EFSignSGD
 from jlp.compression.layout import Header, Packed, Scalars, Sparse
 from jlp.compression.profile import fit_cost_model
 from jlp.compression.secopa import CostModel, plan_for_tree, secopa_plan
-from jlp.compression.sync import TOPOLOGIES, init_state, leaf_routes, sync, sync_with_bytes
+from jlp.compression.casync import TOPOLOGIES, init_state, leaf_routes, sync, sync_with_bytes
 
 __all__ = ["COMPRESSORS", "Compressor", "CostModel", "DGC", "DGCServer", "EFSignSGD", "GradDrop",
            "Header", "OneBit", "Packed", "QSGD", "Scalars", "Sparse", "TBQ", "TernGrad",

@@ -14,8 +14,9 @@ and, when it has state, `init`. With `error_feedback = True` the base class keep
 r (state {"residual"}): compress sees v = x + r, and the new residual is v - decode(payload),
 computed after the payload is packed (a second pass over x and r, so that a donated residual is
 updated in place: XLA would otherwise copy it); `feedback(v, payload)`, where a compressor
-defines it, gives the same bits from v without unpacking the payload. The base class turns these into the protocol
-the synchronisation (`jlp.compression.sync`), the train step and the wire use:
+defines it, gives the same bits from v without unpacking the payload. The base class turns
+these into the protocol the synchronisation (`jlp.compression.sync`), the train step and the wire
+use:
 
   init(x) -> state                      error-feedback residual, DGC's U and V; {} if none
   encode(x, state, key=None) -> (payload, state)

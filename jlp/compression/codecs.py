@@ -128,15 +128,13 @@ class OneBit(Compressor):
     negative = v < 0
     if self.scale_mode == "two_means":
       # One pass for the three sums (XLA:CPU materialises the masked values of separate sums).
-      sum_neg, sum_pos, count = lax.reduce(
-          (jnp.where(negative, v, 0.0), jnp.where(negative, 0.0, v), negative.astype(jnp.int32)),
-          (jnp.float32(0), jnp.float32(0), jnp.int32(0)),
-          lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]), (0,))
+      sum_neg, sum_pos, count = ops.block_sums(
+          (jnp.where(negative, v, 0.0), jnp.where(negative, 0.0, v), negative.astype(jnp.int32)))
       mean_neg = sum_neg / jnp.maximum(count, 1).astype(jnp.float32)
       mean_pos = sum_pos / jnp.maximum(v.shape[0] - count, 1).astype(jnp.float32)
       scales = jnp.stack([mean_neg, mean_pos])
     else:
-      scales = _divide(jnp.sum(jnp.abs(v)), v.shape[0])[None]
+      scales = _divide(ops.block_sums((jnp.abs(v),))[0], v.shape[0])[None]
     return {"signs": negative.astype(jnp.uint8), "scales": scales}, state
 
   def decompress(self, fields, n):

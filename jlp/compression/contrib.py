@@ -39,7 +39,8 @@ class EFSignSGD(Compressor):
     check_impl("EFSignSGD", self.impl)
 
   def compress(self, v, state, key):
-    return {"signs": (v >= 0).astype(jnp.uint8), "scale": jnp.mean(jnp.abs(v))[None]}, state
+    scale = ops.block_sums((jnp.abs(v),))[0] / v.shape[0]
+    return {"signs": (v >= 0).astype(jnp.uint8), "scale": scale[None]}, state
 
   def decompress(self, fields, n):
     scale = fields["scale"][0]
@@ -70,7 +71,7 @@ class QSGD(Compressor):
     return (Scalars("norm"), Packed("codes", bits=bits, pad=self.levels))
 
   def compress(self, x, state, key):
-    norm = jnp.sqrt(jnp.sum(x * x))
+    norm = jnp.sqrt(ops.block_sums((x * x,))[0])
     scaled = jnp.abs(x) * (self.levels / jnp.where(norm > 0, norm, 1.0))
     level = jnp.minimum(jnp.floor(scaled + ops.uniform(key, x.shape)), self.levels)
     codes = (jnp.where(x < 0, -level, level) + self.levels).astype(jnp.uint8)

@@ -30,7 +30,7 @@ from jax import lax
 
 from jlp.compression.layout import BITS, decimal, packed_size
 
-__all__ = ["IMPLS", "capacity_filter", "capped_select", "capped_threshold_select", "fold",
+__all__ = ["IMPLS", "block_sums", "capacity_filter", "capped_select", "capped_threshold_select", "fold",
            "pack_bits", "sampled_threshold", "threshold_select", "top_k", "uniform",
            "unpack_bits"]
 
@@ -103,6 +103,26 @@ def unpack_bits_xla(packed: jax.Array, bits: int, n: int) -> jax.Array:
   shifts = jnp.arange(per, dtype=jnp.uint8) * jnp.uint8(bits)
   codes = (packed[:, None] >> shifts[None, :]) & jnp.uint8((1 << bits) - 1)
   return codes.reshape(-1)[:n]
+
+
+def block_sums(values: tuple[jax.Array, ...], block: int = 1024) -> tuple[jax.Array, ...]:
+  """The sums of 1-D arrays of one length, each over its elements, in blocks: zero-padded to
+  rows of `block`, each row summed, then the row sums the same way until one value is left.
+  One pass for all of them (a variadic reduce). A single float32 accumulator over n elements
+  drifts by O(n) roundings: at 128M elements XLA:CPU's one-loop sum of N(0,1) negatives came out
+  31% low; blocked, the error grows with log(n) (within 1e-5 here)."""
+  values = tuple(jnp.asarray(v).reshape(-1) for v in values)
+  inits = tuple(jnp.zeros((), v.dtype) for v in values)
+
+  def add(a, b):
+    return tuple(x + y for x, y in zip(a, b))
+
+  while values[0].shape[0] > block:
+    n = values[0].shape[0]
+    rows = -(-n // block)
+    padded = tuple(jnp.pad(v, (0, rows * block - n)).reshape(rows, block) for v in values)
+    values = lax.reduce(padded, inits, add, (1,))
+  return lax.reduce(values, inits, add, (0,))
 
 
 def capacity_filter(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:

@@ -65,8 +65,8 @@ from jax import lax
 from jlp import collectives
 from jlp.collectives import ALGORITHMS, APS_MODES, FORMS
 from jlp.compression import COMPRESSORS, Compressor, get as get_compressor
-from jlp.compression.sync import DEFAULT_MIN_SIZE, TOPOLOGIES, sync_with_bytes
-from jlp.compression.sync import init_state as init_compression_state
+from jlp.compression.casync import DEFAULT_MIN_SIZE, TOPOLOGIES, sync_with_bytes
+from jlp.compression.casync import init_state as init_compression_state
 from jlp.formats import FloatFormat, as_format
 
 __all__ = ["DEFAULT_MIN_SIZE", "GradSync", "NODE_MAPS", "Plan", "TOPOLOGIES", "normalise_plan",

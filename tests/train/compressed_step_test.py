@@ -32,7 +32,7 @@ import jlp.compression as jc
 import jlp.train as jt
 from configs import digits
 from jlp.compression import secopa
-from jlp.compression.sync import sync as compressed_sync
+from jlp.compression.casync import sync as compressed_sync
 from jlp.train import loop, recipe
 from jlp.train.metrics import read_metrics
 from tiny_models import build

@@ -1,6 +1,6 @@
-"""jlp.compression.sync (CaSync PS and ring) on 8 emulated CPU devices.
+"""jlp.compression.sync (jlp/compression/casync.py: CaSync PS and ring) on 8 emulated CPU devices.
 
-References: `sync_refs.simulate`, a plain-Python simulation of the protocol over 8 ranks (loops
+References: `casync_refs.simulate`, a plain-Python simulation of the protocol over 8 ranks (loops
 over ranks, partitions, owners, chunks and hops; it calls only a compressor's own encode / decode
 and `to_bytes`), compared bit for bit on every rank's result and every rank's new state;
 `lax.psum` for the uncompressed leaves; wire bytes computed by hand.
@@ -19,8 +19,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(__file__))  # sync_refs (--import-mode=importlib)
-import sync_refs  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))  # casync_refs (--import-mode=importlib)
+import casync_refs  # noqa: E402
 import references as ref  # noqa: E402
 import jlp.compression as jc  # noqa: E402
 
@@ -123,7 +123,7 @@ def test_init_state_is_one_ranks_zero_slots():
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("name", sorted(jc.COMPRESSORS))
 def test_matches_simulation_two_steps(name, topology):
-  """Two successive calls (state carried) against sync_refs.simulate, bit for bit on every rank:
+  """Two successive calls (state carried) against casync_refs.simulate, bit for bit on every rank:
   the compressed leaves (K = W for "a", K = 3 for "v"), every rank's new state and the wire
   bytes; the uncompressed leaves equal lax.psum; the same call again gives the same bits."""
   comp = compressor(name)
@@ -136,7 +136,7 @@ def test_matches_simulation_two_steps(name, topology):
     before = state
     out, state, wire, psum = fn(tree, state, key)
     ranks = [[tree[k][r] for k in sorted(SHAPES)] for r in range(W)]
-    want, sim_states, want_wire = sync_refs.simulate(ranks, comp, sim_states, key, ROUTES,
+    want, sim_states, want_wire = casync_refs.simulate(ranks, comp, sim_states, key, ROUTES,
                                                      topology)
     for i, (path, _, compress, _) in enumerate(ROUTES):
       leaf = path[2:-2]
@@ -265,7 +265,7 @@ def test_bad_inputs_rejected():
 @pytest.mark.parametrize("name, topology", [("dgc", "ring"), ("tbq", "ring"), ("onebit", "ps")])
 def test_matches_simulation_three_ranks(name, topology):
   """W = 3 (a looped ring hop; DGC's servers differ per hop), one call against
-  sync_refs.simulate: every rank's result and state, and the wire bytes."""
+  casync_refs.simulate: every rank's result and state, and the wire bytes."""
   w, comp = 3, compressor(name)
   shapes = {"a": (5, 7), "b": (3,)}
   routes = [("['a']", 35, True, 3), ("['b']", 3, False, 3)]
@@ -284,7 +284,7 @@ def test_matches_simulation_three_ranks(name, topology):
   out, new, wire = fn(tree, state, key)
   ranks = [[tree[k][r] for k in sorted(shapes)] for r in range(w)]
   sim_states = [jax.tree.map(lambda s, r=r: np.asarray(s)[r], state) for r in range(w)]
-  want, want_states, want_wire = sync_refs.simulate(ranks, comp, sim_states, key, routes,
+  want, want_states, want_wire = casync_refs.simulate(ranks, comp, sim_states, key, routes,
                                                     topology)
   ref.assert_same_bits(np.asarray(out["a"]), want[0], msg="a")
   for r in range(w):

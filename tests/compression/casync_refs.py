@@ -1,5 +1,5 @@
 """A plain-Python simulation of CaSync over W ranks (hipress.md §2.2, §2.3), the reference of
-sync_test.py, written from the protocol of the task (not from jlp.compression.sync).
+casync_test.py, written from the protocol of the task (not from jlp.compression.sync).
 
 The simulation loops over ranks, partitions, owners, chunks and hops in Python, holding every
 rank's data and state as numpy arrays. It calls a compressor's own encode / decode / decode_add
