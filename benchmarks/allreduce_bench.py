@@ -40,6 +40,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
+
+from benchmarks.sizes import parse_size, size_label  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -64,25 +66,6 @@ def resnet18_shapes() -> list[tuple[int, ...]]:
       if first != cout:
         shapes += [(1, 1, first, cout), (cout,), (cout,)]
   return shapes + [(512, 10), (10,)]
-
-
-def parse_size(text: str) -> int:
-  mult = {"K": 2 ** 10, "M": 2 ** 20}.get(text[-1:].upper(), 1)
-  try:
-    n = int(text[:-1] if mult > 1 else text) * mult
-  except ValueError:
-    n = 0
-  if n <= 0:
-    raise app.UsageError(f"--sizes entry {text!r} is not allowed; expected a positive int, "
-                         "optionally with a K or M suffix.")
-  return n
-
-
-def size_label(n: int) -> str:
-  for suffix, unit in (("M", 2 ** 20), ("K", 2 ** 10)):
-    if n % unit == 0:
-      return f"{n // unit}{suffix}"
-  return str(n)
 
 
 def sharded_fn(mesh, body):

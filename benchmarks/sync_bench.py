@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jlp.compression as jc  # noqa: E402
+from benchmarks.sizes import parse_size, size_label  # noqa: E402
 
 _SIZE = flags.DEFINE_string("size", "16M", "float32 elements per device (K/M suffixes).")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "timed (psum, candidate) pairs per case.")
@@ -60,25 +61,6 @@ _TOPOLOGIES = flags.DEFINE_list("topologies", ["ps", "ring"], "CaSync topologies
 _STAGES = flags.DEFINE_bool("stages", False, "also time the encode and the decode alone.")
 
 W = 8
-
-
-def parse_size(text: str) -> int:
-  mult = {"K": 2 ** 10, "M": 2 ** 20}.get(text[-1:].upper(), 1)
-  try:
-    n = int(text[:-1] if mult > 1 else text) * mult
-  except ValueError:
-    n = 0
-  if n <= 0:
-    raise app.UsageError(f"--size={text!r} is not allowed; expected a positive int, optionally "
-                         "with a K or M suffix.")
-  return n
-
-
-def size_label(n: int) -> str:
-  for suffix, unit in (("M", 2 ** 20), ("K", 2 ** 10)):
-    if n % unit == 0:
-      return f"{n // unit}{suffix}"
-  return str(n)
 
 
 def timed(fn, *args):
@@ -191,7 +173,7 @@ def stage_cases(mesh, sharding, comp, n):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  n = parse_size(_SIZE.value)
+  n = parse_size(_SIZE.value, "--size=")
   for name in _COMPRESSORS.value:
     if name not in jc.COMPRESSORS:
       raise app.UsageError(f"--compressors entry {name!r} is not allowed; expected one of "

@@ -1,4 +1,4 @@
-"""The quickstart notebook executes top to bottom on the CPU (nbclient), in its quick mode."""
+"""The notebooks execute top to bottom on the CPU (nbclient), in their quick mode."""
 
 import os
 
@@ -8,40 +8,33 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quickstart_executes(tmp_path, monkeypatch):
+def execute(name: str, steps: int, tmp_path, monkeypatch) -> tuple[str, list]:
+  """Runs notebooks/<name> top to bottom in quick mode (JLP_NOTEBOOK_STEPS=steps) on 8 emulated
+  CPU devices; returns (all text outputs, the image outputs)."""
   nbclient = pytest.importorskip("nbclient")
-  path = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
-  nb = nbformat.read(path, as_version=4)
-  monkeypatch.setenv("JLP_NOTEBOOK_STEPS", "12")
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
+  monkeypatch.setenv("JLP_NOTEBOOK_STEPS", str(steps))
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": str(tmp_path)}})
   client.execute()
-  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                    for o in c.get("outputs", []))
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+  return ("".join(o.get("text", "") for o in outputs),
+          [o for o in outputs if "image/png" in o.get("data", {})])
+
+
+def test_quickstart_executes(tmp_path, monkeypatch):
+  outputs, images = execute("quickstart.ipynb", 12, tmp_path, monkeypatch)
   assert "e3m0" in outputs and "test acc" in outputs  # the APS table
-  images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-            if "image/png" in o.get("data", {})]
   assert len(images) >= 3  # formats explorer, the fp8 run's curves, the APS curves
 
 
 def test_compression_executes(tmp_path, monkeypatch):
   """notebooks/compression.ipynb in quick mode: every section runs; the PS and ring syncs agree on
   every rank; the study's table and the plots come out."""
-  nbclient = pytest.importorskip("nbclient")
-  path = os.path.join(ROOT, "notebooks", "compression.ipynb")
-  nb = nbformat.read(path, as_version=4)
-  monkeypatch.setenv("JLP_NOTEBOOK_STEPS", "6")
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                   resources={"metadata": {"path": str(tmp_path)}})
-  client.execute()
-  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                    for o in c.get("outputs", []))
+  outputs, images = execute("compression.ipynb", 6, tmp_path, monkeypatch)
   names = ("onebit", "tbq", "terngrad", "dgc", "graddrop")
   sync_lines = [w for w in map(str.split, outputs.splitlines())
                 if len(w) == 6 and w[0] in names and w[1] in ("ps", "ring")]
@@ -49,6 +42,4 @@ def test_compression_executes(tmp_path, monkeypatch):
   assert all(float(w[5]) < 0.1 for w in sync_lines)  # bytes: under a tenth of float32's ring
   assert "tbq without EF" in outputs and "N=16 ring" in outputs
   assert "x fp32" in outputs and "onebit     ring" in outputs  # the study's table
-  images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-            if "image/png" in o.get("data", {})]
   assert len(images) >= 2  # error feedback, accuracy against bytes
