@@ -130,8 +130,6 @@ class Compressor:
   layout: ClassVar[tuple] = ()
   #: whether encode draws random numbers (then a key is required).
   needs_key: ClassVar[bool] = False
-  #: whether decode is linear in the payload and payloads of equal layout can be summed (psum).
-  linear: ClassVar[bool] = False
   #: whether the base class keeps an error-feedback residual (see the module docstring).
   error_feedback: ClassVar[bool] = False
 
