@@ -6,6 +6,8 @@ SeCoPa planner.
     payload, state = c.encode(grad, c.init(grad))      # fixed-shape packed arrays
     approx = c.decode(payload, grad.size)
     wire = c.to_bytes(payload)                         # HiPress's bytes, byte for byte
+    summed, state = jlp.compression.sync(grads, "data", c, state, topology="ps")  # in shard_map
+    plan = jlp.compression.plan_for_tree(grads, num_nodes=8, topology="ring")   # SeCoPa
 
 A new compressor is a small frozen dataclass with a payload layout and two functions over
 unpacked fields (`jlp.compression.base`; README "Writing a compressor").
@@ -13,12 +15,12 @@ unpacked fields (`jlp.compression.base`; README "Writing a compressor").
 
 from jlp.compression import ops
 from jlp.compression.base import COMPRESSORS, Compressor, get, register
+from jlp.compression.casync import TOPOLOGIES, init_state, leaf_routes, sync, sync_with_bytes
 from jlp.compression.codecs import DGC, TBQ, DGCServer, GradDrop, OneBit, TernGrad
 from jlp.compression.contrib import QSGD, EFSignSGD
 from jlp.compression.layout import Header, Packed, Scalars, Sparse
 from jlp.compression.profile import fit_cost_model
 from jlp.compression.secopa import CostModel, plan_for_tree, secopa_plan
-from jlp.compression.casync import TOPOLOGIES, init_state, leaf_routes, sync, sync_with_bytes
 
 __all__ = ["COMPRESSORS", "Compressor", "CostModel", "DGC", "DGCServer", "EFSignSGD", "GradDrop",
            "Header", "OneBit", "Packed", "QSGD", "Scalars", "Sparse", "TBQ", "TernGrad",
