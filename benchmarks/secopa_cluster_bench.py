@@ -212,34 +212,31 @@ def main(argv):
             scaled = model.scaled_communication(base[cost] / bw)
             results[(name, cost, topology, n, bw)] = predict(gs, scaled, n, topology)
 
-  print("\nPredicted sync ms per iteration: off / static(262144) / SeCoPa "
-        "[gradients compressed by SeCoPa]")
-  print("| model | cost | topo | N | " + " | ".join(f"{b:g} Gbps" for b in bandwidths) + " |")
-  print("|" + " --- |" * (4 + len(bandwidths)))
-  for name in grads:
-    for cost in models:
-      for topology in ("ps", "ring"):
-        for n in nodes:
-          cells = []
-          for bw in bandwidths:
-            r = results[(name, cost, topology, n, bw)]
-            cells.append(f"{r['off']:.0f} / {r['static']:.0f} / {r['plan']:.0f} "
-                         f"[{r['compressed']}]")
-          print(f"| {name} | {cost} | {topology.upper()} | {n} | " + " | ".join(cells) + " |")
+  def table(title, names, cell):
+    """One markdown row per (model, cost model, topology, N), one cell(model, result) per
+    bandwidth."""
+    print(title)
+    print("| model | cost | topo | N | " + " | ".join(f"{b:g} Gbps" for b in bandwidths) + " |")
+    print("|" + " --- |" * (4 + len(bandwidths)))
+    for name in names:
+      for cost in models:
+        for topology in ("ps", "ring"):
+          for n in nodes:
+            cells = [cell(name, results[(name, cost, topology, n, bw)]) for bw in bandwidths]
+            print(f"| {name} | {cost} | {topology.upper()} | {n} | " + " | ".join(cells) + " |")
 
-  print("\nIteration ms = compute (fig11) + sync, off -> SeCoPa (speedup):")
-  print("| model | cost | topo | N | " + " | ".join(f"{b:g} Gbps" for b in bandwidths) + " |")
-  print("|" + " --- |" * (4 + len(bandwidths)))
-  for name, compute in COMPUTE_MS.items():
-    for cost in models:
-      for topology in ("ps", "ring"):
-        for n in nodes:
-          cells = []
-          for bw in bandwidths:
-            r = results[(name, cost, topology, n, bw)]
-            off, on = compute + r["off"], compute + r["plan"]
-            cells.append(f"{off:.0f} -> {on:.0f} ({off / on:.2f}x)")
-          print(f"| {name} | {cost} | {topology.upper()} | {n} | " + " | ".join(cells) + " |")
+  def sync_cell(name, r):
+    del name
+    return f"{r['off']:.0f} / {r['static']:.0f} / {r['plan']:.0f} [{r['compressed']}]"
+
+  def iteration_cell(name, r):
+    off, on = COMPUTE_MS[name] + r["off"], COMPUTE_MS[name] + r["plan"]
+    return f"{off:.0f} -> {on:.0f} ({off / on:.2f}x)"
+
+  table("\nPredicted sync ms per iteration: off / static(262144) / SeCoPa "
+        "[gradients compressed by SeCoPa]", grads, sync_cell)
+  table("\nIteration ms = compute (fig11) + sync, off -> SeCoPa (speedup):", COMPUTE_MS,
+        iteration_cell)
 
   plot(results, bandwidths, nodes, _OUT.value)
   print(f"\nwrote {_OUT.value}")

@@ -26,8 +26,6 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import orbax.checkpoint as ocp
-
 import jlp.compression as jc
 import jlp.train as jt
 from configs import digits
@@ -35,6 +33,7 @@ from jlp.compression import secopa
 from jlp.compression.casync import sync as compressed_sync
 from jlp.train import loop, recipe
 from jlp.train.metrics import read_metrics
+from runs import final_checkpoint, stable
 from tiny_models import build
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -190,21 +189,6 @@ def compressed_config(**overrides):
   return c
 
 
-def stable(rows):
-  return [{k: v for k, v in r.items() if k not in ("time", "throughput")} for r in rows]
-
-
-def final_checkpoint(workdir):
-  """{keystr(path): array} of the newest checkpoint's state (restored without a target)."""
-  directory = os.path.join(workdir, "checkpoints")
-  step = max(int(d) for d in os.listdir(directory) if d.isdigit())
-  with ocp.CheckpointManager(directory, item_names=("state", "meta")) as mgr:
-    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                         meta=ocp.args.JsonRestore()))
-  leaves = jax.tree_util.tree_flatten_with_path(restored.state)[0]
-  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
-
-
 def test_compressed_run_resumes_bit_exactly(tmp_path):
   """8 steps straight vs. the same run resumed at its step-4 checkpoint (step 8's removed)."""
   ref_dir, workdir = str(tmp_path / "straight"), str(tmp_path / "resumed")
@@ -216,7 +200,7 @@ def test_compressed_run_resumes_bit_exactly(tmp_path):
   rows = read_metrics(ref_dir)
   assert stable(read_metrics(workdir)) == stable(rows)
   assert all(r["wire_bytes"] > 0 for r in rows) and rows[-1]["train_loss"] < rows[0]["train_loss"]
-  ref_state, state = final_checkpoint(ref_dir), final_checkpoint(workdir)
+  (_, ref_state), (_, state) = final_checkpoint(ref_dir), final_checkpoint(workdir)
   assert state.keys() == ref_state.keys()
   residuals = [k for k in ref_state if "sync_state" in k and "kernel" in k]
   assert len(residuals) == 3 and all(np.any(ref_state[k] != 0) for k in residuals)

@@ -10,15 +10,14 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from configs import digits
 from jlp.train import loop, recipe
 from jlp.train.metrics import read_metrics
+from runs import final_checkpoint, stable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VOLATILE = ("time", "throughput")
 
 
 def small_config(**overrides):
@@ -33,21 +32,6 @@ def small_config(**overrides):
   for k, v in overrides.items():
     c[k] = v
   return c
-
-
-def stable(rows):
-  return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
-
-
-def final_checkpoint(workdir):
-  """The arrays of the newest checkpoint, flattened (restored without a target)."""
-  directory = os.path.join(workdir, "checkpoints")
-  step = max(int(d) for d in os.listdir(directory) if d.isdigit())
-  with ocp.CheckpointManager(directory, item_names=("state", "meta")) as mgr:
-    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                         meta=ocp.args.JsonRestore()))
-  leaves = jax.tree_util.tree_flatten_with_path(restored.state)[0]
-  return step, {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,28 @@
+"""Helpers of the tests that compare training runs: metrics rows without their timing fields, and
+the newest checkpoint of a run directory as flat arrays."""
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+#: Metrics fields that depend on the wall clock, not on the run's values.
+VOLATILE = ("time", "throughput")
+
+
+def stable(rows):
+  """metrics.jsonl rows without the VOLATILE fields."""
+  return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
+
+
+def final_checkpoint(workdir):
+  """(step, {keystr(path): array}) of the newest checkpoint of `workdir` (restored without a
+  target)."""
+  directory = os.path.join(workdir, "checkpoints")
+  step = max(int(d) for d in os.listdir(directory) if d.isdigit())
+  with ocp.CheckpointManager(directory, item_names=("state", "meta")) as mgr:
+    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                         meta=ocp.args.JsonRestore()))
+  leaves = jax.tree_util.tree_flatten_with_path(restored.state)[0]
+  return step, {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
