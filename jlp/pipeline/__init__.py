@@ -1,0 +1,40 @@
+"""Pipelined data-parallel training (SD-PIPE, Miao et al., PVLDB 16(9) 2023; sdpipe.md).
+
+    mesh = jlp.pipeline.pipeline_mesh(num_pipelines=2, num_stages=4)     # axes ("data", "stage")
+    split = jlp.pipeline.split_model(model, num_stages=4)                 # zoo stage rules
+    pipe = jlp.pipeline.Pipeline(split.stages, loss_fn, optax.sgd(0.1), mesh, schedule="1f1b",
+                                 sync="preduce", stateful=True,
+                                 hetero=jlp.pipeline.Hetero(delay_s=0.1))
+    state = pipe.init(split.params, split.state)
+    state, metrics = pipe.run(state, xs, ys)      # loss, bubble_fraction, virtual_time per batch
+
+Modules: `schedules` (GPipe / 1F1B tick tables, bubble fraction), `executor` (`Pipeline`: the
+schedules in one `jax.shard_map`, weight stashing, the syncs across pipelines), `simulator`
+(virtual time, SD-PIPE's partial-reduce group scheduler, AD-PSGD matchings: `simulate`,
+`preduce_schedule`), `stages` (`split_model`: ResNet, BERT, the digits CNN into S stages),
+`packing` (stages' pytrees as flat buffers).
+"""
+
+from jlp.pipeline.executor import Pipeline, PipelineState, pipeline_mesh
+from jlp.pipeline.schedules import SCHEDULES, Table, bubble_fraction, stage_order, tick_table
+from jlp.pipeline.simulator import (SYNC_MODES, HetPipe, Hetero, PReduce, SyncPlan,
+                                    adpsgd_matchings, preduce_schedule, simulate)
+
+__all__ = [
+    "SCHEDULES",
+    "SYNC_MODES",
+    "HetPipe",
+    "Hetero",
+    "PReduce",
+    "Pipeline",
+    "PipelineState",
+    "SyncPlan",
+    "Table",
+    "adpsgd_matchings",
+    "bubble_fraction",
+    "pipeline_mesh",
+    "preduce_schedule",
+    "simulate",
+    "stage_order",
+    "tick_table",
+]

@@ -1,0 +1,331 @@
+"""jlp.pipeline.Pipeline on N = 2 pipelines x S = 4 stages (8 emulated devices), stages that differ
+in shape. References, none of which runs a pipeline:
+  * GPipe: jax.grad of the unpipelined model on the whole mini-batch, then the same optax update;
+  * 1F1B: the version-mixed oracle of sdpipe.md §1.1 -- mini-batch b (1-based) runs at stage s
+    (0-based) with the weights after max(0, b - (S - s)) updates of that stage, its gradient is
+    applied to the latest weights;
+  * partial reduce / AD-PSGD: the oracle's local step followed by x_i <- sum_j mix[b,s,i,j] x_j
+    (numpy); HetPipe: the parameter-server rule of sdpipe.md §3.2 written out in numpy.
+Float32 throughout, so agreement is to float32 rounding (the pipeline sums the same terms in
+another order).
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import ml_dtypes
+
+from jlp.pipeline import HetPipe, Pipeline, pipeline_mesh
+from jlp.train.sync import GradSync
+
+N, S = 2, 4
+DIMS = (6, 8, 5, 7, 3)  # stage s maps DIMS[s] -> DIMS[s + 1] features
+ROWS = 8  # rows per pipeline per mini-batch
+
+
+def _stage(s):
+  def apply(p, x):
+    y = x @ p["w"] + p["b"]
+    return jnp.tanh(y) if s < S - 1 else y
+  return apply
+
+
+STAGES = [_stage(s) for s in range(S)]
+
+
+def loss_fn(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _params(seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"w": (rng.normal(size=(DIMS[s], DIMS[s + 1])) * 0.5).astype(np.float32),
+           "b": (rng.normal(size=(DIMS[s + 1],)) * 0.1).astype(np.float32)} for s in range(S)]
+
+
+def _data(batches, seed=1):
+  rng = np.random.default_rng(seed)
+  xs = rng.normal(size=(batches, N * ROWS, DIMS[0])).astype(np.float32)
+  ys = rng.integers(0, DIMS[-1], size=(batches, N * ROWS)).astype(np.int32)
+  return xs, ys
+
+
+def _full_loss(stage_params, x, y):
+  for s in range(S):
+    x = STAGES[s](stage_params[s], x)
+  return loss_fn(x, y)
+
+
+def _plan(mix, batches):
+  """A hand-made plan: what `Pipeline.run` reads of a jlp.pipeline.SyncPlan."""
+  return types.SimpleNamespace(mix=np.asarray(mix, np.float32),
+                               times=np.arange(1.0, batches + 1))
+
+
+def _rows(x, i):
+  return x[i * ROWS:(i + 1) * ROWS]
+
+
+def _oracle_1f1b(params, xs, ys, optimizer, sync, mix=None, pull_every=10):
+  """Per-pipeline version-mixed oracle; returns [pipeline][stage] params after all batches."""
+  hist = [[[params[s]] for s in range(S)] for _ in range(N)]  # [i][s] -> versions
+  opt = [[optimizer.init(params[s]) for s in range(S)] for _ in range(N)]
+  server = [params[s] for s in range(S)]
+  for b in range(1, len(xs) + 1):
+    grads = []
+    for i in range(N):
+      versions = [hist[i][s][max(0, b - (S - s))] for s in range(S)]
+      grads.append(jax.grad(_full_loss)(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i)))
+    if sync == "allreduce":
+      mean = jax.tree.map(lambda *g: sum(g) / N, *grads)
+      grads = [mean] * N
+    for s in range(S):
+      new, deltas = [], []
+      for i in range(N):
+        updates, opt[i][s] = optimizer.update(grads[i][s], opt[i][s], hist[i][s][-1])
+        deltas.append(updates)
+        new.append(optax.apply_updates(hist[i][s][-1], updates))
+      if sync in ("preduce", "adpsgd"):
+        m = np.asarray(mix[b - 1, s], np.float64)
+        new = [jax.tree.map(lambda *w, i=i: sum(m[i, j] * np.asarray(w[j], np.float64)
+                                                  for j in range(N)).astype(np.float32), *new)
+               for i in range(N)]
+      if sync == "hetpipe":
+        for i in range(N):
+          server[s] = jax.tree.map(lambda w, d: w + d / N, server[s], deltas[i])
+        if b % pull_every == 0:
+          new = [server[s]] * N
+      for i in range(N):
+        hist[i][s].append(new[i])
+  return [[hist[i][s][-1] for s in range(S)] for i in range(N)]
+
+
+def _assert_close(pipe, state, expected, atol=2e-6):
+  got = pipe.stage_params(state)
+  for i in range(N):
+    for s in range(S):
+      for k in ("w", "b"):
+        np.testing.assert_allclose(got[s][k][i], expected[i][s][k], rtol=2e-5, atol=atol,
+                                   err_msg=f"pipeline {i} stage {s} {k}")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return pipeline_mesh(N, S)
+
+
+def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  params = _params()
+  xs, ys = _data(3)
+  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="gpipe", num_microbatches=4)
+  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  expected, opt, losses = params, optimizer.init(params), []
+  for b in range(len(xs)):
+    loss, grads = jax.value_and_grad(_full_loss)(expected, xs[b], ys[b])
+    updates, opt = optimizer.update(grads, opt, expected)
+    expected = optax.apply_updates(expected, updates)
+    losses.append(loss)
+  _assert_close(pipe, state, [expected] * N)
+  np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-5)
+  assert metrics["bubble_fraction"] == pytest.approx(3 / 7)
+  assert int(state.step) == 3
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "none"])
+def test_1f1b_follows_the_weight_version_rule(mesh, sync):
+  optimizer = optax.sgd(0.2, momentum=0.5)
+  params = _params()
+  xs, ys = _data(7)
+  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync=sync)
+  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, sync))
+  assert metrics["loss"].shape == (7,)
+  assert metrics["bubble_fraction"] == pytest.approx(1 - 2 * 7 / 20)
+
+
+def test_1f1b_continues_across_runs_from_the_latest_weights(mesh):
+  """Two runs of 3 mini-batches: the pipeline drains at the end of each run, so the second
+  run's mini-batches restart the version rule from the weights the first one left."""
+  optimizer = optax.sgd(0.1)
+  params = _params()
+  xs, ys = _data(6)
+  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="none")
+  state, _ = pipe.run(pipe.init(params), xs[:3], ys[:3])
+  state, _ = pipe.run(state, xs[3:], ys[3:])
+  first = _oracle_1f1b(params, xs[:3], ys[:3], optimizer, "none")
+  # every pipeline's stage weights after run 1 are the start of run 2 (per pipeline oracle)
+  expected = []
+  for i in range(N):
+    per = _oracle_1f1b(first[i], xs[3:], ys[3:], optimizer, "none")
+    expected.append(per[i])
+  _assert_close(pipe, state, expected)
+  assert int(state.step) == 6
+
+
+def test_partial_reduce_averages_models_with_the_plans_matrices(mesh):
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  params = _params()
+  xs, ys = _data(5)
+  rng = np.random.default_rng(3)
+  mix = np.broadcast_to(np.eye(N), (5, S, N, N)).copy()
+  for b in range(5):
+    for s in range(S):
+      if rng.random() < 0.6:
+        mix[b, s] = 1.0 / N
+  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="preduce")
+  state, _ = pipe.run(pipe.init(params), xs, ys, plan=_plan(mix, 5))
+  _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "preduce", mix))
+
+
+def test_preduce_with_whole_groups_equals_allreduce_with_sgd(mesh):
+  """sdpipe.md §9 (b): averaging linear local updates is averaging gradients."""
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  params = _params()
+  xs, ys = _data(5)
+  full = np.full((5, S, N, N), 1.0 / N)
+  runs = {}
+  for sync in ("preduce", "allreduce"):
+    pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync=sync)
+    state, _ = pipe.run(pipe.init(params), xs, ys, plan=_plan(full, 5))
+    runs[sync] = pipe.stage_params(state)
+  for s in range(S):
+    np.testing.assert_allclose(runs["preduce"][s]["w"], runs["allreduce"][s]["w"], atol=2e-6)
+
+
+def test_hetpipe_pulls_the_server_copy(mesh):
+  optimizer = optax.sgd(0.1)
+  params = _params()
+  xs, ys = _data(5)
+  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="hetpipe",
+                  hetpipe=HetPipe(pull_every=2))
+  state, _ = pipe.run(pipe.init(params), xs, ys)
+  _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "hetpipe", pull_every=2))
+
+
+def test_low_precision_allreduce_inside_the_pipeline(mesh):
+  """GradSync(fmt="e5m2"): with lr 1 and zero biases the first update of a bias is minus the
+  reduced gradient, so every updated bias is an e5m2 value (ml_dtypes) close to the float32 mean
+  (one mini-batch: the 1F1B update uses the initial weights at every stage)."""
+  params = [dict(p, b=np.zeros_like(p["b"])) for p in _params()]
+  xs, ys = _data(1)
+  pipe = Pipeline(STAGES, loss_fn, optax.sgd(1.0), mesh, schedule="1f1b",
+                  grad_sync=GradSync(fmt="e5m2"))
+  state, _ = pipe.run(pipe.init(params), xs, ys)
+  got = pipe.stage_params(state)
+  grads = [jax.grad(_full_loss)(params, _rows(xs[0], i), _rows(ys[0], i)) for i in range(N)]
+  for s in range(S):
+    g = -got[s]["b"][0]
+    assert np.all(g != 0)
+    np.testing.assert_array_equal(g.astype(ml_dtypes.float8_e5m2).astype(np.float32), g)
+    mean = (np.asarray(grads[0][s]["b"]) + np.asarray(grads[1][s]["b"])) / 2
+    np.testing.assert_allclose(g, mean, rtol=0.3)
+    assert np.any(g != mean)
+
+
+def _counting_stage(s):
+  """y = tanh(x @ w * (1 + c)) with c the number of forwards this stage has run (its state)."""
+  def apply(p, x, state):
+    y = x @ p["w"] * (1.0 + state["c"])
+    return (jnp.tanh(y) if s < S - 1 else y), {"c": state["c"] + 1.0}
+  return apply
+
+
+def test_stateful_stages_recompute_with_the_stashed_state(mesh):
+  optimizer = optax.sgd(0.1)
+  params = [{"w": p["w"]} for p in _params()]
+  xs, ys = _data(4)
+  pipe = Pipeline([_counting_stage(s) for s in range(S)], loss_fn, optimizer, mesh,
+                  schedule="1f1b", sync="none", stateful=True)
+  state = pipe.init(params, [{"c": np.float32(0)} for _ in range(S)])
+  state, _ = pipe.run(state, xs, ys)
+  for s in range(S):
+    np.testing.assert_array_equal(pipe.stage_state(state)[s]["c"], [4.0] * N)
+
+  def full(ps, x, y, b):  # mini-batch b (0-based) is the (b+1)-th forward of every stage
+    for s in range(S):
+      x = _counting_stage(s)(ps[s], x, {"c": np.float32(b)})[0]
+    return loss_fn(x, y)
+
+  hist = [[[params[s]] for s in range(S)] for _ in range(N)]
+  for b in range(1, 5):
+    for i in range(N):
+      versions = [hist[i][s][max(0, b - (S - s))] for s in range(S)]
+      g = jax.grad(full)(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i), b - 1)
+      for s in range(S):
+        hist[i][s].append(jax.tree.map(lambda w, g: w - 0.1 * g, hist[i][s][-1], g[s]))
+  got = pipe.stage_params(state)
+  for i in range(N):
+    for s in range(S):
+      np.testing.assert_allclose(got[s]["w"][i], hist[i][s][-1]["w"], rtol=2e-5, atol=2e-6)
+
+
+# -- bad input, rejected before anything compiles ------------------------------------------------
+
+
+def test_bad_configuration_is_rejected(mesh):
+  opt = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="len\\(stages\\)=3"):
+    Pipeline(STAGES[:3], loss_fn, opt, mesh)
+  with pytest.raises(ValueError, match="schedule='zb'"):
+    Pipeline(STAGES, loss_fn, opt, mesh, schedule="zb")
+  with pytest.raises(ValueError, match="sync='gossip'"):
+    Pipeline(STAGES, loss_fn, opt, mesh, sync="gossip")
+  with pytest.raises(ValueError, match="num_microbatches=4"):
+    Pipeline(STAGES, loss_fn, opt, mesh, schedule="1f1b", num_microbatches=4)
+  with pytest.raises(ValueError, match="mesh="):
+    Pipeline(STAGES, loss_fn, opt, jax.make_mesh((8,), ("data",)))
+  with pytest.raises(ValueError, match="grad_sync="):
+    Pipeline(STAGES, loss_fn, opt, mesh, sync="none", grad_sync=GradSync(fmt="e4m3"))
+
+
+def test_bad_inputs_are_rejected(mesh):
+  pipe = Pipeline(STAGES, loss_fn, optax.sgd(0.1), mesh, schedule="gpipe", num_microbatches=4)
+  params = _params()
+  with pytest.raises(ValueError, match="stage_params"):
+    pipe.init(params[:3])
+  with pytest.raises(ValueError, match="dtype=float16"):
+    pipe.init([jax.tree.map(lambda x: x.astype(np.float16), p) for p in params])
+  state = pipe.init(params)
+  xs, ys = _data(2)
+  with pytest.raises(ValueError, match="rows=12"):
+    pipe.run(state, xs[:, :12], ys[:, :12])
+  with pytest.raises(ValueError, match="leading dimensions"):
+    pipe.run(state, xs, ys[:1])
+  with pytest.raises(ValueError, match="plan.mix shape"):
+    pipe.run(state, xs, ys, plan=_plan(np.ones((1, S, N, N)), 1))
+  bad = [dict(p) for p in params]
+  bad[2] = {"w": np.zeros((4, 7), np.float32), "b": np.zeros((7,), np.float32)}
+  with pytest.raises(ValueError, match="other structures or shapes"):
+    pipe.init(bad)
+  fresh = Pipeline(STAGES, loss_fn, optax.sgd(0.1), mesh, schedule="gpipe", num_microbatches=4)
+  with pytest.raises(ValueError, match="stage 2 does not accept"):
+    fresh.run(fresh.init(bad), xs, ys)
+  with pytest.raises(ValueError, match="state.params"):
+    other = {"w": np.zeros((6, 20), np.float32), "b": np.zeros((20,), np.float32)}
+    fresh.run(Pipeline(STAGES, loss_fn, optax.sgd(0.1), mesh).init([other] * S), xs, ys)
+
+
+def test_compressed_allreduce_inside_the_pipeline(mesh):
+  """GradSync(compression="onebit"): each stage's gradient (one flat buffer) goes through HiPress's
+  onebit with error feedback; the residual state lives per (pipeline, stage) and the first update
+  of a zero bias has the sign of the float32 mean gradient where that is large."""
+  params = [dict(p, b=np.zeros_like(p["b"])) for p in _params()]
+  xs, ys = _data(2)
+  pipe = Pipeline(STAGES, loss_fn, optax.sgd(1.0), mesh, schedule="1f1b",
+                  grad_sync=GradSync(compression="onebit", min_size=0))
+  state = pipe.init(params)
+  assert all(np.shape(x)[:2] == (N, S) for x in jax.tree.leaves(state.sync_state))
+  state, metrics = pipe.run(state, xs[:1], ys[:1])
+  assert np.isfinite(metrics["loss"]).all()
+  assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(state.sync_state))
+  got = pipe.stage_params(state)
+  grads = [jax.grad(_full_loss)(params, _rows(xs[0], i), _rows(ys[0], i)) for i in range(N)]
+  mean = (np.asarray(grads[0][S - 1]["b"]) + np.asarray(grads[1][S - 1]["b"])) / 2
+  large = np.abs(mean) > 0.5 * np.abs(mean).max()
+  assert np.all(np.sign(-got[S - 1]["b"][0][large]) == np.sign(mean[large]))
+  np.testing.assert_array_equal(got[S - 1]["b"][0], got[S - 1]["b"][1])  # one sum for both
