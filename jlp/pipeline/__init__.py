@@ -17,12 +17,15 @@ schedules in one `jax.shard_map`, weight stashing, the syncs across pipelines), 
 
 from jlp.pipeline.executor import Pipeline, PipelineState, pipeline_mesh
 from jlp.pipeline.schedules import SCHEDULES, Table, bubble_fraction, stage_order, tick_table
+from jlp.pipeline.stages import STAGE_RULES, StageSplit, split_model
 from jlp.pipeline.simulator import (SYNC_MODES, HetPipe, Hetero, PReduce, SyncPlan,
                                     adpsgd_matchings, preduce_schedule, simulate)
 
 __all__ = [
     "SCHEDULES",
+    "STAGE_RULES",
     "SYNC_MODES",
+    "StageSplit",
     "HetPipe",
     "Hetero",
     "PReduce",
@@ -35,6 +38,7 @@ __all__ = [
     "pipeline_mesh",
     "preduce_schedule",
     "simulate",
+    "split_model",
     "stage_order",
     "tick_table",
 ]

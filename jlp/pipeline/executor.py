@@ -425,7 +425,8 @@ class Pipeline:
     return simulate(self.schedule, self.sync, self.num_pipelines, self.num_stages, num_batches,
                     self.num_microbatches, seed=int(np.random.SeedSequence(
                         [self.seed, step]).generate_state(1)[0]),
-                    hetero=self.hetero, preduce=self.preduce, hetpipe=self.hetpipe)
+                    hetero=self.hetero, preduce=self.preduce, hetpipe=self.hetpipe,
+                    first_batch=step)
 
   def run(self, state: PipelineState, xs: Any, ys: Any, plan: SyncPlan | None = None
           ) -> tuple[PipelineState, dict[str, Any]]:
