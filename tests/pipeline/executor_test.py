@@ -329,3 +329,56 @@ def test_compressed_allreduce_inside_the_pipeline(mesh):
   large = np.abs(mean) > 0.5 * np.abs(mean).max()
   assert np.all(np.sign(-got[S - 1]["b"][0][large]) == np.sign(mean[large]))
   np.testing.assert_array_equal(got[S - 1]["b"][0], got[S - 1]["b"][1])  # one sum for both
+
+
+def test_quantized_zoo_model_trains_in_a_gpipe_pipeline(mesh):
+  """The digits CNN with e4m3 weights (a jlp.nn rule), split into 4 stages (split_model), GPipe
+  with one micro-batch per pipeline: each pipeline's update and BatchNorm statistics equal the
+  unsplit quantized model's on the pipeline's rows (jax.grad through nnx, gradients averaged over
+  the pipelines as sync="allreduce" says), to float32 rounding."""
+  from flax import nnx
+  from jlp.gemm import GemmQuant
+  from jlp.models import get_model
+  from jlp.nn import QuantRule, quantize_model
+  from jlp.pipeline import split_model
+
+  model = get_model("small_cnn", num_classes=10, width=4, rngs=nnx.Rngs(0))
+  quantize_model(model, [QuantRule(".*", GemmQuant(w="e4m3"))])
+  model.train()
+  split = split_model(model, S)
+  pipe = Pipeline(split.stages, loss_fn, optax.sgd(0.1), mesh, schedule="gpipe", stateful=True)
+  rng = np.random.default_rng(0)
+  xs = rng.normal(size=(1, N * ROWS, 8, 8, 1)).astype(np.float32)
+  ys = rng.integers(0, 10, size=(1, N * ROWS)).astype(np.int32)
+  state, _ = pipe.run(pipe.init(split.params, split.state), xs, ys)
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  grads, stats = [], []
+  for i in range(N):
+    def loss(p, i=i):
+      m = nnx.merge(graphdef, p, rest, copy=True)
+      out = loss_fn(m(_rows(xs[0], i)), _rows(ys[0], i))
+      return out, nnx.split(m, nnx.Param, ...)[2]
+    g, new_rest = jax.grad(loss, has_aux=True)(params)
+    grads.append(g)
+    stats.append(new_rest)
+  expected = jax.tree.map(lambda p, *g: p - 0.1 * (sum(g) / N), params, *grads)
+  flat = dict(nnx.to_flat_state(expected))
+  got = pipe.stage_params(state)
+  checked = 0
+  for s in range(S):
+    for name, value in got[s].items():
+      key = tuple(int(k) if k.isdigit() else k for k in name.split("/"))
+      for i in range(N):
+        np.testing.assert_allclose(value[i], flat[key][...], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name} pipeline {i}")
+      checked += 1
+  assert checked == len(flat)
+  got_state = pipe.stage_state(state)
+  for i in range(N):
+    flat_stats = dict(nnx.to_flat_state(stats[i]))
+    for s in range(S):
+      for name, value in got_state[s].items():
+        if name.endswith(("mean", "var")):
+          key = tuple(int(k) if k.isdigit() else k for k in name.split("/"))
+          np.testing.assert_allclose(value[i], flat_stats[key][...], rtol=1e-5, atol=1e-6)
