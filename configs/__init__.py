@@ -31,3 +31,35 @@ def hipress_compression(c, compressor: str, topology: str):
   if compressor == "dgc":
     c.momentum = 0.0
   return c
+
+#: SD-PIPE's per-pipeline batch (sdpipe.md §5: "batch size 256" = 4 pipelines x 64).
+SDPIPE_BATCH_PER_PIPELINE = 64
+
+
+def sdpipe_pipeline(c, *, sync: str, hetero: float, pipelines: int, barrier: bool):
+  """Sets c.pipeline to SD-PIPE's artifact runs (sdpipe.md §0, §1.1, §4): PipeDream 1F1B over 4
+  stages (the stage rule's default split: ResNet-50 blocks [4, 4, 4, 4], BERT by layers),
+  `pipelines` pipelines (4: the seed's pipe_4_4 on 16 devices) of SDPIPE_BATCH_PER_PIPELINE rows
+  each (c.batch_size = 64 x pipelines), `sync` across them, the seed's --hetero `hetero`;
+  HetPipe's wave `barrier` (the seed's BERT run) and pull every 10 batches; returns c. Unknown
+  names are left to the config's validation."""
+  c.pipeline.schedule = "1f1b"
+  c.pipeline.stages = 4
+  c.pipeline.pipelines = pipelines
+  c.pipeline.sync = sync
+  c.pipeline.hetero = hetero
+  c.pipeline.barrier = barrier
+  c.batch_size = SDPIPE_BATCH_PER_PIPELINE * pipelines
+  return c
+
+
+def epoch_cadence(c, train_size: int, epochs: int):
+  """max_steps = `epochs` epochs of c.batch_size over `train_size` examples; eval_every and
+  checkpoint_every = one epoch rounded down to a multiple of c.pipeline.batches_per_call (they
+  run between pipeline calls); returns c."""
+  steps_per_epoch = train_size // c.batch_size
+  c.max_steps = epochs * steps_per_epoch
+  c.eval_every = c.checkpoint_every = max(
+      c.pipeline.batches_per_call,
+      steps_per_epoch - steps_per_epoch % c.pipeline.batches_per_call)
+  return c

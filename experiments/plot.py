@@ -1,6 +1,9 @@
 """Training curves of several runs in one figure (loss and accuracy against step).
 
-Run: python -m experiments.plot DIR [DIR ...] --out=curves.png [--labels=a,b,...]
+Run: python -m experiments.plot DIR [DIR ...] --out=curves.png [--labels=a,b,...] [--x=step]
+
+--x=virtual_time draws time-to-accuracy in virtual seconds (pipelined runs, config.pipeline);
+--x=epoch against epochs.
 """
 
 from absl import app, flags
@@ -9,13 +12,15 @@ from jlp import plots
 
 _OUT = flags.DEFINE_string("out", "curves.png", "Where to write the figure (PNG, PDF or SVG).")
 _LABELS = flags.DEFINE_list("labels", None, "One legend label per run (default: directory names).")
+_X = flags.DEFINE_enum("x", "step", sorted(plots.X_AXES),
+                       "The x axis: step, epoch or virtual_time (pipelined runs' virtual seconds).")
 
 
 def main(argv):
   workdirs = argv[1:]
   if not workdirs:
     raise app.UsageError("expected one or more run directories: python -m experiments.plot DIR ... --out=FILE.png")
-  plots.plot_runs(workdirs, _OUT.value, labels=_LABELS.value)
+  plots.plot_runs(workdirs, _OUT.value, labels=_LABELS.value, x=_X.value)
   print(f"wrote {_OUT.value}")
 
 

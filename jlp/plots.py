@@ -1,9 +1,10 @@
 """Figures people look at: training curves of several runs, quantization error against value.
 
 `plot_runs` reads each run's `metrics.jsonl` (jlp.train.metrics) and draws loss and accuracy
-against step, one line per run, like CPD's `draw_curve.py`; `plot_quantization_error` draws the
-relative error of `jlp.quantize` over a log-spaced range of values for several formats (the
-notebook's formats explorer); `plot_accuracy_vs_bytes` draws the compression study's rows
+against step, one line per run, like CPD's `draw_curve.py`, or against another logged x value
+(`x="virtual_time"`: time-to-accuracy in the virtual seconds of a pipelined run, sdpipe.md §7.4);
+`plot_quantization_error` draws the relative error of `jlp.quantize` over a log-spaced range of
+values for several formats (the notebook's formats explorer); `plot_accuracy_vs_bytes` draws the compression study's rows
 (jlp.studies.compression_study): test accuracy against bytes sent per step. Each returns the
 matplotlib Figure and optionally saves it.
 """
@@ -21,34 +22,44 @@ from jlp.train.metrics import read_metrics
 #: (metric in metrics.jsonl, axis title) drawn by `plot_runs`, where present.
 CURVES = (("train_loss", "train loss"), ("eval_loss", "eval loss"),
           ("eval_accuracy", "eval accuracy"))
+#: x axes of `plot_runs`: metrics.jsonl field -> axis label.
+X_AXES = {"step": "step", "epoch": "epoch", "virtual_time": "virtual seconds"}
 
 
 def plot_runs(workdirs: Sequence[str], out: str | None = None,
-              labels: Sequence[str] | None = None):
-  """Loss and accuracy against step for each run directory, one panel per metric.
+              labels: Sequence[str] | None = None, x: str = "step"):
+  """Loss and accuracy against `x` (a key of X_AXES: "step", "epoch" or "virtual_time") for each
+  run directory, one panel per metric; rows without the x value are skipped.
 
   Raises:
     FileNotFoundError: a directory without metrics.jsonl (or with no rows).
+    ValueError: an unknown x, or a run none of whose rows has it (e.g. virtual_time of a run that
+      was not pipelined).
   """
   if labels is not None and len(labels) != len(workdirs):
     raise ValueError(f"labels has {len(labels)} entries; expected one per run ({len(workdirs)}).")
+  if x not in X_AXES:
+    raise ValueError(f"x={x!r} is not allowed; expected one of {sorted(X_AXES)}.")
   runs = []
   for d in workdirs:
     rows = read_metrics(d)
     if not rows:
       raise FileNotFoundError(f"{d!r} holds no metrics.jsonl rows; expected a jlp run directory "
                               "(python -m experiments.train --workdir=DIR ...).")
+    if not any(r.get(x) is not None for r in rows):
+      raise ValueError(f"x={x!r} is not allowed for {d!r}: none of its rows has {x!r} (virtual "
+                       "time is logged by pipelined runs, config.pipeline.schedule).")
     runs.append(rows)
   names = list(labels) if labels is not None else [os.path.basename(os.path.normpath(d)) for d in workdirs]
   present = [(k, t) for k, t in CURVES if any(k in r for rows in runs for r in rows)]
   fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.8), squeeze=False)
   for ax, (key, title) in zip(axes[0], present):
     for name, rows in zip(names, runs):
-      pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+      pts = [(r[x], r[key]) for r in rows if r.get(key) is not None and r.get(x) is not None]
       if pts:
-        steps, values = zip(*pts)
-        ax.plot(steps, values, label=name, marker="." if len(pts) < 30 else None)
-    ax.set_xlabel("step")
+        xs, values = zip(*pts)
+        ax.plot(xs, values, label=name, marker="." if len(pts) < 30 else None)
+    ax.set_xlabel(X_AXES[x])
     ax.set_title(title)
     if key.endswith("loss"):
       ax.set_yscale("log")

@@ -110,8 +110,10 @@ def test_grad_format_follows_grad_exp_and_grad_man():
 
 # The HiPress ResNet50 and BERT local runs take 40-190 s here (their compressed syncs compile a
 # codec per leaf shape); they run in the slow tier, and the compressed VGG19 and digits runs,
-# BERT on TSV files and the compressed-step tests cover the same code in the default one.
-SLOW_LOCAL = ("hipress_resnet50", "hipress_bert_small")
+# BERT on TSV files and the compressed-step tests cover the same code in the default one. The
+# pipelined ResNet-50 (45 s) is slow too; the pipelined BERT (10 s) and
+# tests/train/pipeline_loop_test.py cover the pipelined runner in the default tier.
+SLOW_LOCAL = ("hipress_resnet50", "hipress_bert_small", "sdpipe_resnet50")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LOCAL
@@ -134,6 +136,46 @@ def test_local_variant_trains(name, tmp_path, fast_compile):
   if name in HIPRESS_CONFIGS:  # every gradient compressed: fewer bytes than a float32 ring
     w = jax.device_count()
     assert 0 < rows[-1]["wire_bytes"] < 2 * (w - 1) / w * 4 * param_floats(c) / 4
+
+
+SDPIPE_CONFIGS = ("sdpipe_resnet50", "sdpipe_bert_small")
+
+
+@pytest.mark.parametrize("name", SDPIPE_CONFIGS)
+@pytest.mark.parametrize("sync", config_lib.PIPELINE_SYNCS)
+def test_sdpipe_config_selects_each_sync_mode(name, sync):
+  """SD-PIPE's runs (sdpipe.md §0, §5): 1F1B over 4 stages, 64 rows per pipeline, 4 pipelines
+  (the seed's pipe_4_4) or 2 for :local on the 8 test devices; the seed's optimizers."""
+  module = importlib.import_module(f"configs.{name}")
+  for arg, pipelines in (("", 4), (",pipelines=2", 2), (",local", 2)):
+    c = module.get_config(f"sync={sync},hetero=0.1{arg}")
+    config_lib.validate(c)
+    p = c.pipeline
+    assert (p.schedule, p.stages, p.sync, p.hetero, p.pipelines) == ("1f1b", 4, sync, 0.1,
+                                                                      pipelines)
+    assert p.barrier == (name == "sdpipe_bert_small")  # the seed's BERT run: bsp=0 (§3.2)
+    if arg != ",local":
+      assert c.batch_size == 64 * pipelines
+      assert (c.optimizer, c.lr, c.weight_decay) == (
+          ("sgd", 1e-2, 1e-4) if name == "sdpipe_resnet50" else ("adamw", 1e-5, 0.01))
+    if arg:
+      assert config_lib.pipeline_size(c, 8) == (2, 4)
+  c = module.get_config()
+  assert c.pipeline.sync == "preduce" and c.pipeline.hetero == 0.0
+  c.pipeline.pipelines = 0  # every device: S = 4 must divide the device count
+  with pytest.raises(ValueError, match="pipeline.stages=4 is not allowed; expected a divisor"):
+    config_lib.pipeline_size(c, 6)
+
+
+def test_sdpipe_resnet50_lr_schedule():
+  """The seed's rule (sdpipe.md §5): epoch 0 a linear warm-up, then lr * 0.2 ** (epoch // 30)."""
+  c = importlib.import_module("configs.sdpipe_resnet50").get_config()
+  spe = 1281167 // 256
+  lr = recipe.schedule(c, spe, 1281167)
+  for epoch in (1, 29, 30, 59, 60, 89, 90, 99):
+    assert float(lr(epoch * spe)) == pytest.approx(1e-2 * 0.2 ** (epoch // 30), rel=1e-6)
+  assert float(lr(spe // 2)) == pytest.approx(1e-2 * (spe // 2) / spe, rel=1e-6)
+  assert c.max_steps == 100 * spe and c.eval_every % c.pipeline.batches_per_call == 0
 
 
 def test_hipress_bert_small_trains_on_glue_tsv_files(tmp_path, fast_compile):

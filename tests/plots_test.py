@@ -48,6 +48,45 @@ def test_plot_runs_errors(tmp_path):
     plots.plot_runs([str(tmp_path / "a")], labels=["x", "y"])
 
 
+def pipelined_run(path, rows):
+  """A metrics.jsonl as the pipelined loop writes it: (step, virtual_time, accuracy or None)."""
+  os.makedirs(path)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for step, vt, acc in rows:
+      row = {"step": step, "time": 0.0, "train_loss": 1.0 / step, "virtual_time": vt,
+             "bubble_fraction": 0.75}
+      if acc is not None:
+        row.update(eval_loss=1.0, eval_accuracy=acc)
+      f.write(json.dumps(row) + "\n")
+
+
+def test_plot_runs_time_to_accuracy_in_virtual_seconds(tmp_path):
+  """x="virtual_time": eval accuracy against the rows' virtual seconds, not steps."""
+  fast, slow = str(tmp_path / "preduce"), str(tmp_path / "allreduce")
+  pipelined_run(fast, [(10, 1.5, None), (20, 3.0, 0.4), (30, 4.5, 0.8)])
+  pipelined_run(slow, [(10, 2.5, None), (20, 5.0, 0.5), (30, 7.5, 0.9)])
+  out = str(tmp_path / "tta.png")
+  fig = plots.plot_runs([fast, slow], out, x="virtual_time")
+  accuracy = fig.axes[2]
+  assert accuracy.get_title() == "eval accuracy" and accuracy.get_xlabel() == "virtual seconds"
+  lines = accuracy.get_lines()
+  np.testing.assert_array_equal(lines[0].get_xdata(), [3.0, 4.5])
+  np.testing.assert_array_equal(lines[0].get_ydata(), [0.4, 0.8])
+  np.testing.assert_array_equal(lines[1].get_xdata(), [5.0, 7.5])
+  np.testing.assert_array_equal(fig.axes[0].get_lines()[1].get_xdata(), [2.5, 5.0, 7.5])
+  assert Image.open(out).size[0] > 0
+  fake_run(str(tmp_path / "unpipelined"), [1.0], [0.5])
+  with pytest.raises(ValueError, match="none of its rows has 'virtual_time'"):
+    plots.plot_runs([fast, str(tmp_path / "unpipelined")], x="virtual_time")
+  with pytest.raises(ValueError, match="x='wall' is not allowed"):
+    plots.plot_runs([fast], x="wall")
+  r = subprocess.run([sys.executable, "-m", "experiments.plot", fast, slow, "--x=virtual_time",
+                      f"--out={tmp_path / 'cli.png'}"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert (tmp_path / "cli.png").exists()
+
+
 def test_quantization_error_plot_shows_flush_and_overflow():
   fig = plots.plot_quantization_error([jlp.FloatFormat(4, 3)], lo=2.0 ** -14, hi=2.0 ** 10, n=512)
   (line,) = fig.axes[0].get_lines()

@@ -109,7 +109,7 @@ class PipelineState(NamedTuple):
   model_state: dict[str, jax.Array]  # {dtype: [N, S, L_dtype]} stateful stages' state ({} if none)
   global_params: dict[str, jax.Array]  # sync="hetpipe": the parameter server's copy; else {}
   sync_state: Any  # grad_sync's compression state [N, S, ...] (None without compression)
-  virtual_time: jax.Array  # float32: virtual seconds trained (jlp.pipeline.simulator)
+  virtual_time: jax.Array  # float32 [2]: virtual seconds trained, (whole seconds, fraction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,7 @@ class _Layout:
   x_slots: int
   w_slots: int
   g_slots: int
+  metric_names: tuple[str, ...]  # "loss", then the names of loss_fn's aux
 
 
 def _slots(table: sched.Table, starts: dict, ends: dict) -> int:
@@ -149,7 +150,9 @@ class Pipeline:
   Args:
     stages: S callables, stage_s(params_s, x) -> y (with stateful=True: stage_s(params_s, x,
       state_s) -> (y, new_state_s)); pure and jittable; stages may differ.
-    loss_fn: loss_fn(y_last, target) -> the mean loss over the (micro-)batch's rows.
+    loss_fn: loss_fn(y_last, target) -> the mean loss over the (micro-)batch's rows, or
+      (loss, {name: float32 scalar}) whose entries `run` reports beside the loss (e.g.
+      accuracy), averaged the same way.
     optimizer: an optax GradientTransformation; one state per (pipeline, stage), never mixed.
     mesh: a mesh with axes "data" (N pipelines) and "stage" (S == len(stages)); see
       `pipeline_mesh`.
@@ -309,7 +312,7 @@ class Pipeline:
         model_state=stacked(state_packer, states),
         global_params=stacked(param_packer, stage_params) if self.sync == "hetpipe" else {},
         sync_state=sync_state,
-        virtual_time=jax.device_put(jnp.zeros((), jnp.float32), replicated))
+        virtual_time=jax.device_put(jnp.zeros((2,), jnp.float32), replicated))
 
   def _require_init(self) -> tuple[Packer, Packer, Packer]:
     if self._packers is None:
@@ -330,6 +333,13 @@ class Pipeline:
     host = {d: np.asarray(v) for d, v in state.model_state.items()}
     return [packer.unpack(s, {d: v[:, s] for d, v in host.items()})
             for s in range(self.num_stages)]
+
+  @staticmethod
+  def virtual_seconds(state: PipelineState) -> float:
+    """The virtual seconds `state` has trained (float64; stored as whole seconds + fraction in
+    float32, exact to the microsecond for 100 virtual days)."""
+    whole, fraction = np.asarray(state.virtual_time, np.float64)
+    return float(whole + fraction)
 
   # -- input checks ------------------------------------------------------------------------------
   def check_state(self, state: PipelineState) -> None:
@@ -386,10 +396,11 @@ class Pipeline:
         boundaries.append(y)
       else:
         try:
-          jax.eval_shape(self.loss_fn, y, y_target)
+          out = jax.eval_shape(self._loss_metrics, y, y_target)
         except Exception as e:
           raise ValueError(f"loss_fn does not accept the last stage's output {y} and the "
                            f"targets {y_target}: {type(e).__name__}: {e}") from e
+        metric_names = tuple(out)
       x = y
     act = Packer([jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), b)
                   for b in boundaries] or [{}])
@@ -415,7 +426,22 @@ class Pipeline:
           if s < S - 1:
             g_ends[(s, index)] = t
     return _Layout(B, table, act, act_dtypes, _slots(table, x_starts, x_ends),
-                   _slots(table, w_starts, w_ends), _slots(table, g_starts, g_ends))
+                   _slots(table, w_starts, w_ends), _slots(table, g_starts, g_ends),
+                   metric_names)
+
+  def _loss_metrics(self, y: Any, target: Any) -> dict[str, jax.Array]:
+    """{"loss": loss_fn's loss, **its aux}, float32 scalars (ValueError otherwise)."""
+    out = self.loss_fn(y, target)
+    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(aux, dict) or "loss" in aux:
+      raise ValueError(f"loss_fn's aux of type {type(aux).__name__} is not allowed; expected a "
+                       "dict of scalars (without the key 'loss').")
+    metrics = {"loss": loss, **aux}
+    for name, value in metrics.items():
+      if jnp.shape(value) != ():
+        raise ValueError(f"loss_fn's {name!r} of shape {jnp.shape(value)} is not allowed; "
+                         "expected a scalar.")
+    return {name: jnp.asarray(v, jnp.float32) for name, v in metrics.items()}
 
   # -- the run -----------------------------------------------------------------------------------
   def plan(self, state: PipelineState, num_batches: int) -> SyncPlan:
@@ -432,8 +458,9 @@ class Pipeline:
           ) -> tuple[PipelineState, dict[str, Any]]:
     """Trains on the B mini-batches of xs, ys ([B, N*b, ...]; pipeline i takes rows [i*b, (i+1)*b)
     of each). Returns the new state and metrics: "loss" [B] (mean over pipelines of each
-    mini-batch's loss), "bubble_fraction" (the schedule table's idle share), "virtual_time" [B]
-    (virtual seconds at which each mini-batch's update finished, counted from the first run).
+    mini-batch's loss; likewise every entry of loss_fn's aux), "bubble_fraction" (the schedule
+    table's idle share), "virtual_time" [B] (float64: virtual seconds at which each mini-batch's
+    update finished, counted from the first run).
     `plan` (default: `self.plan(state, B)`) may be any object with the SyncPlan fields `mix`
     [B, S, N, N] and `times` [B]."""
     self.check_state(state)
@@ -452,13 +479,13 @@ class Pipeline:
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
     xs = jax.device_put(xs, batch_sharding)
     ys = jax.device_put(ys, batch_sharding)
-    start = np.float32(np.asarray(state.virtual_time))
-    new_state, losses = self._compiled[key](state, xs, ys, jnp.asarray(mix))
-    times = (start + np.asarray(plan.times, np.float64)).astype(np.float32)
+    times = self.virtual_seconds(state) + np.asarray(plan.times, np.float64)
+    new_state, means = self._compiled[key](state, xs, ys, jnp.asarray(mix))
+    whole = np.floor(times[-1])
     new_state = new_state._replace(virtual_time=jax.device_put(
-        jnp.asarray(times[-1]), NamedSharding(self.mesh, P())))
-    metrics = {"loss": np.asarray(losses), "virtual_time": times,
-               "bubble_fraction": sched.bubble_fraction(layout.table)}
+        np.asarray([whole, times[-1] - whole], np.float32), NamedSharding(self.mesh, P())))
+    metrics = {name: np.asarray(v) for name, v in means.items()}
+    metrics.update(virtual_time=times, bubble_fraction=sched.bubble_fraction(layout.table))
     return new_state, metrics
 
   def _build(self, layout: _Layout):
@@ -480,19 +507,22 @@ class Pipeline:
     sync_state = squeeze(state.sync_state)
     stage = lax.axis_index(STAGE)
     carry = dict(params=params, opt=opt, model_state=model_state, global_params=global_params,
-                 sync_state=sync_state, losses=jnp.zeros((layout.num_batches,), jnp.float32))
+                 sync_state=sync_state,
+                 metrics={name: jnp.zeros((layout.num_batches,), jnp.float32)
+                          for name in layout.metric_names})
     if self.schedule == "1f1b":
       carry = self._run_1f1b(layout, carry, stage, state.step, xs, ys, mix)
     else:
       carry = self._run_gpipe(layout, carry, stage, state.step, xs, ys, mix)
-    losses = lax.psum(jnp.where(stage == self.num_stages - 1, carry["losses"], 0.0), STAGE)
-    losses = lax.psum(losses, DATA) / self.num_pipelines
+    last = stage == self.num_stages - 1
+    means = {name: lax.psum(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA) / self.num_pipelines
+             for name, v in carry["metrics"].items()}
     expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
     new_state = PipelineState(state.step + layout.num_batches, expand(carry["params"]),
                               expand(carry["opt"]), expand(carry["model_state"]),
                               expand(carry["global_params"]), expand(carry["sync_state"]),
                               state.virtual_time)
-    return new_state, losses
+    return new_state, means
 
   def _tick_buffers(self, layout: _Layout, stash_weights: bool) -> dict[str, Any]:
     param_packer, _, state_packer = self._require_init()
@@ -515,7 +545,8 @@ class Pipeline:
     return jax.tree.unflatten(treedef, leaves)
 
   def _tick(self, layout: _Layout, carry, bufs, stage, kind, index, x_in, y_in, loss_scale):
-    """One op of this device's stage: (act_out, grad_out, param gradient, new model state, loss)."""
+    """One op of this device's stage: (act_out, grad_out, param gradient, new model state,
+    metrics: {"loss", aux...} of a last-stage backward, else zeros)."""
     param_packer, _, state_packer = self._require_init()
     S = self.num_stages
     act_len = layout.act.sizes.get("float32", 0)
@@ -530,9 +561,10 @@ class Pipeline:
     recv_g = bufs["recv_g"][slot_g]
     zeros_act = jnp.zeros((act_len,), jnp.float32)
     zeros_grad = jax.tree.map(jnp.zeros_like, latest)
+    no_metrics = {name: jnp.float32(0) for name in layout.metric_names}
 
     def idle(s):
-      return lambda: (zeros_act, zeros_act, zeros_grad, carry["model_state"], jnp.float32(0))
+      return lambda: (zeros_act, zeros_act, zeros_grad, carry["model_state"], no_metrics)
 
     def forward(s):
       def op():
@@ -540,7 +572,7 @@ class Pipeline:
         y, new_state = self._apply(s, param_packer.unpack(s, latest), x,
                                    state_packer.unpack(s, carry["model_state"]))
         out = self._pack_act(layout, s, y) if s < S - 1 else zeros_act
-        return out, zeros_act, zeros_grad, state_packer.pack(s, new_state), jnp.float32(0)
+        return out, zeros_act, zeros_grad, state_packer.pack(s, new_state), no_metrics
       return op
 
     def backward(s):
@@ -551,8 +583,8 @@ class Pipeline:
         if s == S - 1:
           def f(w, x):
             y = self._apply(s, w, x, st)[0]
-            loss = self.loss_fn(y, y_in)
-            return loss * loss_scale, loss
+            metrics = self._loss_metrics(y, y_in)
+            return metrics["loss"] * loss_scale, metrics
           if s == 0:
             gw, loss = jax.grad(lambda w: f(w, x), has_aux=True)(w)
             gx = None
@@ -560,7 +592,7 @@ class Pipeline:
             (gw, gx), loss = jax.grad(f, argnums=(0, 1), has_aux=True)(w, x)
         else:
           ct = self._unpack_act(layout, s, recv_g)
-          loss = jnp.float32(0)
+          loss = no_metrics
           if s == 0:
             _, vjp = jax.vjp(lambda w: self._apply(s, w, x, st)[0], w)
             (gw,), gx = vjp(ct), None
@@ -568,8 +600,7 @@ class Pipeline:
             _, vjp = jax.vjp(lambda w, x: self._apply(s, w, x, st)[0], w, x)
             gw, gx = vjp(ct)
         grad_out = self._pack_act(layout, s - 1, gx) if s > 0 else zeros_act
-        return (zeros_act, grad_out, param_packer.pack(s, gw), carry["model_state"],
-                jnp.asarray(loss, jnp.float32))
+        return zeros_act, grad_out, param_packer.pack(s, gw), carry["model_state"], loss
       return op
 
     branches = []
@@ -671,8 +702,8 @@ class Pipeline:
       act_out, grad_out, grads, new_model_state, loss = self._tick(
           layout, carry, bufs, stage, kind, index, x_in, y_in, jnp.float32(1))
       carry = dict(carry, model_state=new_model_state)
-      carry["losses"] = carry["losses"].at[index].set(
-          jnp.where(kind == sched.BWD, loss, carry["losses"][index]))
+      carry["metrics"] = {name: v.at[index].set(jnp.where(kind == sched.BWD, loss[name], v[index]))
+                          for name, v in carry["metrics"].items()}
       bufs = self._exchange(layout, bufs, stage, kind, index, act_out, grad_out)
       carry = self._update(carry, stage, grads, kind == sched.BWD, index, step + index, mix)
       return (carry, bufs), None
@@ -710,11 +741,13 @@ class Pipeline:
         carry = dict(carry, model_state=new_model_state)
         grads = jax.tree.map(lambda a, x: a + x, grads, g)
         bufs = self._exchange(layout, bufs, stage, kind, index, act_out, grad_out)
-        return (carry, bufs, grads, loss_sum + loss), None
+        return (carry, bufs, grads, jax.tree.map(jnp.add, loss_sum, loss)), None
 
-      (carry, _, grads, loss_sum), _ = lax.scan(tick, (carry, bufs, grads, jnp.float32(0)), rows)
+      zero = {name: jnp.float32(0) for name in layout.metric_names}
+      (carry, _, grads, loss_sum), _ = lax.scan(tick, (carry, bufs, grads, zero), rows)
       carry = self._update(carry, stage, grads, jnp.bool_(True), b, step + b, mix)
-      carry["losses"] = carry["losses"].at[b].set(loss_sum / M)
+      carry["metrics"] = {name: v.at[b].set(loss_sum[name] / M)
+                          for name, v in carry["metrics"].items()}
       return carry, None
 
     carry, _ = lax.scan(minibatch, carry, jnp.arange(layout.num_batches))

@@ -61,6 +61,48 @@ Fields (see `base_config` for defaults):
                                 schedule continue).
   bfp.controller, bfp.window    "Simple/<lo>/<hi>/<init>/<hold>" dynamic precision control over
                                 windows of `window` steps ("" = off; 0 = one epoch).
+  pipeline.*                    pipelined data parallelism (SD-PIPE, sdpipe.md; jlp.pipeline,
+                                jlp.train.pipeline_loop): N pipelines x S stages on N*S devices.
+                                With schedule "none" (default) the other pipeline fields must keep
+                                their defaults and the run is the data-parallel step above.
+  pipeline.schedule             "none" | "gpipe" (M micro-batches per mini-batch, one synchronous
+                                update per mini-batch) | "1f1b" (SD-PIPE's PipeDream 1F1B with
+                                weight stashing: every mini-batch its own update, sdpipe.md §1.1).
+  pipeline.stages               S, stages per pipeline (the model split by jlp.pipeline's stage
+                                rules; small_cnn, resnet18/50, vgg19, bert_small).
+  pipeline.pipelines            N; 0 (default): every device, N = devices / S (S must divide the
+                                device count); else N pipelines on the first N*S devices.
+                                batch_size stays global: pipeline i trains on rows [i*b, (i+1)*b)
+                                of each batch, b = batch_size / N.
+  pipeline.microbatches         GPipe's M (batch_size must divide by N*M); 1 for "1f1b".
+  pipeline.sync                 across the pipelines, per stage: "allreduce" (mean gradient, with
+                                the gradient-sync fields above: format, APS, Kahan, compression) |
+                                "none" | "preduce" (SD-PIPE's partial reduce, §2) | "adpsgd"
+                                (random perfect matchings, §3.1; N even) | "hetpipe" (a parameter
+                                server copy, §3.2). Every mode but "allreduce" needs the float32
+                                sequential defaults of the gradient-sync fields.
+  pipeline.hetero               the seed's --hetero h (§4): each op stalls h virtual seconds with
+                                probability pipeline.hetero_probability (0.1).
+  pipeline.slowdown             () or an [N][S] tuple of per-(pipeline, stage) compute-time factors
+                                (persistent slow workers; an extension, §7.4).
+  pipeline.boundaries           () (the stage rule's default, e.g. ResNet-50 at S=4: blocks
+                                [4, 4, 4, 4]) or S unit counts (jlp.pipeline.stages).
+  pipeline.max_group, pipeline.connect_every
+                                partial reduce: group cap (0: N) and the connectivity period P
+                                (a forced connection every P*N group members), §2.4.
+  pipeline.pull_every, pipeline.barrier
+                                HetPipe: pull the server copy every D mini-batches; wave barrier.
+  pipeline.batches_per_call     mini-batches per jitted `Pipeline.run` call (default 10). 1F1B
+                                fills and drains at every call, so this is its pipeline flush
+                                period; the virtual-time plan is drawn per call. Calls start at
+                                multiples of it (the last one may be shorter), so eval_every and
+                                checkpoint_every must be multiples of it (evaluation and
+                                checkpoints happen between calls); log_every is free (every
+                                mini-batch's loss and virtual time come back). Rows add
+                                `virtual_time` (virtual seconds, jlp.pipeline.simulator),
+                                `virtual_throughput` (examples per virtual second over the call)
+                                and `bubble_fraction`; eval metrics are the mean over the N
+                                pipelines' models, each evaluated on the whole eval split.
 """
 
 from __future__ import annotations
@@ -79,6 +121,13 @@ OPTIMIZERS = ("sgd", "adamw")
 APS_MODES = ("exact", "cpd")
 #: config.compression.plan value: plan with SeCoPa's seed cost model for the model being trained.
 SECOPA = "secopa"
+PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b")
+#: config.pipeline's fields and defaults (module docstring).
+PIPELINE_DEFAULTS = {
+    "schedule": "none", "stages": 1, "pipelines": 0, "microbatches": 1, "sync": "allreduce",
+    "hetero": 0.0, "hetero_probability": 0.1, "slowdown": (), "boundaries": (), "max_group": 0,
+    "connect_every": 10, "pull_every": 10, "barrier": False, "batches_per_call": 10,
+}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -127,6 +176,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.quant_rules = ()
   c.bfp = ml_collections.ConfigDict({
       "preset": "", "schedule": ml_collections.ConfigDict(), "controller": "", "window": 0})
+  c.pipeline = ml_collections.ConfigDict(PIPELINE_DEFAULTS)
   return c
 
 
@@ -283,6 +333,120 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for epoch in config.bfp.schedule:
     _check(str(epoch).isdigit(), "bfp.schedule", dict(config.bfp.schedule),
            "a mapping {epoch (int >= 0): preset name}")
+  _check_pipeline(config, fmt)
+
+
+#: config.pipeline.sync values (jlp.pipeline.simulator.SYNC_MODES).
+PIPELINE_SYNCS = ("allreduce", "none", "preduce", "adpsgd", "hetpipe")
+
+
+def _number(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_pipeline(config: ml_collections.ConfigDict, fmt: FloatFormat | None) -> None:
+  """config.pipeline's device-independent checks (`pipeline_size` checks the rest)."""
+  p = config.pipeline
+  _check(p.schedule in PIPELINE_SCHEDULES, "pipeline.schedule", p.schedule,
+         f"one of {PIPELINE_SCHEDULES}")
+  if p.schedule == "none":
+    for field, default in PIPELINE_DEFAULTS.items():
+      value = p[field]
+      _check(value == default or (isinstance(default, tuple) and tuple(value) == default),
+             f"pipeline.{field}", value, f"{default!r} with pipeline.schedule='none' (set "
+             "pipeline.schedule to 'gpipe' or '1f1b' to train pipelined)")
+    return
+  from jlp.pipeline import stages as stage_rules  # pylint: disable=g-import-not-at-top
+  zoo = sorted(n for rule in stage_rules.STAGE_RULES.values() for n in rule.zoo_names)
+  _check(config.model.name in zoo, "model.name", config.model.name,
+         f"a model with a pipeline stage rule with pipeline.schedule={p.schedule!r}: one of {zoo}")
+  _check(config.task == "classification", "task", config.task,
+         "'classification' with pipeline.schedule set (the last stage's loss is cross-entropy)")
+  _check(_int(p.stages) and p.stages >= 1, "pipeline.stages", p.stages, "an int >= 1")
+  _check(_int(p.pipelines) and p.pipelines >= 0, "pipeline.pipelines", p.pipelines,
+         "an int >= 0 (0: every device, devices / pipeline.stages pipelines)")
+  _check(_int(p.microbatches) and p.microbatches >= 1, "pipeline.microbatches", p.microbatches,
+         "an int >= 1")
+  _check(p.schedule == "gpipe" or p.microbatches == 1, "pipeline.microbatches", p.microbatches,
+         "1 with pipeline.schedule='1f1b' (every mini-batch is its own update, sdpipe.md §1.1)")
+  _check(p.sync in PIPELINE_SYNCS, "pipeline.sync", p.sync, f"one of {PIPELINE_SYNCS}")
+  _check(_number(p.hetero) and p.hetero >= 0, "pipeline.hetero", p.hetero,
+         "virtual seconds >= 0 (the seed's --hetero)")
+  _check(_number(p.hetero_probability) and 0 <= p.hetero_probability <= 1,
+         "pipeline.hetero_probability", p.hetero_probability, "a probability in [0, 1]")
+  rows = p.slowdown
+  ok = isinstance(rows, (tuple, list)) and all(
+      isinstance(r, (tuple, list)) and len(r) == p.stages and all(_number(v) and v > 0 for v in r)
+      for r in rows)
+  _check(ok, "pipeline.slowdown", rows,
+         f"() or [N][S] factors > 0 (one row of pipeline.stages={p.stages} per pipeline)")
+  b = p.boundaries
+  ok = isinstance(b, (tuple, list)) and (
+      len(b) == 0 or (len(b) == p.stages and all(_int(v) and v >= 1 for v in b)))
+  _check(ok, "pipeline.boundaries", b,
+         f"() (the stage rule's default) or pipeline.stages={p.stages} unit counts >= 1")
+  for field, least in (("max_group", 0), ("connect_every", 1), ("pull_every", 1),
+                       ("batches_per_call", 1)):
+    _check(_int(p[field]) and p[field] >= least, f"pipeline.{field}", p[field],
+           f"an int >= {least}" + (" (0: the number of pipelines)" if least == 0 else ""))
+  _check(isinstance(p.barrier, bool), "pipeline.barrier", p.barrier, "True or False")
+  for field in ("eval_every", "checkpoint_every"):
+    _check(config[field] % p.batches_per_call == 0, field, config[field],
+           f"a multiple of pipeline.batches_per_call={p.batches_per_call} (evaluation and "
+           "checkpoints happen between Pipeline.run calls), or 0")
+
+  pipelined = f"with pipeline.schedule={p.schedule!r}"
+  _check(config.emulate_nodes == 1, "emulate_nodes", config.emulate_nodes,
+         f"1 {pipelined} (a pipeline's devices are real mesh devices)")
+  _check(config.emulate_form == "flat", "emulate_form", config.emulate_form, f"'flat' {pipelined}")
+  _check(config.compression.plan == "", "compression.plan", config.compression.plan,
+         f"'' {pipelined} (each stage's gradient is synchronised as one flat buffer, so per-leaf "
+         "plans do not apply; compression.min_size applies to the stage's buffer)")
+  _check(config.loss_scale == 1.0, "loss_scale", config.loss_scale,
+         f"1.0 {pipelined} (the pipeline step has no loss scaling)")
+  _check(config.unscale_grads, "unscale_grads", config.unscale_grads, f"True {pipelined}")
+  _check(not dict(config.bfp.schedule), "bfp.schedule", dict(config.bfp.schedule),
+         f"{{}} {pipelined}: preset switches are not supported in pipelines (a fixed "
+         "bfp.preset is)")
+  _check(not config.bfp.controller, "bfp.controller", config.bfp.controller,
+         f"'' {pipelined}: the precision controller is not supported in pipelines")
+  if p.sync != "allreduce":
+    why = (f"with pipeline.sync={p.sync!r} (the gradient-sync fields set how "
+           "pipeline.sync='allreduce' sums)")
+    _check(fmt is None, "grad_format", config.grad_format, f"float32 (e8m23) {why}")
+    _check(not config.use_aps, "use_aps", config.use_aps, f"False {why}")
+    _check(not config.use_kahan, "use_kahan", config.use_kahan, f"False {why}")
+    _check(config.grad_algorithm == "sequential", "grad_algorithm", config.grad_algorithm,
+           f"'sequential' {why}")
+    _check(config.compression.name == "none", "compression.name", config.compression.name,
+           f"'none' {why}")
+
+
+def pipeline_size(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
+  """(N pipelines, S stages) of config.pipeline on `num_devices` devices, with the checks that
+  need the device count (ValueError naming the field); after `validate`."""
+  p = config.pipeline
+  S = p.stages
+  if p.pipelines:
+    N = p.pipelines
+    _check(N * S <= num_devices, "pipeline.pipelines", N,
+           f"at most {num_devices // S} pipelines of pipeline.stages={S} on {num_devices} devices")
+  else:
+    _check(num_devices % S == 0, "pipeline.stages", S,
+           f"a divisor of the {num_devices} devices (N = devices / S pipelines), or set "
+           "pipeline.pipelines")
+    N = num_devices // S
+  M = p.microbatches
+  _check(config.batch_size % (N * M) == 0, "batch_size", config.batch_size,
+         f"a multiple of {N} pipelines x pipeline.microbatches={M} = {N * M}")
+  _check(config.eval_batch_size % num_devices == 0, "eval_batch_size", config.eval_batch_size,
+         f"a multiple of {num_devices} devices (evaluation runs data-parallel on every device)")
+  _check(len(p.slowdown) in (0, N), "pipeline.slowdown", p.slowdown,
+         f"() or {N} rows (one per pipeline) of {S} factors")
+  _check(p.max_group <= N, "pipeline.max_group", p.max_group, f"0 or at most the {N} pipelines")
+  _check(p.sync != "adpsgd" or N % 2 == 0, "pipeline.sync", p.sync,
+         f"not 'adpsgd' with an odd number of pipelines ({N}): AD-PSGD pairs them (§3.1)")
+  return N, S
 
 
 def _check_compression(config: ml_collections.ConfigDict, fmt: FloatFormat | None) -> None:

@@ -19,6 +19,9 @@ logs, from the checkpoint on, exactly the rows the uninterrupted run logs (`time
 `throughput` aside). Ctrl-C (SIGINT) ends the current step, writes a checkpoint and returns with
 `interrupted=True`; a second Ctrl-C aborts.
 
+With config.pipeline.schedule "gpipe" or "1f1b" the run is pipelined data parallelism (SD-PIPE):
+`train_and_evaluate` hands it to jlp.train.pipeline_loop.
+
 Progress: a tqdm bar (steps/s, ETA) on a terminal; plain log lines otherwise. In a multi-process
 run (jlp.train.initialize first) every process runs this function; process 0 writes the metrics.
 """
@@ -253,7 +256,11 @@ def _progress(enabled: bool | None, total: int, initial: int):
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        progress: bool | None = None) -> dict[str, Any]:
   """Trains (or resumes) `config` in `workdir`; returns the last logged metrics row plus
-  `interrupted` (see the module docstring)."""
+  `interrupted` (see the module docstring). A config with pipeline.schedule set trains
+  pipelined (jlp.train.pipeline_loop)."""
+  if config.pipeline.schedule != "none":
+    from jlp.train import pipeline_loop  # pylint: disable=g-import-not-at-top
+    return pipeline_loop.train_and_evaluate(config, workdir, progress=progress)
   run = setup(config)
   os.makedirs(workdir, exist_ok=True)
   checkpoints = Checkpointer(workdir)

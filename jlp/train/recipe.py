@@ -12,8 +12,8 @@ E = steps per epoch of the training pipeline:
                     epochs, x0.1 after epochs 40 and 80); lr must be its peak, 1.6.
   piecewise_linear  DavidNet: lr * interp(c / E, `epochs`, `scales`), times (c + 1) / warmup_steps
                     while c + 1 <= `warmup_steps` (CPD's per-step warm-up factor).
-  warmup_step       ResNet50: linear warm-up `init_lr` -> lr over `warmup_epochs`, then x0.1 after
-                    each of `decay_epochs`.
+  warmup_step       ResNet50: linear warm-up `init_lr` -> lr over `warmup_epochs`, then x0.1 (or
+                    x`decay_factor`) after each of `decay_epochs`.
   poly              mmcv's poly: (lr - min_lr) * (1 - c / max_steps) ** power + min_lr.
 """
 
@@ -129,7 +129,7 @@ def schedule(config: ml_collections.ConfigDict, steps_per_epoch: int,
     return piecewise
   if name == "warmup_step":
     warm = int(s.warmup_epochs) * spe
-    bounds = {int(e) * spe: 0.1 for e in s.decay_epochs}
+    bounds = {int(e) * spe: float(s.get("decay_factor", 0.1)) for e in s.decay_epochs}
     return optim.warmup_step_schedule(lr, warm, bounds, warmup_init=float(s.init_lr))
   if name == "poly":
     return optax.polynomial_schedule(lr, float(s.min_lr), float(s.power), config.max_steps)

@@ -122,16 +122,25 @@ def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
   optimizer = optax.sgd(0.1, momentum=0.9)
   params = _params()
   xs, ys = _data(3)
-  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="gpipe", num_microbatches=4)
+  def loss_and_accuracy(logits, labels):  # an aux metric, averaged like the loss
+    return loss_fn(logits, labels), {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+  pipe = Pipeline(STAGES, loss_and_accuracy, optimizer, mesh, schedule="gpipe",
+                  num_microbatches=4)
   state, metrics = pipe.run(pipe.init(params), xs, ys)
-  expected, opt, losses = params, optimizer.init(params), []
+  expected, opt, losses, accuracies = params, optimizer.init(params), [], []
   for b in range(len(xs)):
     loss, grads = jax.value_and_grad(_full_loss)(expected, xs[b], ys[b])
+    logits = xs[b]
+    for s in range(S):
+      logits = STAGES[s](expected[s], logits)
+    accuracies.append(np.mean(np.argmax(logits, -1) == ys[b]))
     updates, opt = optimizer.update(grads, opt, expected)
     expected = optax.apply_updates(expected, updates)
     losses.append(loss)
   _assert_close(pipe, state, [expected] * N)
   np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-5)
+  np.testing.assert_allclose(metrics["accuracy"], accuracies, rtol=1e-6)
   assert metrics["bubble_fraction"] == pytest.approx(3 / 7)
   assert int(state.step) == 3
 
@@ -155,8 +164,12 @@ def test_1f1b_continues_across_runs_from_the_latest_weights(mesh):
   params = _params()
   xs, ys = _data(6)
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="none")
-  state, _ = pipe.run(pipe.init(params), xs[:3], ys[:3])
-  state, _ = pipe.run(state, xs[3:], ys[3:])
+  state, first_metrics = pipe.run(pipe.init(params), xs[:3], ys[:3])
+  state, metrics = pipe.run(state, xs[3:], ys[3:])
+  # virtual time goes on from the first run (this pipeline's default plan: no stalls)
+  assert np.all(np.diff(first_metrics["virtual_time"]) > 0)
+  assert metrics["virtual_time"][0] > first_metrics["virtual_time"][-1]
+  assert pipe.virtual_seconds(state) == pytest.approx(metrics["virtual_time"][-1], abs=1e-6)
   first = _oracle_1f1b(params, xs[:3], ys[:3], optimizer, "none")
   # every pipeline's stage weights after run 1 are the start of run 2 (per pipeline oracle)
   expected = []

@@ -1,0 +1,247 @@
+"""The pipelined training loop (SD-PIPE, sdpipe.md): `train_and_evaluate` when
+config.pipeline.schedule is "gpipe" or "1f1b" (jlp.train.loop dispatches here).
+
+One call runs (or resumes) the config in `workdir`:
+  1. Checks the config (`jlp.train.config.validate`, then `pipeline_size` against the devices):
+     N = pipeline.pipelines (0: devices / S) pipelines of S = pipeline.stages stages.
+  2. Builds the data pipelines, the model (config.quant_rules and a fixed bfp.preset applied),
+     splits it into S stages (`jlp.pipeline.stages.split_model`, pipeline.boundaries or the
+     stage rule's default) and builds `jlp.pipeline.Pipeline` on the first N*S devices with the
+     config's optimizer (one state per pipeline and stage), sync (pipeline.sync; "allreduce" sums
+     with the config's gradient sync, `recipe.grad_sync`, over the N pipelines) and virtual-time
+     model (`Hetero`, `PReduce`, `HetPipe` from the pipeline.* knobs, seeded by config.seed).
+  3. Restores the newest checkpoint of `workdir/checkpoints` (the whole `PipelineState`, sharded
+     [N, S, ...], virtual time included), then trains to max_steps in calls of
+     pipeline.batches_per_call mini-batches (`Pipeline.run`; a call covers the steps
+     [k*C, min((k+1)*C, max_steps)), so the calls, and hence 1F1B's flushes and the virtual-time
+     plans, drawn per call and seeded by (seed, step), do not depend on where a run resumed).
+     Global batch `step` of the training pipeline (config.batch_size rows) is mini-batch `step`;
+     pipeline i trains on its rows [i*b, (i+1)*b), b = batch_size / N.
+
+Rows of metrics.jsonl, every log_every mini-batches (from the call's per-mini-batch metrics):
+train_loss (mean over pipelines), learning_rate, throughput (examples per wall-clock second over
+the call), epoch, virtual_time (virtual seconds at which the mini-batch's update finished),
+virtual_throughput (examples per virtual second over the call), bubble_fraction (the schedule
+table's idle share). Evaluation (every eval_every steps and at the end, between calls): every
+pipeline's model (its stages merged, eval mode) is evaluated on the whole eval split with
+`recipe.eval_sums` (data-parallel on every device) and eval_loss / eval_accuracy are the means
+over the N pipelines (the seed reduces validation over its pipelines, sdpipe.md §5).
+
+Resume is bit-exact: a resumed run logs exactly the rows the uninterrupted one logs (`time`,
+`throughput` aside). Ctrl-C ends the current call, writes a checkpoint and returns with
+`interrupted=True`. One process only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from jlp.data import Prefetcher
+from jlp.pipeline import (HetPipe, Hetero, Pipeline, PipelineState, PReduce, StageSplit,
+                          pipeline_mesh, split_model)
+from jlp.train import recipe
+from jlp.train.checkpoint import Checkpointer
+from jlp.train.config import pipeline_size, validate
+from jlp.train.loop import QuantPlan, _Interrupt, _log_line, _progress
+from jlp.train.mesh import batch_sharding, data_mesh, replicated
+from jlp.train.metrics import MetricsWriter
+
+__all__ = ["PipelineRun", "last_stage_loss", "setup", "train_and_evaluate"]
+
+
+def last_stage_loss(logits: jax.Array, labels: jax.Array
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The last stage's loss: mean softmax cross-entropy against integer labels, and the top-1
+  accuracy (what `jlp.train.cross_entropy_loss` computes for the unpipelined model, images and
+  BERT alike)."""
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32))
+  return loss, {"accuracy": accuracy}
+
+
+@dataclasses.dataclass
+class PipelineRun:
+  """Everything the pipelined `train_and_evaluate` builds; notebooks can build one with `setup`."""
+  config: ml_collections.ConfigDict
+  pipe: Pipeline
+  split: StageSplit
+  train_pipe: Any
+  eval_pipe: Any
+  lr: optax.Schedule
+  num_pipelines: int
+  num_stages: int
+  eval_mesh: jax.sharding.Mesh
+  eval_fn: Any = None
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return max(1, self.train_pipe.steps_per_epoch)
+
+  def calls(self, start: int, stop: int):
+    """(first, end, xs, ys) of every `Pipeline.run` call over the steps [start, stop): xs, ys
+    [end - first, batch_size, ...] stacked global batches (images and labels)."""
+    size = self.config.pipeline.batches_per_call
+    first = start
+    while first < stop:
+      end = min(stop, (first // size + 1) * size)
+      batches = [self.train_pipe.batch(k) for k in range(first, end)]
+      xs = np.stack([b["image"] for b in batches])
+      ys = np.stack([b["label"] for b in batches])
+      yield first, end, xs, ys
+      first = end
+
+  def pipeline_models(self, state: PipelineState) -> list[tuple[list[Any], list[Any]]]:
+    """(stage params, stage state) of every pipeline, host arrays (`StageSplit.merge` inputs)."""
+    params, states = self.pipe.stage_params(state), self.pipe.stage_state(state)
+    pick = lambda trees, i: [{k: v[i] for k, v in t.items()} for t in trees]
+    return [(pick(params, i), pick(states, i)) for i in range(self.num_pipelines)]
+
+  def compile_eval(self) -> None:
+    config, split = self.config, self.split
+    task, classes = config.task, self.train_pipe.dataset.num_classes
+
+    def eval_step(params, state, batch):
+      model = split.merge(params, state)
+      model.eval()
+      return recipe.eval_sums(model, batch, task, classes)
+
+    rep = replicated(self.eval_mesh)
+    self.eval_fn = jax.jit(eval_step, in_shardings=(rep, rep, batch_sharding(self.eval_mesh)),
+                           out_shardings=rep)
+
+  def evaluate(self, state: PipelineState) -> dict[str, float]:
+    """eval_loss / eval_accuracy: the mean over the pipelines of each pipeline's model's metrics
+    over the whole evaluation split."""
+    if self.eval_fn is None:
+      self.compile_eval()
+    pipe = self.eval_pipe
+    rep = replicated(self.eval_mesh)
+    models = [jax.device_put(m, rep) for m in self.pipeline_models(state)]
+    totals: list[dict[str, np.ndarray]] = [{} for _ in models]
+    steps = -(-pipe.dataset.size // pipe.global_batch_size)
+    with pipe.prefetch(0, steps, sharding=batch_sharding(self.eval_mesh)) as batches:
+      for batch in batches:
+        for i, (params, model_state) in enumerate(models):
+          for k, v in self.eval_fn(params, model_state, batch).items():
+            totals[i][k] = totals[i].get(k, 0.0) + np.asarray(v, np.float64)
+    per = [recipe.eval_metrics(t, self.config.task, pipe.dataset.num_classes) for t in totals]
+    return {k: float(np.mean([m[k] for m in per])) for k in per[0]}
+
+
+def setup(config: ml_collections.ConfigDict) -> PipelineRun:
+  """Checks the config (devices included) and builds data, model, stages and the Pipeline;
+  compiles nothing yet."""
+  validate(config)
+  if jax.process_count() != 1:
+    raise ValueError(f"config.pipeline.schedule={config.pipeline.schedule!r} is not allowed in a "
+                     f"{jax.process_count()}-process run; expected one process (pipelined "
+                     "training runs on one host's devices).")
+  p = config.pipeline
+  num_pipelines, num_stages = pipeline_size(config, jax.device_count())
+  train_ds, eval_ds = recipe.datasets(config)
+  train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
+  spe = max(1, train_pipe.steps_per_epoch)
+  lr = recipe.schedule(config, spe, train_ds.size)
+  grad_sync = recipe.grad_sync(config, num_pipelines) if p.sync == "allreduce" else None
+  quant = QuantPlan(config, spe)
+  model = recipe.model(config, train_ds)
+  quant.quantize(model, quant.preset_at(0))
+  split = split_model(model, num_stages, boundaries=tuple(p.boundaries) or None)
+  hetero = Hetero(delay_s=float(p.hetero), probability=float(p.hetero_probability),
+                  slowdown=tuple(tuple(float(v) for v in row) for row in p.slowdown) or None)
+  pipe = Pipeline(split.stages, last_stage_loss, recipe.optimizer(config, lr),
+                  pipeline_mesh(num_pipelines, num_stages), schedule=p.schedule,
+                  num_microbatches=p.microbatches, sync=p.sync, stateful=True,
+                  grad_sync=grad_sync, hetero=hetero,
+                  preduce=PReduce(max_group=p.max_group or None, connect_every=p.connect_every),
+                  hetpipe=HetPipe(pull_every=p.pull_every, barrier=p.barrier),
+                  seed=config.seed, donate=True)
+  return PipelineRun(config, pipe, split, train_pipe, eval_pipe, lr, num_pipelines, num_stages,
+                     data_mesh())
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       progress: bool | None = None) -> dict[str, Any]:
+  """Trains (or resumes) a pipelined `config` in `workdir`; returns the last logged metrics row
+  plus `step` and `interrupted` (module docstring)."""
+  run = setup(config)
+  os.makedirs(workdir, exist_ok=True)
+  checkpoints = Checkpointer(workdir)
+  start = checkpoints.latest_step() or 0
+  state = run.pipe.init(run.split.params, run.split.state)
+  if start:
+    state, _ = checkpoints.restore(start, state)
+  writer = MetricsWriter(workdir, resume_step=start or None)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+  spe = run.steps_per_epoch
+  bar = _progress(progress, config.max_steps, start)
+  row: dict[str, Any] = {}
+  interrupted = False
+  step = start
+  last_time = time.perf_counter()
+  try:
+    with _Interrupt() as stop, Prefetcher(run.calls(start, config.max_steps), size=1) as calls:
+      for first, end, xs, ys in calls:
+        before = run.pipe.virtual_seconds(state)
+        state, metrics = run.pipe.run(state, xs, ys)
+        losses, times = metrics["loss"], metrics["virtual_time"]
+        now = time.perf_counter()
+        examples = (end - first) * config.batch_size
+        throughput = examples / max(now - last_time, 1e-9)
+        span = float(times[-1]) - before
+        virtual_throughput = examples / span if span > 0 else float("nan")
+        for k, step in enumerate(range(first + 1, end + 1)):
+          logged = step % config.log_every == 0 or step == config.max_steps
+          evaluated = (config.eval_every and step % config.eval_every == 0) or \
+              step == config.max_steps
+          if not (logged or evaluated):
+            continue
+          row = {"train_loss": float(losses[k]),
+                 "train_accuracy": float(metrics["accuracy"][k]),
+                 "learning_rate": float(run.lr(step - 1)),
+                 "throughput": throughput,
+                 "epoch": step / spe,
+                 "virtual_time": float(times[k]),
+                 "virtual_throughput": virtual_throughput,
+                 "bubble_fraction": float(metrics["bubble_fraction"])}
+          if evaluated:
+            assert step == end, "evaluation inside a call (validate checks eval_every)"
+            row.update(run.evaluate(state))
+          row = writer.write(step, row)
+          if bar is None:
+            print(_log_line(step, config.max_steps, row) +
+                  f" virtual_time={row['virtual_time']:.4g}", flush=True)
+        if bar is not None:
+          bar.update(end - first)
+          if row:
+            bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
+        last_time = time.perf_counter()
+        interrupted = stop.event.is_set()
+        if (config.checkpoint_every and end % config.checkpoint_every == 0) or \
+            end == config.max_steps or interrupted:
+          meta = {"step": end, "virtual_time": float(times[-1]),
+                  "config": json.loads(config.to_json_best_effort())}
+          checkpoints.save(end, state, meta)
+        if interrupted:
+          break
+  finally:
+    if bar is not None:
+      bar.close()
+    writer.close()
+    checkpoints.close()
+  if interrupted:
+    print(f"interrupted at step {step}: checkpoint written to {checkpoints.directory}; run the "
+          "same command again to resume.", flush=True)
+  return {**row, "step": step, "interrupted": interrupted}
