@@ -1,5 +1,5 @@
 """Comparisons that run several trainings of one config: the APS study of the main job and notebook,
-and the gradient-compression study.
+the gradient-compression study and the pipelined-synchronisation study.
 
 `aps_study(config, workdir)` trains `config` once per gradient all-reduce variant (float32, e4m3
 and e3m0, each with and without APS; CPD's headline experiment, Han, Demmel, You, "Auto-Precision
@@ -14,6 +14,13 @@ gradient sync (the runner's `wire_bytes` metric) and their ratio to float32's;
 `render_compression_table` prints them. The float32 run uses the ring all-reduce by default
 (2(W-1)/W x 4 bytes per float, the bandwidth-optimal all-reduce of NCCL and of HiPress's "Ring"
 baseline); CPD's sequential all-reduce gathers every gradient, (W-1) x 4 bytes per float.
+
+`pipeline_study(PipelineStudy(...))` trains the digits CNN pipelined (`jlp.pipeline`: N pipelines
+x S stages, SD-PIPE's 1F1B by default; Miao et al., PVLDB 16(9) 2023, sdpipe.md) once per sync
+across the pipelines (AllReduce, PReduce, AD-PSGD, HetPipe) x stall length h of the virtual-time
+cost model, with the executor directly (not the runner), and returns rows with the virtual
+seconds to a target test accuracy, the final accuracy, PReduce's mean group size and the curves;
+`render_pipeline_table` prints them as markdown.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from jlp.train.loop import train_and_evaluate
 from jlp.train.metrics import read_metrics
@@ -202,4 +211,240 @@ def render_compression_table(rows: Sequence[dict[str, Any]]) -> str:
     lines.append(f"{name:{width}s} {r['topology']:5s} {100 * r['test_accuracy']:10.2f} "
                  f"{gap:>8s} {_bytes(r['wire_bytes']):>10s} {r['bytes_ratio']:7.3f} "
                  f"{r['train_loss']:10.4f}")
+  return "\n".join(lines)
+
+
+#: SD-PIPE's synchronisations across pipelines compared by `pipeline_study` (sdpipe.md §1.3, §2,
+#: §3), and the seed's `--hetero` stall lengths (seconds, with probability 0.1 per op, §4).
+SDPIPE_SYNCS = ("allreduce", "preduce", "adpsgd", "hetpipe")
+SDPIPE_HETEROS = (0.0, 0.1, 0.3)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStudy:
+  """Settings of `pipeline_study`: the digits CNN (`jlp.models.small_cnn`) cut into num_stages
+  stages (`jlp.pipeline.split_model`), num_pipelines pipelines on num_pipelines * num_stages
+  devices, SGD as configs/digits.py (momentum, weight decay off BatchNorm and biases) at a
+  constant learning rate.
+
+  Attributes:
+    num_pipelines, num_stages: N and S.
+    batch_per_pipeline: rows of one mini-batch per pipeline (the global mini-batch is N times it).
+    num_batches: mini-batches (updates of every stage) per run.
+    batches_per_run: mini-batches per `Pipeline.run` call; the test accuracy is evaluated after
+      each call (1F1B drains at the end of every call).
+    learning_rate, momentum, weight_decay, width: the optimizer and the CNN's width.
+    target_accuracy: the test accuracy whose virtual time the study reports.
+    schedule: "1f1b" (SD-PIPE's) or "gpipe".
+    num_microbatches: GPipe's M.
+    seed: the model's initialisation, the data order and the virtual-time simulation.
+  """
+  num_pipelines: int = 2
+  num_stages: int = 4
+  batch_per_pipeline: int = 32
+  num_batches: int = 240
+  batches_per_run: int = 12
+  learning_rate: float = 0.05
+  momentum: float = 0.9
+  weight_decay: float = 5e-4
+  width: int = 16
+  target_accuracy: float = 0.9
+  schedule: str = "1f1b"
+  num_microbatches: int = 1
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("num_pipelines", "num_stages", "batch_per_pipeline", "num_batches",
+                 "batches_per_run", "width", "num_microbatches"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed; expected an integer >= 1.")
+    if self.num_batches % self.batches_per_run:
+      raise ValueError(f"num_batches={self.num_batches!r} is not allowed; expected a multiple of "
+                       f"batches_per_run={self.batches_per_run}.")
+    if self.batch_per_pipeline % self.num_microbatches:
+      raise ValueError(f"batch_per_pipeline={self.batch_per_pipeline!r} is not allowed; expected "
+                       f"a multiple of num_microbatches={self.num_microbatches}.")
+    for name in ("learning_rate", "momentum", "weight_decay"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name}={value!r} is not allowed; expected a number >= 0.")
+    if not 0 < self.target_accuracy <= 1:
+      raise ValueError(f"target_accuracy={self.target_accuracy!r} is not allowed; expected a "
+                       "number in (0, 1].")
+    if self.schedule not in ("1f1b", "gpipe"):
+      raise ValueError(f"schedule={self.schedule!r} is not allowed; expected '1f1b' or 'gpipe'.")
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+      raise ValueError(f"seed={self.seed!r} is not allowed; expected an integer.")
+
+
+def _digits_minibatches(images: np.ndarray, labels: np.ndarray, rows: int, count: int,
+                        seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """`count` mini-batches of `rows` examples, [count, rows, ...]: epochs of a seeded permutation,
+  the incomplete last mini-batch of each epoch dropped."""
+  rng = np.random.default_rng(seed)
+  per_epoch = len(labels) // rows
+  order = np.concatenate([rng.permutation(len(labels))[:per_epoch * rows]
+                          for _ in range(-(-count // per_epoch))])[:count * rows]
+  return (images[order].reshape((count, rows) + images.shape[1:]),
+          labels[order].reshape(count, rows))
+
+
+class _PipelineAccuracy:
+  """Test accuracy of every pipeline's model (its stages merged, BatchNorm in eval mode with the
+  pipeline's running statistics), averaged over the pipelines as the seed reduces its validation
+  over the last-stage devices (sdpipe.md §5)."""
+
+  def __init__(self, split: Any, images: np.ndarray, labels: np.ndarray):
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    self._split, self._nnx = split, nnx
+    model = split.merge(split.params, split.state)
+    model.eval()
+    self._graphdef = nnx.graphdef(model)
+    device = jax.devices()[0]
+    self._images = jax.device_put(images, device)
+    self._labels = jax.device_put(labels, device)
+
+    @jax.jit
+    def accuracy(variables, x, y):
+      logits = nnx.merge(self._graphdef, variables)(x)
+      return jnp.mean((jnp.argmax(logits, axis=-1) == y).astype(jnp.float32))
+
+    self._accuracy = accuracy
+
+  def __call__(self, pipe: Any, state: Any) -> float:
+    params, stage_state = pipe.stage_params(state), pipe.stage_state(state)
+    accuracies = []
+    for i in range(pipe.num_pipelines):
+      take = lambda trees, i=i: [{k: v[i] for k, v in tree.items()} for tree in trees]
+      model = self._split.merge(take(params), take(stage_state))
+      model.eval()
+      accuracies.append(float(self._accuracy(self._nnx.state(model), self._images,
+                                             self._labels)))
+    return float(np.mean(accuracies))
+
+
+def pipeline_study(study: PipelineStudy = PipelineStudy(),
+                   syncs: Sequence[str] = SDPIPE_SYNCS,
+                   heteros: Sequence[float] = SDPIPE_HETEROS, *,
+                   progress: bool = False) -> list[dict[str, Any]]:
+  """Trains the digits CNN pipelined (`jlp.pipeline.Pipeline`, `study.schedule`) once per sync x
+  hetero, each from the same initial model on the same mini-batches, and returns one row per run.
+
+  syncs: `jlp.pipeline` syncs across the pipelines ("allreduce", "preduce", "adpsgd", "hetpipe",
+    "none").
+  heteros: stall lengths h in seconds: every forward and backward op stalls h with probability
+    0.1 in virtual time (`jlp.pipeline.Hetero(delay_s=h)`, its other costs at their defaults:
+    10 ms forward, 20 ms backward, 1 ms transfers, 1 ms per average; sdpipe.md §4, §7.4).
+  progress: print a line per evaluation.
+
+  Rows: sync, hetero, num_pipelines, num_stages, virtual_s_to_target (virtual seconds at the
+  first evaluation whose test accuracy reached study.target_accuracy; None if none did),
+  updates_to_target, final_accuracy, final_loss (mean train loss of the last call), virtual_s
+  (whole run), mean_group_size (the mean size of the groups the PReduce scheduler formed, over
+  all stages; None for other syncs), real_s (wall seconds of the run: compile, training and
+  evaluation), curve (one (updates, virtual seconds, test accuracy, mean train loss) per
+  evaluation, the untrained model first at (0, 0.0, accuracy, nan)), losses (float64
+  [num_batches]: every update's train loss, the mean over the pipelines).
+
+  Virtual time restarts in step at every `run` call: the simulation of a call starts every
+  pipeline when the previous call's last update finished (1F1B drains at the end of a call), so
+  each call is a barrier that costs the asynchronous syncs their lead; fewer, longer calls
+  (batches_per_run) favour them, at the price of coarser evaluation.
+
+  Every run with the same sync shares one compiled program: the hetero only changes the
+  virtual-time plan (`Pipeline.plan` of a planner built with that hetero), passed to `run`.
+  """
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jlp.pipeline as jp  # pylint: disable=g-import-not-at-top
+  from jlp.data import get_dataset  # pylint: disable=g-import-not-at-top
+  from jlp.models import small_cnn  # pylint: disable=g-import-not-at-top
+  from jlp.train.optim import (  # pylint: disable=g-import-not-at-top
+      decay_mask, is_bn_or_bias, torch_sgd)
+
+  if not isinstance(study, PipelineStudy):
+    raise ValueError(f"study={study!r} is not allowed; expected a jlp.studies.PipelineStudy.")
+  syncs, heteros = list(syncs), list(heteros)
+  for sync in syncs:
+    if sync not in jp.SYNC_MODES:
+      raise ValueError(f"syncs entry={sync!r} is not allowed; expected one of {jp.SYNC_MODES}.")
+  for h in heteros:
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not h >= 0:
+      raise ValueError(f"heteros entry={h!r} is not allowed; expected seconds >= 0.")
+  if not syncs or not heteros:
+    raise ValueError("syncs and heteros must each hold at least one entry; expected e.g. "
+                     f"{SDPIPE_SYNCS} and {SDPIPE_HETEROS}.")
+
+  N, S, B = study.num_pipelines, study.num_stages, study.batches_per_run
+  train = get_dataset("digits", split="train")
+  test = get_dataset("digits", split="test")
+  train_xy = train.get(np.arange(train.size), {})
+  test_xy = test.get(np.arange(test.size), {})
+  xs_all, ys_all = _digits_minibatches(train_xy["image"], train_xy["label"],
+                                       N * study.batch_per_pipeline, study.num_batches, study.seed)
+  split = jp.split_model(small_cnn(width=study.width, rngs=nnx.Rngs(study.seed)), S)
+  accuracy = _PipelineAccuracy(split, test_xy["image"], test_xy["label"])
+  mesh = jp.pipeline_mesh(N, S)
+  optimizer = torch_sgd(study.learning_rate, momentum=study.momentum,
+                        weight_decay=study.weight_decay, decay_mask=decay_mask(is_bn_or_bias))
+
+  def loss_fn(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  rows = []
+  for sync in syncs:
+    pipe = jp.Pipeline(split.stages, loss_fn, optimizer, mesh, schedule=study.schedule,
+                       num_microbatches=study.num_microbatches, sync=sync, stateful=True,
+                       seed=study.seed)
+    for h in heteros:
+      start = time.perf_counter()
+      state = pipe.init(split.params, split.state)
+      curve = [(0, 0.0, accuracy(pipe, state), float("nan"))]
+      groups: list[np.ndarray] = []
+      losses: list[np.ndarray] = []
+      for first in range(0, study.num_batches, B):
+        plan = pipe.plan(state, B, hetero=jp.Hetero(delay_s=float(h)))  # one compile for all h
+        state, metrics = pipe.run(state, xs_all[first:first + B], ys_all[first:first + B],
+                                  plan=plan)
+        groups.append(np.asarray(plan.group_sizes))
+        losses.append(np.asarray(metrics["loss"], np.float64))
+        curve.append((first + B, float(metrics["virtual_time"][-1]), accuracy(pipe, state),
+                      float(np.mean(metrics["loss"]))))
+        if progress:
+          print(f"  {sync:9s} h={h:<4g} updates {first + B:4d}  virtual {curve[-1][1]:7.2f} s  "
+                f"loss {curve[-1][3]:.4f}  test acc {curve[-1][2]:.4f}", flush=True)
+      real = time.perf_counter() - start
+      reached = [c for c in curve if c[2] >= study.target_accuracy]
+      sizes = np.concatenate(groups)
+      rows.append({
+          "sync": sync, "hetero": float(h), "num_pipelines": N, "num_stages": S,
+          "virtual_s_to_target": reached[0][1] if reached else None,
+          "updates_to_target": reached[0][0] if reached else None,
+          "final_accuracy": curve[-1][2], "final_loss": curve[-1][3],
+          "virtual_s": curve[-1][1],
+          "mean_group_size": float(np.mean(sizes)) if sync == "preduce" and sizes.size else None,
+          "real_s": real, "curve": curve, "losses": np.concatenate(losses)})
+      print(f"== {sync} h={h:g}: test accuracy {curve[-1][2]:.4f} after {study.num_batches} "
+            f"updates, {curve[-1][1]:.1f} virtual s, {real:.1f} real s", flush=True)
+  return rows
+
+
+def render_pipeline_table(rows: Sequence[dict[str, Any]], target_accuracy: float = 0.9) -> str:
+  """The pipeline study's rows as a markdown table (accuracies in percent; "-" = target not
+  reached), with each run's virtual time to target relative to AllReduce's at the same h."""
+  base = {r["hetero"]: r["virtual_s_to_target"] for r in rows if r["sync"] == "allreduce"}
+  head = (f"| sync | h (s) | virtual s to {100 * target_accuracy:g}% | vs allreduce | "
+          "updates to target | final test acc % | virtual s (run) | mean group size | real s |")
+  lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+  for r in rows:
+    t = r["virtual_s_to_target"]
+    b = base.get(r["hetero"])
+    ratio = f"{t / b:.2f}x" if t is not None and b else "-"
+    group = "-" if r["mean_group_size"] is None else f"{r['mean_group_size']:.2f}"
+    lines.append(f"| {r['sync']} | {r['hetero']:g} | {'-' if t is None else f'{t:.2f}'} | "
+                 f"{ratio} | {r['updates_to_target'] or '-'} | {100 * r['final_accuracy']:.2f} | "
+                 f"{r['virtual_s']:.2f} | {group} | {r['real_s']:.1f} |")
   return "\n".join(lines)

@@ -43,3 +43,16 @@ def test_compression_executes(tmp_path, monkeypatch):
   assert "tbq without EF" in outputs and "N=16 ring" in outputs
   assert "x fp32" in outputs and "onebit     ring" in outputs  # the study's table
   assert len(images) >= 2  # error feedback, accuracy against bytes
+
+
+def test_pipeline_executes(tmp_path, monkeypatch):
+  """notebooks/pipeline.ipynb in quick mode: the schedule tables, GPipe against 1F1B, PReduce
+  under stalls (the simulator's groups, the training table) and their plots come out."""
+  outputs, images = execute("pipeline.ipynb", 12, tmp_path, monkeypatch)
+  assert "1F1B: 18 ticks, bubble fraction 0.3333, (S-1)/(n+S-1) = 0.3333" in outputs
+  assert "GPipe: 14 ticks, bubble fraction 0.4286" in outputs
+  assert "gpipe  final test accuracy" in outputs and "1f1b   final test accuracy" in outputs
+  assert "h=0: 400 groups, mean size 4.00" in outputs  # no stalls: every group is all 4
+  assert "symmetric True | rows and columns sum to 1 True" in outputs
+  assert "| allreduce | 0.1 |" in outputs and "| preduce | 0.1 |" in outputs
+  assert len(images) >= 4  # schedule tables, loss curves, group sizes, accuracy vs virtual time

@@ -109,7 +109,9 @@ class PipelineState(NamedTuple):
   model_state: dict[str, jax.Array]  # {dtype: [N, S, L_dtype]} stateful stages' state ({} if none)
   global_params: dict[str, jax.Array]  # sync="hetpipe": the parameter server's copy; else {}
   sync_state: Any  # grad_sync's compression state [N, S, ...] (None without compression)
-  virtual_time: jax.Array  # float32 [2]: virtual seconds trained, (whole seconds, fraction)
+  # float32 [N, S, 2]: the virtual second at which each (pipeline, stage) finished its last
+  # update, as (whole seconds, fraction); the next run's simulation starts from it.
+  virtual_time: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +314,7 @@ class Pipeline:
         model_state=stacked(state_packer, states),
         global_params=stacked(param_packer, stage_params) if self.sync == "hetpipe" else {},
         sync_state=sync_state,
-        virtual_time=jax.device_put(jnp.zeros((2,), jnp.float32), replicated))
+        virtual_time=jax.device_put(jnp.zeros((N, S, 2), jnp.float32), replicated))
 
   def _require_init(self) -> tuple[Packer, Packer, Packer]:
     if self._packers is None:
@@ -335,11 +337,16 @@ class Pipeline:
             for s in range(self.num_stages)]
 
   @staticmethod
-  def virtual_seconds(state: PipelineState) -> float:
-    """The virtual seconds `state` has trained (float64; stored as whole seconds + fraction in
-    float32, exact to the microsecond for 100 virtual days)."""
-    whole, fraction = np.asarray(state.virtual_time, np.float64)
-    return float(whole + fraction)
+  def virtual_clocks(state: PipelineState) -> np.ndarray:
+    """float64 [N, S]: when each (pipeline, stage) finished its last update, in virtual seconds
+    (stored as whole seconds + fraction in float32: microseconds for 100 virtual days)."""
+    clock = np.asarray(state.virtual_time, np.float64)
+    return clock[..., 0] + clock[..., 1]
+
+  @classmethod
+  def virtual_seconds(cls, state: PipelineState) -> float:
+    """The virtual seconds `state` has trained: the latest of its clocks."""
+    return float(cls.virtual_clocks(state).max())
 
   # -- input checks ------------------------------------------------------------------------------
   def check_state(self, state: PipelineState) -> None:
@@ -444,15 +451,18 @@ class Pipeline:
     return {name: jnp.asarray(v, jnp.float32) for name, v in metrics.items()}
 
   # -- the run -----------------------------------------------------------------------------------
-  def plan(self, state: PipelineState, num_batches: int) -> SyncPlan:
+  def plan(self, state: PipelineState, num_batches: int, *, hetero: Hetero | None = None
+           ) -> SyncPlan:
     """The virtual-time simulation of the next `num_batches` mini-batches (mixing matrices of
-    preduce / adpsgd and the finish times), seeded by (seed, state.step)."""
+    preduce / adpsgd and the finish times), seeded by (seed, state.step), from the state's
+    per-(pipeline, stage) clocks; `hetero` overrides the pipeline's cost model (e.g. a sweep
+    over stalls with one compiled pipeline)."""
     step = int(np.asarray(state.step))
     return simulate(self.schedule, self.sync, self.num_pipelines, self.num_stages, num_batches,
                     self.num_microbatches, seed=int(np.random.SeedSequence(
                         [self.seed, step]).generate_state(1)[0]),
-                    hetero=self.hetero, preduce=self.preduce, hetpipe=self.hetpipe,
-                    first_batch=step)
+                    hetero=self.hetero if hetero is None else hetero, preduce=self.preduce,
+                    hetpipe=self.hetpipe, first_batch=step, start=self.virtual_clocks(state))
 
   def run(self, state: PipelineState, xs: Any, ys: Any, plan: SyncPlan | None = None
           ) -> tuple[PipelineState, dict[str, Any]]:
@@ -462,7 +472,8 @@ class Pipeline:
     table's idle share), "virtual_time" [B] (float64: virtual seconds at which each mini-batch's
     update finished, counted from the first run).
     `plan` (default: `self.plan(state, B)`) may be any object with the SyncPlan fields `mix`
-    [B, S, N, N] and `times` [B]."""
+    [B, S, N, N], `times` [B] and `finish` [B, N, S], on the clock of the state's
+    `virtual_clocks`."""
     self.check_state(state)
     layout = self._layout(xs, ys)
     B = layout.num_batches
@@ -479,11 +490,16 @@ class Pipeline:
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
     xs = jax.device_put(xs, batch_sharding)
     ys = jax.device_put(ys, batch_sharding)
-    times = self.virtual_seconds(state) + np.asarray(plan.times, np.float64)
+    times = np.asarray(plan.times, np.float64)
+    finish = np.asarray(plan.finish, np.float64)
+    if times.shape != (B,) or finish.shape != (B, self.num_pipelines, self.num_stages):
+      raise ValueError(f"plan.times shape={times.shape} / plan.finish shape={finish.shape} are "
+                       f"not allowed; expected ({B},) and {(B, self.num_pipelines, self.num_stages)}.")
     new_state, means = self._compiled[key](state, xs, ys, jnp.asarray(mix))
-    whole = np.floor(times[-1])
+    whole = np.floor(finish[-1])
     new_state = new_state._replace(virtual_time=jax.device_put(
-        np.asarray([whole, times[-1] - whole], np.float32), NamedSharding(self.mesh, P())))
+        np.stack([whole, finish[-1] - whole], -1).astype(np.float32),
+        NamedSharding(self.mesh, P())))
     metrics = {name: np.asarray(v) for name, v in means.items()}
     metrics.update(virtual_time=times, bubble_fraction=sched.bubble_fraction(layout.table))
     return new_state, metrics
@@ -544,9 +560,12 @@ class Pipeline:
     leaves = [x.astype(d) for x, d in zip(leaves, layout.act_dtypes[boundary], strict=True)]
     return jax.tree.unflatten(treedef, leaves)
 
-  def _tick(self, layout: _Layout, carry, bufs, stage, kind, index, x_in, y_in, loss_scale):
+  def _tick(self, layout: _Layout, carry, bufs, stage, kind, index, x_in, y_in, loss_scale,
+            grad_acc=None):
     """One op of this device's stage: (act_out, grad_out, param gradient, new model state,
-    metrics: {"loss", aux...} of a last-stage backward, else zeros)."""
+    metrics: {"loss", aux...} of a last-stage backward, else zeros). With `grad_acc` (GPipe's
+    sum over micro-batches) a backward returns grad_acc + its gradient and the other ops
+    grad_acc, so that only backwards touch the sum."""
     param_packer, _, state_packer = self._require_init()
     S = self.num_stages
     act_len = layout.act.sizes.get("float32", 0)
@@ -560,7 +579,7 @@ class Pipeline:
     recv_x = bufs["recv_x"][slot_x]
     recv_g = bufs["recv_g"][slot_g]
     zeros_act = jnp.zeros((act_len,), jnp.float32)
-    zeros_grad = jax.tree.map(jnp.zeros_like, latest)
+    zeros_grad = jax.tree.map(jnp.zeros_like, latest) if grad_acc is None else grad_acc
     no_metrics = {name: jnp.float32(0) for name in layout.metric_names}
 
     def idle(s):
@@ -600,7 +619,10 @@ class Pipeline:
             _, vjp = jax.vjp(lambda w, x: self._apply(s, w, x, st)[0], w, x)
             gw, gx = vjp(ct)
         grad_out = self._pack_act(layout, s - 1, gx) if s > 0 else zeros_act
-        return zeros_act, grad_out, param_packer.pack(s, gw), carry["model_state"], loss
+        gw = param_packer.pack(s, gw)
+        if grad_acc is not None:
+          gw = jax.tree.map(jnp.add, grad_acc, gw)
+        return zeros_act, grad_out, gw, carry["model_state"], loss
       return op
 
     branches = []
@@ -736,10 +758,9 @@ class Pipeline:
         bufs["stash_state"] = jax.tree.map(
             lambda buf, v: buf.at[slot].set(jnp.where(kind == sched.FWD, v, buf[slot])),
             bufs["stash_state"], carry["model_state"])
-        act_out, grad_out, g, new_model_state, loss = self._tick(
-            layout, carry, bufs, stage, kind, index, x_in, y_in, np.float32(1.0 / M))
+        act_out, grad_out, grads, new_model_state, loss = self._tick(
+            layout, carry, bufs, stage, kind, index, x_in, y_in, np.float32(1.0 / M), grads)
         carry = dict(carry, model_state=new_model_state)
-        grads = jax.tree.map(lambda a, x: a + x, grads, g)
         bufs = self._exchange(layout, bufs, stage, kind, index, act_out, grad_out)
         return (carry, bufs, grads, jax.tree.map(jnp.add, loss_sum, loss)), None
 

@@ -9,7 +9,7 @@ time at which every mini-batch's update has finished.
 
 Cost model (`Hetero`; Hetu's `--hetero h`, sdpipe.md §4, when `slowdown` is None):
   * op k of stage s of pipeline i lasts base * slowdown[i][s] + delay_s * stall, with base = fwd_s
-    or bwd_s and stall = 1 when u < probability for one uniform draw u per op; the draws are
+    or bwd_s (divided by M for a GPipe micro-batch) and stall = 1 when u < probability for one uniform draw u per op; the draws are
     `np.random.default_rng(seed).random((K, N, S))[k, i, s]` (K ops per stage), so a longer run
     starts with the same draws. (Hetu sleeps before the op while it may still wait for its input;
     here the stall is part of the op.)
@@ -75,6 +75,7 @@ gradients), "none" and "hetpipe" (the executor keeps the parameter-server copy):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 import heapq
 import math
 import random
@@ -126,7 +127,8 @@ class Hetero:
   delay_s, probability: Hetu's `--hetero h`: before every op, a stall of delay_s with probability
     `probability` (one draw per op).
   slowdown: a persistent factor per [pipeline][stage] on fwd_s / bwd_s (an extension); None = 1.
-  fwd_s, bwd_s: base forward / backward time of one op on one stage.
+  fwd_s, bwd_s: base forward / backward time of one mini-batch on one stage (a GPipe
+    micro-batch op takes 1/M of it).
   p2p_s: activation / gradient transfer between stages.
   allreduce_alpha_s, allreduce_beta_s: one (group) average or all-reduce costs alpha + beta
     (members - 1).
@@ -296,14 +298,21 @@ def preduce_schedule(num_pipelines: int, num_rounds: int, *, seed: int, hetero: 
 def simulate(schedule: str, sync: str, num_pipelines: int, num_stages: int, num_batches: int,
              num_microbatches: int = 1, *, seed: int = 0, hetero: Hetero = Hetero(),
              preduce: PReduce = PReduce(), hetpipe: HetPipe = HetPipe(),
-             first_batch: int = 0) -> SyncPlan:
+             first_batch: int = 0, start: Any = None) -> SyncPlan:
   """Replays `schedule` for N pipelines x S stages x B mini-batches in virtual time under `sync`
   (module docstring) and returns the mixing matrices and times for the lockstep executor.
-  `first_batch`: the number of mini-batches trained before these (HetPipe's pulls count them)."""
+  `first_batch`: the number of mini-batches trained before these (HetPipe's pulls count them).
+  `start`: [N][S] virtual seconds at which each (pipeline, stage) is free to start (None: all 0),
+  e.g. the previous plan's `finish[-1]`, so that pipelines keep their lead from one `run` to the
+  next; the times returned are on the same clock."""
   _check_int("first_batch", first_batch, 0)
+  start = np.zeros((num_pipelines, num_stages)) if start is None else np.asarray(start, np.float64)
+  if start.shape != (num_pipelines, num_stages) or not np.all(np.isfinite(start)) or \
+      np.any(start < 0):
+    raise _invalid("start", start, f"finite times >= 0 of shape ({num_pipelines}, {num_stages})")
   engine = _Engine(schedule, sync, num_pipelines, num_stages, num_batches, num_microbatches,
                    seed=seed, hetero=hetero, preduce=preduce, hetpipe=hetpipe,
-                   first_batch=first_batch)
+                   first_batch=first_batch, start=start)
   engine.run()
   return engine.plan()
 
@@ -353,8 +362,10 @@ class _Engine:
   op index) for an op's end, (time, 1, stage, window id, 0) for a window deadline."""
 
   def __init__(self, schedule, sync, num_pipelines, num_stages, num_batches, num_microbatches, *,
-               seed, hetero, preduce, hetpipe, stop_after_windows=None, first_batch=0):
+               seed, hetero, preduce, hetpipe, stop_after_windows=None, first_batch=0,
+               start=None):
     self.first_batch = first_batch
+    self.start = start
     if sync not in SYNC_MODES:
       raise _invalid("sync", sync, f"one of {SYNC_MODES}")
     _check_int("num_pipelines", num_pipelines, 1)
@@ -405,6 +416,8 @@ class _Engine:
 
     kinds = np.array([[kind for kind, _, _ in o] for o in orders])  # [S, K]
     base = np.where(kinds == schedules.FWD, hetero.fwd_s, hetero.bwd_s)
+    if schedule == "gpipe":  # a micro-batch op runs on 1/M of the mini-batch
+      base = base / num_microbatches
     stall = np.random.default_rng(int(seed)).random((K, N, S)) < hetero.probability
     duration = base[None] * slowdown[:, :, None] + hetero.delay_s * stall.transpose(1, 2, 0)
     self.duration = duration.tolist()  # [N][S][K]
@@ -447,7 +460,7 @@ class _Engine:
   def run(self) -> None:
     for i in range(self.N):
       for s in range(self.S):
-        self._start(i, s, 0.0)
+        self._start(i, s, 0.0 if self.start is None else float(self.start[i, s]))
     heap, done, update_of = self.heap, self.done, self.update_of
     dependent_stage, dependent_index = self.dependent_stage, self.dependent_index
     sync, limit = self.sync, self.stop_after_windows

@@ -54,7 +54,7 @@ def reference_orders(schedule, S, B, M):
 
 
 def reference_finish(schedule, sync, N, S, B, M=1, *, seed=0, hetero=Hetero(),
-                     hetpipe=HetPipe(), first_batch=0):
+                     hetpipe=HetPipe(), first_batch=0, start=None):
   """finish[b, i, s]: when (pipeline i, stage s) leaves the sync of update b; `first_batch`
   mini-batches were trained before (HetPipe pulls at global batch counts)."""
   orders = reference_orders(schedule, S, B, M)
@@ -82,7 +82,8 @@ def reference_finish(schedule, sync, N, S, B, M=1, *, seed=0, hetero=Hetero(),
 
   end, arrivals = {}, {}
   finish = np.full((B, N, S), np.nan)
-  free = [[0.0] * S for _ in range(N)]  # None while waiting in a sync
+  free = [[0.0 if start is None else float(start[i][s]) for s in range(S)]
+          for i in range(N)]  # None while waiting in a sync
   pos = [[0] * S for _ in range(N)]
   progress = True
   while progress:
@@ -98,7 +99,7 @@ def reference_finish(schedule, sync, N, S, B, M=1, *, seed=0, hetero=Hetero(),
             if (i, source, kind, b, m) not in end:
               break
             start = max(start, end[(i, source, kind, b, m)] + hetero.p2p_s)
-          base = hetero.fwd_s if kind == "F" else hetero.bwd_s
+          base = (hetero.fwd_s if kind == "F" else hetero.bwd_s) / (M if schedule == "gpipe" else 1)
           stall = hetero.delay_s if draws[k, i, s] < hetero.probability else 0.0
           t = start + (base * slow[i][s] + stall)
           end[(i, s, kind, b, m)] = t
@@ -416,12 +417,31 @@ def test_tiny_1f1b_times_by_hand():
 
 
 def test_tiny_gpipe_times_by_hand():
-  # N=1, S=2, M=2, B=2: every stage runs F(b,0) F(b,1) B(b,1) B(b,0) per mini-batch. Stage 0:
-  # F [0,.01] [.01,.02]; stage 1: F [.011,.021] [.021,.031], B [.031,.051] [.051,.071]; stage 0:
-  # B [.052,.072] [.072,.092]. Mini-batch 1: stage 0 F [.092,.102] [.102,.112]; stage 1: F
-  # [.103,.113] [.113,.123], B [.123,.143] [.143,.163]; stage 0: B [.144,.164] [.164,.184].
+  # N=1, S=2, M=2, B=2: every stage runs F(b,0) F(b,1) B(b,1) B(b,0) per mini-batch; a micro-batch
+  # op takes 1/M of fwd_s, bwd_s (.005, .01). Stage 0: F [0,.005] [.005,.010]; stage 1: F
+  # [.006,.011] [.011,.016], B [.016,.026] [.026,.036]; stage 0: B [.027,.037] [.037,.047].
+  # Mini-batch 1: stage 0 F [.047,.052] [.052,.057]; stage 1: F [.053,.058] [.058,.063], B
+  # [.063,.073] [.073,.083]; stage 0: B [.074,.084] [.084,.094].
   plan = simulate("gpipe", "none", 1, 2, 2, 2, hetero=Hetero(delay_s=0.0))
-  np.testing.assert_allclose(plan.finish[:, 0, :], [[0.092, 0.071], [0.184, 0.163]], atol=1e-12)
+  np.testing.assert_allclose(plan.finish[:, 0, :], [[0.047, 0.036], [0.094, 0.083]], atol=1e-12)
+
+
+def test_start_clocks_carry_a_lead_into_the_next_plan():
+  """`start` shifts each (pipeline, stage) as the sweep reference does; pipeline 1 starting late
+  finishes late, and the next plan from `finish[-1]` continues the clock."""
+  hetero = Hetero(delay_s=0.05, probability=0.3)
+  start = [[0.0, 0.0, 0.0], [0.5, 0.5, 0.5]]
+  plan = simulate("1f1b", "preduce", 2, 3, 6, seed=4, hetero=hetero, start=start)
+  for sync in ("none", "allreduce", "hetpipe"):
+    got = simulate("1f1b", sync, 2, 3, 6, seed=4, hetero=hetero, start=start)
+    np.testing.assert_allclose(got.finish, reference_finish("1f1b", sync, 2, 3, 6, seed=4,
+                                                            hetero=hetero, start=start),
+                               rtol=0, atol=1e-12)
+  assert plan.finish[0, 1].min() > 0.5
+  after = simulate("1f1b", "preduce", 2, 3, 6, seed=5, hetero=hetero, start=plan.finish[-1])
+  assert after.times[0] > plan.times[-1]
+  with pytest.raises(ValueError, match="start="):
+    simulate("1f1b", "none", 2, 3, 6, start=[[0.0, 0.0, 0.0]])
 
 
 @pytest.mark.parametrize("schedule,sync,n,s,m,barrier", [

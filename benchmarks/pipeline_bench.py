@@ -1,0 +1,314 @@
+"""Pipelined data parallelism (`jlp.pipeline`) on 8 emulated CPU devices: bubbles, step time,
+compile time (issue 12 "Performance"; sdpipe.md §1, §7.2, §7.4).
+
+Run: python -m benchmarks.pipeline_bench [--sections=bubble,step,compile] [--width=1024]
+       [--batch=2048] [--microbatches=4,8,16] [--steps=5]
+
+bubble   The idle share of GPipe (S in {2, 4, 8} x M in {1, 4, 8, 16}) and of 1F1B over B
+         mini-batches (the same grid with B for M), against (S - 1) / (M + S - 1): measured on
+         the static tick table (`jlp.pipeline.bubble_fraction`) and in virtual time, by
+         `jlp.pipeline.simulate` with no stalls, equal op times (fwd = bwd = 1 s), free transfers
+         and no sync: 1 - busy / (S * makespan), busy = the S stages' op seconds; and the same
+         with backwards twice as long as forwards.
+step     One training step of the same model (an MLP of 4 equal blocks, Linear(width, width) +
+         ReLU each, the classifier Linear(width, 10) with the last) on the same global batch of
+         --batch rows, plain SGD, state donated, cross-entropy:
+           DP     `jlp.train.TrainStep` on the 8-device data mesh, float32 sequential all-reduce
+                  (TrainStep's default, the baseline) and float32 ring;
+           GPipe  `jlp.pipeline.Pipeline(schedule="gpipe", num_microbatches=M)` for each M of
+                  --microbatches, N = 2 pipelines x S = 4 stages (one block per stage), one
+                  mini-batch per `run` (the same update as DP: the gradient of the global batch);
+           1F1B   N = 2 x S = 4, 8 mini-batches per `run` (each its own update), time per
+                  mini-batch (the drain of 2(S - 1) ticks per run included).
+         The cases run alternately, --steps rounds after a compile + warm-up step each; reported:
+         the median seconds per update and, against each DP row, the median of the per-round
+         ratios (target: GPipe <= 1.5x the unpipelined step).
+compile  Seconds jax spends tracing, lowering and compiling (jax.monitoring's
+         /jax/core/compile/* events) the first `run` of a Pipeline (a small MLP, width 128), against
+         S in {2, 4, 8} (N = 8 / S), M in {4, 8, 16} and the mini-batches per run B in {1, 4, 16,
+         64}: `lax.scan` over the schedule's ticks (and GPipe's mini-batches) keeps them flat.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jlp.pipeline as jp  # noqa: E402
+import jlp.train as jt  # noqa: E402
+
+SECTIONS = ("bubble", "step", "compile")
+_SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"which of {SECTIONS} to run.")
+_WIDTH = flags.DEFINE_integer("width", 1024, "MLP width of the step section (4 blocks).")
+_BATCH = flags.DEFINE_integer("batch", 2048, "global batch of the step section.")
+_MICRO = flags.DEFINE_list("microbatches", ["4", "8", "16"], "GPipe's M in the step section.")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed rounds of the step section.")
+
+NUM_CLASSES = 10
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+# -- (a) bubbles ---------------------------------------------------------------------------------
+def virtual_bubble(schedule: str, num_stages: int, count: int, bwd_s: float = 1.0) -> float:
+  """1 - busy / (S * makespan) of one pipeline in virtual time: no stalls, forwards 1 s,
+  backwards bwd_s, free transfers, no sync (count = M for "gpipe", B for "1f1b")."""
+  hetero = jp.Hetero(delay_s=0.0, fwd_s=1.0, bwd_s=bwd_s, p2p_s=0.0, allreduce_alpha_s=0.0)
+  batches, micro = (1, count) if schedule == "gpipe" else (count, 1)
+  plan = jp.simulate(schedule, "none", 1, num_stages, batches, micro, seed=0, hetero=hetero)
+  busy = num_stages * batches * micro * (1.0 + bwd_s)
+  return 1.0 - busy / (num_stages * float(np.max(plan.finish)))
+
+
+def bubble_section() -> None:
+  for schedule, name in (("gpipe", "M"), ("1f1b", "B")):
+    what = ("GPipe, one mini-batch of M micro-batches" if schedule == "gpipe" else
+            "1F1B over B mini-batches (one run: warm-up, steady state, drain)")
+    print(f"\nbubble fraction, {what}")
+    head = (f"{'S':>2s} {name:>3s} {'(S-1)/(' + name + '+S-1)':>14s} {'table':>7s} "
+            f"{'virtual':>8s} {'virtual, bwd = 2 fwd':>20s}")
+    print(head + "\n" + "-" * len(head))
+    worst = 0.0
+    for s in (2, 4, 8):
+      for count in (1, 4, 8, 16):
+        formula = (s - 1) / (count + s - 1)
+        table = jp.bubble_fraction(jp.tick_table(schedule, s, *((1, count) if schedule == "gpipe"
+                                                                 else (count, 1))))
+        virtual = virtual_bubble(schedule, s, count)
+        worst = max(worst, abs(table - formula), abs(virtual - formula))
+        print(f"{s:2d} {count:3d} {formula:14.4f} {table:7.4f} {virtual:8.4f} "
+              f"{virtual_bubble(schedule, s, count, bwd_s=2.0):20.4f}")
+    print(f"largest |table or virtual (equal op times) - formula|: {worst:.1e}")
+
+
+# -- (b) step time -------------------------------------------------------------------------------
+class BlockMLP(nnx.Module):
+  """`num_blocks` x (Linear(width, width) + ReLU), then Linear(width, classes)."""
+
+  def __init__(self, num_blocks: int, width: int, num_classes: int, *, rngs: nnx.Rngs):
+    self.blocks = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(num_blocks)])
+    self.head = nnx.Linear(width, num_classes, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for block in self.blocks:
+      x = jax.nn.relu(block(x))
+    return self.head(x)
+
+
+def block_stage(params: dict[str, jax.Array], x: jax.Array, *, last: bool) -> jax.Array:
+  """One block of `BlockMLP` as a pipeline stage (the last one with the classifier)."""
+  y = jax.nn.relu(x @ params["kernel"] + params["bias"])
+  return y @ params["head_kernel"] + params["head_bias"] if last else y
+
+
+def stage_split(model: BlockMLP) -> tuple[list[Callable], list[dict[str, np.ndarray]]]:
+  """(stage functions, stage params) of `model`, one block per stage: the same initial values."""
+  n = len(model.blocks)
+  params = []
+  for s, block in enumerate(model.blocks):
+    p = {"kernel": np.asarray(block.kernel[...]), "bias": np.asarray(block.bias[...])}
+    if s == n - 1:
+      p.update(head_kernel=np.asarray(model.head.kernel[...]),
+               head_bias=np.asarray(model.head.bias[...]))
+    params.append(p)
+  return [functools.partial(block_stage, last=s == n - 1) for s in range(n)], params
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class Case:
+  """One timed update: `step()` runs it and blocks; `updates` = updates per call."""
+
+  def __init__(self, name: str, step: Callable[[], None], updates: int = 1):
+    self.name, self._step, self.updates = name, step, updates
+    self.times: list[float] = []
+    self.first = 0.0
+
+  def warm_up(self) -> None:
+    t0 = time.perf_counter()
+    self._step()
+    self.first = time.perf_counter() - t0
+    self._step()
+
+  def run(self) -> None:
+    t0 = time.perf_counter()
+    self._step()
+    self.times.append((time.perf_counter() - t0) / self.updates)
+
+
+def dp_case(name: str, model: BlockMLP, batch: dict[str, np.ndarray], sync: jt.GradSync) -> Case:
+  mesh = jt.data_mesh()
+  optimizer = optax.sgd(0.01)
+  graphdef, state = jt.init_train_state(model, optimizer, mesh)
+  step = jt.TrainStep(graphdef, optimizer, mesh, sync, donate=True)
+  batch = jt.shard_batch(batch, mesh)
+  holder = {"state": state}
+
+  def run():
+    holder["state"], metrics = step(holder["state"], batch)
+    jax.block_until_ready(metrics)
+
+  return Case(name, run)
+
+
+def pipeline_case(name: str, model: BlockMLP, xs: np.ndarray, ys: np.ndarray, *, schedule: str,
+                  num_microbatches: int = 1, num_pipelines: int = 2) -> Case:
+  stages, params = stage_split(model)
+  mesh = jp.pipeline_mesh(num_pipelines, len(stages))
+  pipe = jp.Pipeline(stages, cross_entropy, optax.sgd(0.01), mesh, schedule=schedule,
+                     num_microbatches=num_microbatches, donate=True)
+  holder = {"state": pipe.init(params)}
+
+  def run():
+    holder["state"], metrics = pipe.run(holder["state"], xs, ys)
+    jax.block_until_ready(holder["state"].params)
+    assert np.all(np.isfinite(metrics["loss"]))
+
+  return Case(name, run, updates=xs.shape[0])
+
+
+def step_section(width: int, batch: int, microbatches: Sequence[int], steps: int) -> None:
+  num_stages, num_pipelines, minibatches_1f1b = 4, 2, 8
+  for m in microbatches:
+    if m < 1 or batch % (num_pipelines * m) or batch % 8:
+      raise app.UsageError(f"--batch={batch} with M={m} is not allowed; expected M >= 1 and a "
+                           f"batch that is a multiple of 8 and of N * M = {num_pipelines * m}.")
+  model = BlockMLP(num_stages, width, NUM_CLASSES, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((minibatches_1f1b, batch, width)).astype(np.float32)
+  y = rng.integers(0, NUM_CLASSES, (minibatches_1f1b, batch)).astype(np.int32)
+  params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  print(f"\nstep time: MLP of {num_stages} blocks of width {width} ({params / 1e6:.2f}M params), "
+        f"global batch {batch}, SGD; {steps} rounds, cases alternated")
+  cases = [
+      dp_case("DP 8 devices, sequential (baseline)", model, {"image": x[0], "label": y[0]},
+              jt.GradSync()),
+      dp_case("DP 8 devices, ring", model, {"image": x[0], "label": y[0]},
+              jt.GradSync(algorithm="ring")),
+  ] + [
+      pipeline_case(f"GPipe 2x4, M={m}, {batch // (num_pipelines * m)} rows/micro, 1 mb/run",
+                    model, x[:1], y[:1], schedule="gpipe", num_microbatches=m)
+      for m in microbatches
+  ] + [
+      pipeline_case(f"1F1B 2x4, {minibatches_1f1b} mb/run", model, x, y,
+                    schedule="1f1b"),
+  ]
+  for case in cases:
+    case.warm_up()
+    print(f"  {case.name}: compile + first run {case.first:.1f} s", flush=True)
+  for _ in range(steps):
+    for case in cases:
+      case.run()
+  head = (f"{'case':48s} {'s/update':>9s} {'min':>7s} {'vs DP seq':>9s} {'vs DP ring':>10s}")
+  print("\n" + head + "\n" + "-" * len(head))
+  for case in cases:
+    ratios = [statistics.median(a / b for a, b in zip(case.times, base.times))
+              for base in cases[:2]]
+    print(f"{case.name:48s} {statistics.median(case.times):9.3f} {min(case.times):7.3f} "
+          f"{ratios[0]:8.2f}x {ratios[1]:9.2f}x")
+  print("target: GPipe <= 1.5x the unpipelined data-parallel step")
+
+
+# -- (c) compile time ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def compile_seconds():
+  """Yields a dict that collects jax's compile-event seconds by event while the block runs."""
+  totals: dict[str, float] = collections.defaultdict(float)
+
+  def listener(event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    if event in COMPILE_EVENTS:
+      totals[event] += duration
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield totals
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def compile_case(schedule: str, num_stages: int, num_microbatches: int, num_batches: int
+                 ) -> tuple[float, float, float]:
+  """(trace + lower seconds, XLA compile seconds, first run seconds) of a fresh Pipeline."""
+  width, rows = 128, 8
+  num_pipelines = 8 // num_stages
+  model = BlockMLP(num_stages, width, NUM_CLASSES, rngs=nnx.Rngs(0))
+  stages, params = stage_split(model)
+  pipe = jp.Pipeline(stages, cross_entropy, optax.sgd(0.01),
+                     jp.pipeline_mesh(num_pipelines, num_stages), schedule=schedule,
+                     num_microbatches=num_microbatches)
+  state = pipe.init(params)
+  rng = np.random.default_rng(0)
+  batch = num_pipelines * num_microbatches * rows
+  xs = rng.standard_normal((num_batches, batch, width)).astype(np.float32)
+  ys = rng.integers(0, NUM_CLASSES, (num_batches, batch)).astype(np.int32)
+  with compile_seconds() as totals:
+    t0 = time.perf_counter()
+    state, _ = pipe.run(state, xs, ys)
+    jax.block_until_ready(state.params)
+    first = time.perf_counter() - t0
+  front = totals[COMPILE_EVENTS[0]] + totals[COMPILE_EVENTS[1]]
+  return front, totals[COMPILE_EVENTS[2]], first
+
+
+def compile_section() -> None:
+  print("\ncompile time of the first run (MLP width 128, 8 rows per micro-batch per pipeline)")
+  head = (f"{'schedule':8s} {'N x S':>5s} {'M':>3s} {'B':>3s} {'ticks/mb':>8s} "
+          f"{'trace+lower s':>13s} {'XLA compile s':>13s} {'first run s':>11s}")
+  print(head + "\n" + "-" * len(head))
+  rows: list[tuple[str, int, int, int]] = []
+  rows += [("gpipe", s, 8, 1) for s in (2, 4, 8)]
+  rows += [("gpipe", 4, m, 1) for m in (4, 16)]
+  rows += [("gpipe", 4, 8, b) for b in (4, 16, 64)]
+  rows += [("1f1b", s, 1, 8) for s in (2, 4, 8)]
+  rows += [("1f1b", 4, 1, b) for b in (1, 4, 16, 64)]
+  for schedule, s, m, b in rows:
+    front, backend, first = compile_case(schedule, s, m, b)
+    if schedule == "gpipe":
+      ticks = f"{2 * (m + s - 1)}"
+    else:
+      ticks = f"{(2 * b + 2 * (s - 1)) / b:.1f}"
+    print(f"{schedule:8s} {8 // s:>2d}x{s:<2d} {m:3d} {b:3d} {ticks:>8s} {front:13.2f} "
+          f"{backend:13.2f} {first:11.2f}", flush=True)
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if len(jax.devices()) != 8:
+    raise app.UsageError(f"expected 8 devices, found {len(jax.devices())} "
+                         "(XLA_FLAGS set too late?)")
+  unknown = sorted(set(_SECTIONS.value) - set(SECTIONS))
+  if unknown:
+    raise app.UsageError(f"--sections={unknown[0]} is not allowed; expected some of {SECTIONS}.")
+  print(f"jax {jax.__version__}, 8 emulated {jax.default_backend()} devices on {os.cpu_count()} "
+        f"cores, {time.strftime('%Y-%m-%d %H:%M')}, load average "
+        f"{os.getloadavg()[0]:.1f}")
+  if "bubble" in _SECTIONS.value:
+    bubble_section()
+  if "step" in _SECTIONS.value:
+    step_section(_WIDTH.value, _BATCH.value, [int(m) for m in _MICRO.value], _STEPS.value)
+  if "compile" in _SECTIONS.value:
+    compile_section()
+
+
+if __name__ == "__main__":
+  app.run(main)
