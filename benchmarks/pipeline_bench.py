@@ -67,12 +67,13 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
 
 # -- (a) bubbles ---------------------------------------------------------------------------------
 def virtual_bubble(schedule: str, num_stages: int, count: int, bwd_s: float = 1.0) -> float:
-  """1 - busy / (S * makespan) of one pipeline in virtual time: no stalls, forwards 1 s,
-  backwards bwd_s, free transfers, no sync (count = M for "gpipe", B for "1f1b")."""
+  """1 - busy / (S * makespan) of one pipeline in virtual time: no stalls, a mini-batch's forward
+  1 s and backward bwd_s per stage (a GPipe micro-batch op 1/M of it), free transfers, no sync
+  (count = M for "gpipe", B for "1f1b")."""
   hetero = jp.Hetero(delay_s=0.0, fwd_s=1.0, bwd_s=bwd_s, p2p_s=0.0, allreduce_alpha_s=0.0)
   batches, micro = (1, count) if schedule == "gpipe" else (count, 1)
   plan = jp.simulate(schedule, "none", 1, num_stages, batches, micro, seed=0, hetero=hetero)
-  busy = num_stages * batches * micro * (1.0 + bwd_s)
+  busy = num_stages * batches * (1.0 + bwd_s)
   return 1.0 - busy / (num_stages * float(np.max(plan.finish)))
 
 
