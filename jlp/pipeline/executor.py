@@ -51,8 +51,11 @@ Synchronisation across the N pipelines, per stage, at every update:
 
 Pipelines run in lockstep on the devices (all do mini-batch b at the same tick); speed and
 stragglers live in virtual time (sdpipe.md §7.4): `run` simulates the same schedule with the
-`hetero` cost model (`jlp.pipeline.simulator.simulate`, seeded by (seed, state.step)) and reports
-metrics["virtual_time"], the virtual seconds at which each mini-batch's update finished.
+`hetero` cost model (`jlp.pipeline.simulator.simulate`, seeded by (seed, state.step)) from the
+state's per-(pipeline, stage) clocks, so a pipeline keeps its lead from one run to the next, and
+reports metrics["virtual_time"], the virtual seconds at which each mini-batch's update finished.
+The simulated scheduler's own state (adaptive windows, union-find, counts) restarts at every run,
+as the executor's pipeline fills and drains at every run.
 
 Stages: `stage(params, x) -> y`, or with `stateful=True` `stage(params, x, state) -> (y,
 new_state)` (BatchNorm statistics, RNG counters: `jlp.pipeline.split_model` builds such stages
