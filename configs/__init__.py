@@ -63,3 +63,17 @@ def epoch_cadence(c, train_size: int, epochs: int):
       c.pipeline.batches_per_call,
       steps_per_epoch - steps_per_epoch % c.pipeline.batches_per_call)
   return c
+
+
+def bert_small_sst2(c):
+  """BERT-Small on SST-2 TSVs with bert-base-uncased's vocab.txt (WordPiece), in place: the model
+  and data fields the HiPress and SD-PIPE BERT configs share."""
+  c.model.name = "bert_small"
+  c.model.kwargs.vocab = 30522       # bert-base-uncased's vocab.txt
+  c.model.kwargs.max_len = 128
+  c.model.kwargs.pad_id = 0          # [PAD]: not attended
+  c.dataset.name = "glue_tsv"
+  c.dataset.root = "data/SST-2"
+  c.dataset.kwargs.max_len = c.model.kwargs.get_ref("max_len")
+  c.eval_batch_size = 896            # SST-2 dev (872) in one padded batch, 16 | 896
+  return c

@@ -28,22 +28,15 @@ pixel values ("digits_tokens", 21-token vocabulary), a 2-layer hidden-32 BERT, m
 gradient compressed), a few steps.
 """
 
-from configs import hipress_compression
+from configs import bert_small_sst2, hipress_compression
 from jlp.train.config import base_config, parse_arg
 
 
 def get_config(arg=None):
   arg = parse_arg(arg, local=False, compressor="onebit", topology="ps")
   c = base_config()
-  c.model.name = "bert_small"
-  c.model.kwargs.vocab = 30522       # bert-base-uncased's vocab.txt
-  c.model.kwargs.max_len = 128
-  c.model.kwargs.pad_id = 0          # [PAD]: not attended
-  c.dataset.name = "glue_tsv"
-  c.dataset.root = "data/SST-2"
-  c.dataset.kwargs.max_len = c.model.kwargs.get_ref("max_len")
+  bert_small_sst2(c)
   c.batch_size = 256                 # 16 per node x 16 nodes
-  c.eval_batch_size = 896            # SST-2 dev (872) in one padded batch, 16 | 896
   c.max_steps = 2630                 # 10 epochs x 263 steps (67,349 // 256)
   c.log_every = 50
   c.eval_every = 263

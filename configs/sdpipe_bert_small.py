@@ -23,7 +23,7 @@ sentences of their 64 pixel values ("digits_tokens"), a 2-layer hidden-32 BERT (
 embeddings | layer | layer | head), lr 1e-3, 6 steps in calls of 3.
 """
 
-from configs import epoch_cadence, sdpipe_pipeline
+from configs import bert_small_sst2, epoch_cadence, sdpipe_pipeline
 from jlp.train.config import base_config, parse_arg
 
 SST2_TRAIN = 67349
@@ -32,15 +32,8 @@ SST2_TRAIN = 67349
 def get_config(arg=None):
   arg = parse_arg(arg, local=False, sync="preduce", hetero=0.0, pipelines=4)
   c = base_config()
-  c.model.name = "bert_small"
-  c.model.kwargs.vocab = 30522       # bert-base-uncased's vocab.txt
-  c.model.kwargs.max_len = 128
-  c.model.kwargs.pad_id = 0          # [PAD]: not attended
-  c.dataset.name = "glue_tsv"
-  c.dataset.root = "data/SST-2"
-  c.dataset.kwargs.max_len = c.model.kwargs.get_ref("max_len")
+  bert_small_sst2(c)
   sdpipe_pipeline(c, sync=arg.sync, hetero=arg.hetero, pipelines=arg.pipelines, barrier=True)
-  c.eval_batch_size = 896            # SST-2 dev (872) in one padded batch, 16 | 896
   c.log_every = 50
   epoch_cadence(c, SST2_TRAIN, epochs=10)
   c.optimizer = "adamw"
