@@ -106,7 +106,7 @@ def test_matches_python_reference(algorithm, fmt, kahan, aps, mean):
   ranks = random_ranks(8, SHAPES, seed=1)
   got = reduced(ranks, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=aps, mean=mean)
   want = cref.allreduce(ranks, fmt, algorithm, kahan, aps, mean=mean)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     ref.assert_same_bits(g, w, msg=f"{algorithm} kahan={kahan} {fmt} aps={aps}")
 
 
@@ -126,7 +126,7 @@ def test_ring_float32_close_to_psum():
                              mesh=mesh_of(8), in_specs=P("r"), out_specs=P("r")))
   psum = [np.asarray(o)[0] for o in fn(*stacked)]
   got = reduced(ranks, algorithm="ring")
-  for g, p, s in zip(got, psum, stacked):
+  for g, p, s in zip(got, psum, stacked, strict=True):
     bound = 2 * 7 * 2.0 ** -24 * np.abs(s.astype(np.float64)).sum(0)  # both within (n-1)u32·A
     assert (np.abs(g.astype(np.float64) - p) <= bound).all()
     assert np.allclose(g, s.astype(np.float64).sum(0), rtol=0, atol=1e-5)
@@ -174,7 +174,7 @@ def test_aps_equivariant_to_power_of_two_scaling(algorithm, kahan):
   for k in (40, -40):
     scaled = [[(g * F32(2.0 ** k)).astype(F32) for g in r] for r in ranks]
     got = reduced(scaled, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=True)
-    for g, b in zip(got, base):
+    for g, b in zip(got, base, strict=True):
       ref.assert_same_bits(g, (b * F32(2.0 ** k)).astype(F32), msg=f"2^{k}")
 
 
@@ -254,7 +254,7 @@ def test_identical_on_every_rank_and_run_to_run():
   for algorithm in ALGORITHMS:
     first = on_ranks(ranks, fmt="e4m3", algorithm=algorithm, kahan=True, aps=True)
     second = on_ranks(ranks, fmt="e4m3", algorithm=algorithm, kahan=True, aps=True)
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
       ref.assert_same_bits(a, b)
       for r in range(8):
         ref.assert_same_bits(a[r], a[0])

@@ -64,7 +64,7 @@ def test_one_device_equals_eight_devices_bit_for_bit(algorithm, case):
   nodes = random_nodes(8, seed=1)
   want = on_devices(nodes, algorithm=algorithm, **case)
   got = emulated_one_device(nodes, algorithm=algorithm, **case)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     ref.assert_same_bits(g, w, msg=f"{algorithm} {case}")
 
 
@@ -74,7 +74,7 @@ def test_three_nodes_match_python_reference(algorithm):
   nodes = random_nodes(3, seed=2)
   got = emulated_one_device(nodes, fmt="e4m3", algorithm=algorithm, kahan=True, aps=True)
   want = cref.allreduce(nodes, FloatFormat(4, 3), algorithm, True, True)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     ref.assert_same_bits(g, w)
 
 
@@ -84,7 +84,7 @@ def test_flat_four_devices_times_two_nodes_equals_eight_devices(algorithm):
   options = dict(fmt=FloatFormat(4, 3), algorithm=algorithm, kahan=True, aps=True, mean=True)
   got = emulated_on_mesh(nodes, 4, form="flat", **options)
   want = on_devices(nodes, **options)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     ref.assert_same_bits(g, w)
 
 
@@ -102,12 +102,12 @@ def test_cpd_two_level_matches_python_reference(fmt, aps, kahan, algorithm):
   per_device = [nodes[2 * d:2 * d + 2] for d in range(4)]
   want = cref.cpd_two_level(per_device, fmt, aps, kahan, cast_single=False, mean=True,
                             algorithm=algorithm)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     ref.assert_same_bits(g, w)
   flat = emulated_on_mesh(nodes, 4, form="flat", fmt=fmt, aps=aps, kahan=kahan,
                           algorithm=algorithm, mean=True)
   if fmt is not None:  # two levels round differently from one flat reduction
-    assert any(not ref.same_bits(a, b).all() for a, b in zip(got, flat))
+    assert any(not ref.same_bits(a, b).all() for a, b in zip(got, flat, strict=True))
 
 
 @pytest.mark.parametrize("aps", [False, True])
@@ -119,10 +119,11 @@ def test_cpd_single_node_skip_and_always_cast(aps):
   for cast_single in (False, True):
     got = emulated_on_mesh(nodes, 4, form="cpd", fmt=fmt, aps=aps, cast_single=cast_single)
     want = cref.cpd_two_level([[node] for node in nodes], fmt, aps, False, cast_single)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
       ref.assert_same_bits(g, w, msg=f"cast_single={cast_single}")
     results[cast_single] = got
-  assert any(not ref.same_bits(a, b).all() for a, b in zip(results[False], results[True]))
+  assert any(not ref.same_bits(a, b).all()
+             for a, b in zip(results[False], results[True], strict=True))
 
 
 def test_cpd_local_level_only_and_its_zero_guard():
@@ -133,7 +134,7 @@ def test_cpd_local_level_only_and_its_zero_guard():
   for aps in ("cpd", True):
     got = emulated_one_device(nodes, fmt="e5m2", aps=aps, form="cpd")
     want = cref.cpd_two_level([nodes], FloatFormat(5, 2), aps, False, False)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
       ref.assert_same_bits(g, w, msg=f"aps={aps}")
     assert (got[1] == 0).all()
 

@@ -95,7 +95,7 @@ def per_rank(stacked):
 def assert_tree_bits(got, want, msg):
   got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
   assert len(got_leaves) == len(jax.tree.leaves(want)), msg
-  for (path, g), w in zip(got_leaves, jax.tree.leaves(want)):
+  for (path, g), w in zip(got_leaves, jax.tree.leaves(want), strict=True):
     ref.assert_same_bits(np.asarray(g), np.asarray(w), msg=f"{msg}{jax.tree_util.keystr(path)}")
 
 
@@ -146,7 +146,7 @@ def test_matches_simulation_two_steps(name, topology):
         assert not np.array_equal(got[0], np.asarray(psum[leaf])[0])
       else:
         ref.assert_same_bits(got, np.asarray(psum[leaf]), msg=f"step {step} {path} psum")
-    for r, (got, want_state) in enumerate(zip(per_rank(state), sim_states)):
+    for r, (got, want_state) in enumerate(zip(per_rank(state), sim_states, strict=True)):
       assert_tree_bits(got, want_state, f"step {step} rank {r} state")
     assert np.all(np.asarray(wire) == F32(want_wire)), (np.asarray(wire), want_wire)
   again = fn(tree, before, key)

@@ -120,7 +120,7 @@ def test_matches_reference_formulas(n, topology):
                   *rng.integers(1, 2 ** 28, 150).tolist(),
                   *np.round(10 ** rng.uniform(4, 7.5, 150)).astype(int).tolist()})
   plan = secopa.secopa_plan([(str(s), s) for s in sizes], num_nodes=n, topology=topology)
-  for s, entry in zip(sizes, plan):
+  for s, entry in zip(sizes, plan, strict=True):
     assert (entry.compress, entry.partitions) == ref_decision(s, n, topology), s
     got = secopa.sync_costs(s, num_nodes=n, topology=topology)
     want = ref_costs(s, n, topology)

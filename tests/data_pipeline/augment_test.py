@@ -12,7 +12,8 @@ golden outputs of the real OpenCV (opencv-python 4.5.5, x86-64 AVX2): cv2.cvtCol
 on the images below, and mmsegmentation's PhotoMetricDistortion.__call__
 transcribed with its random draws replaced by the given parameters (mmcv's
 bgr2hsv / hsv2bgr = cv2.cvtColor on the BGR image; outputs turned back to RGB).
-opencv / mmseg are not dependencies; the goldens were made once with them.
+opencv / mmseg are not dependencies; tests/data/make_augment_goldens.py regenerates the goldens
+(and checks the stored ones) where opencv-python 4.5.5 is installed.
 """
 
 import colorsys
@@ -89,7 +90,7 @@ def test_random_flip_flips_about_half():
   out = augment.random_flip(images, np.random.default_rng(3))
   flipped = [np.array_equal(out[i], images[i][:, ::-1]) for i in range(400)]
   kept = [np.array_equal(out[i], images[i]) for i in range(400)]
-  assert all(f or k for f, k in zip(flipped, kept))
+  assert all(f or k for f, k in zip(flipped, kept, strict=True))
   assert 150 < sum(flipped) < 250
 
 
@@ -335,7 +336,7 @@ def test_rgb_to_hsv_u8_is_colorsys_quantised():
   rng = np.random.default_rng(1)
   colours = np.concatenate([rng.integers(0, 256, (3000, 3)), np.array(_EDGE_RGB)]).astype(np.uint8)
   got = augment.rgb_to_hsv_u8(colours[None])[0].astype(np.int64)
-  for (r, g, b), (h, s, v) in zip(colours.tolist(), got.tolist()):
+  for (r, g, b), (h, s, v) in zip(colours.tolist(), got.tolist(), strict=True):
     hf, sf, vf = colorsys.rgb_to_hsv(r / 255, g / 255, b / 255)
     assert v == max(r, g, b) and abs(vf * 255 - v) < 1e-9
     # Rounded, up to the 12-bit fixed-point reciprocals: within one level.
@@ -409,7 +410,7 @@ def test_photometric_contrast_position_and_hue_wrap_around():
   reds = np.array([[[255, 0, 0], [0, 0, 255]]], np.uint8)
   for shift in (-18, 17):
     got = augment.photometric_distortion(reds, augment.photometric_params(hue=shift))
-    for pixel, h0 in zip(got[0].tolist(), (0, 120)):
+    for pixel, h0 in zip(got[0].tolist(), (0, 120), strict=True):
       want = 255 * np.array(colorsys.hsv_to_rgb(((h0 + shift) % 180) / 180, 1.0, 1.0))
       assert np.abs(np.array(pixel) - want).max() <= 1.0, (shift, h0, pixel, want)
   down = augment.photometric_distortion(reds, augment.photometric_params(hue=-18))

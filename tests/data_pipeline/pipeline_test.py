@@ -122,7 +122,7 @@ def test_start_at_step_equals_iterate_to_step():
   full = list(pipe.iterate(0, 12))
   resumed = list(Pipeline(_dataset(), 8, seed=7, process_count=1, process_index=0)
                  .iterate(9, 3))
-  for a, b in zip(full[9:], resumed):
+  for a, b in zip(full[9:], resumed, strict=True):
     _equal(a, b)
   # Out of order calls give the same batches (no hidden iterator state).
   _equal(pipe.batch(3), full[3])
@@ -163,7 +163,7 @@ def test_prefetcher_yields_the_same_sequence_and_stops():
   with pipe.prefetch(3, 6, size=2) as batches:
     got = list(batches)
   assert len(got) == 6
-  for a, b in zip(expect, got):
+  for a, b in zip(expect, got, strict=True):
     _equal(a, b)
   assert not batches.alive
 

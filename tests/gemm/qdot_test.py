@@ -73,7 +73,7 @@ def run(fn, x, w, g):
 
 
 def check(got, want, base=None, affects="yxw", msg=""):
-  for name, gt, wt, b in zip("yxw", got, want, base or (None,) * 3):
+  for name, gt, wt, b in zip("yxw", got, want, base or (None,) * 3, strict=True):
     ref.assert_same_bits(gt, wt, msg=f"{msg} {name}")
     if b is not None:
       changed = not np.array_equal(np.asarray(gt), np.asarray(b))
@@ -193,11 +193,11 @@ def test_stochastic_streams_per_role():
   assert not np.array_equal(g_dgrad, g_wgrad)  # the same tensor, two streams
   f = jax.jit(lambda k: run(lambda a, b: qdot_general(a, b, dn, cfg, key=k), x, w, g))
   got = f(key)
-  for name, gt, wt in zip(("y", "dx", "dw"), got, want):
+  for name, gt, wt in zip(("y", "dx", "dw"), got, want, strict=True):
     ref.assert_same_bits(gt, wt, msg=name)
-  for gt, again in zip(got, f(jax.random.key(7))):
+  for gt, again in zip(got, f(jax.random.key(7)), strict=True):
     ref.assert_same_bits(again, gt, msg="same key")
-  assert not all(np.array_equal(a, b) for a, b in zip(got, f(jax.random.key(8))))
+  assert not all(np.array_equal(a, b) for a, b in zip(got, f(jax.random.key(8)), strict=True))
 
 
 def test_jit_vmap_grad(gen_operands):
@@ -207,13 +207,13 @@ def test_jit_vmap_grad(gen_operands):
   y, dx, dw = run(f, x, w, g)
   ref.assert_same_bits(f(x, w), y, msg="eager")
   grad = jax.grad(lambda a, b, g: jnp.sum(f(a, b) * g), (0, 1))
-  for gt, wt in zip(jax.jit(grad)(x, w, g), (dx, dw)):
+  for gt, wt in zip(jax.jit(grad)(x, w, g), (dx, dw), strict=True):
     ref.assert_same_bits(gt, wt, msg="jit(grad)")
   # vmap over a new leading axis of the operands = a loop over examples
   xs, ws = jnp.stack([x, 2 * x]), jnp.stack([w, w + 1])
   ys, dxs, dws = jax.jit(lambda a, b: (jax.vmap(f)(a, b),) + jax.vmap(grad, (0, 0, None))(a, b, g))(xs, ws)
   for i in range(2):
-    for gt, wt in zip((ys[i], dxs[i], dws[i]), run(f, xs[i], ws[i], g)):
+    for gt, wt in zip((ys[i], dxs[i], dws[i]), run(f, xs[i], ws[i], g), strict=True):
       ref.assert_same_bits(gt, wt, msg=f"vmap {i}")
 
 
@@ -403,7 +403,7 @@ def test_accum_conv_loop(kahan, layout):
     got = run(lambda a, b: qconv(a, b, cfg=cfg, dimension_numbers=("NCHW", "OIHW", "NCHW"), **kw),
               x.transpose(to_nchw), w.transpose(to_oihw), g.transpose(to_nchw))
     got = (got[0].transpose(0, 2, 3, 1), got[1].transpose(0, 2, 3, 1), got[2].transpose(2, 3, 1, 0))
-  for name, gt, wt in zip(("y", "dx", "dw"), got, want):
+  for name, gt, wt in zip(("y", "dx", "dw"), got, want, strict=True):
     ref.assert_same_bits(gt, wt, msg=name)
 
 
@@ -428,7 +428,7 @@ def test_accum_conv_geometry(case):
   plain = lambda a, b: lax.conv_general_dilated(a, b, precision=HI, **kw)
   g = ints(rng, jax.eval_shape(plain, x, w).shape)
   got = run(lambda a, b: qconv(a, b, cfg=GemmQuant(accum=FloatFormat(8, 23)), **kw), x, w, g)
-  for name, gt, wt in zip(("y", "dx", "dw"), got, run(plain, x, w, g)):
+  for name, gt, wt in zip(("y", "dx", "dw"), got, run(plain, x, w, g), strict=True):
     ref.assert_same_bits(gt, wt, msg=name)
 
 
@@ -442,5 +442,5 @@ def test_bfloat16_operands():
             g.astype(jnp.bfloat16))
   assert [t.dtype for t in got] == [jnp.bfloat16] * 3
   want = reference(cfg, x, w, g, **DENSE)
-  for gt, wt in zip(got, want):
+  for gt, wt in zip(got, want, strict=True):
     ref.assert_same_bits(gt.astype(jnp.float32), wt.astype(jnp.bfloat16).astype(jnp.float32))

@@ -67,13 +67,14 @@ def test_forward_train_and_eval(name):
   assert bool(jnp.all(jnp.isfinite(y_train)))
   stats1 = _batch_stats(model)
   if stats0:  # train mode updates the BatchNorm running statistics
-    assert any(not np.array_equal(a, b) for a, b in zip(stats0, stats1))
+    assert any(not np.array_equal(a, b) for a, b in zip(stats0, stats1, strict=True))
 
   model.eval()
   y_eval = fwd(model, x)
   assert y_eval.shape == shape and bool(jnp.all(jnp.isfinite(y_eval)))
   np.testing.assert_array_equal(np.asarray(fwd(model, x)), np.asarray(y_eval))  # deterministic
-  for a, b in zip(stats1, _batch_stats(model)):  # eval mode leaves the statistics alone
+  # eval mode leaves the statistics alone
+  for a, b in zip(stats1, _batch_stats(model), strict=True):
     np.testing.assert_array_equal(a, b)
   assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))  # BN batch stats / dropout differ
 

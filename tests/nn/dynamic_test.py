@@ -62,7 +62,7 @@ def test_traced_widths_match_static_bit_for_bit_and_compile_once(op):
   for m in (4, 8, 16):
     got = dynamic(a, b, g, jnp.int32(m))
     want = jax.jit(lambda a, b, g: _vjp_all(make(cfg_of(m)), a, b, g))(a, b, g)
-    for name, u, v in zip(("y", "dlhs", "drhs"), got, want):
+    for name, u, v in zip(("y", "dlhs", "drhs"), got, want, strict=True):
       np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=f"{op} m={m} {name}")
   assert traces[0] == 1
   # different widths really give different results

@@ -294,7 +294,7 @@ def test_preduce_schedule_union_graph_is_connected_every_period(n, hetero, conne
                   preduce=PReduce(connect_every=connect_every, compat=compat))
   exact = windows_from_plan(plan)
   assert len(exact) >= 400
-  for w, m in zip(exact[:400], mats):
+  for w, m in zip(exact[:400], mats, strict=True):
     expected = np.eye(n)
     for g in w:
       expected[np.ix_(g, g)] = 1.0 / len(g)

@@ -60,7 +60,7 @@ def _variables(model, wanted):
 def _compose(split, x):
   """Logits and the union of the stages' new states, stage by stage."""
   new_state = {}
-  for stage, params, state in zip(split.stages, split.params, split.state):
+  for stage, params, state in zip(split.stages, split.params, split.state, strict=True):
     x, state = stage(params, x, state)
     new_state.update(state)
   return x, new_state
@@ -189,7 +189,7 @@ def _loss(logits, labels):
 def _stage_gradients(split, x, labels):
   """jax.vjp through every stage, chained backwards from d loss / d logits."""
   pullbacks = []
-  for s, (stage, params, state) in enumerate(zip(split.stages, split.params, split.state)):
+  for s, (stage, params, state) in enumerate(zip(split.stages, split.params, split.state, strict=True)):
     if s == 0:  # stage 0's input is data (int token ids for BERT): no cotangent for it
       x, pullback, _ = jax.vjp(lambda p, x=x, st=stage, v=state: st(p, x, v), params, has_aux=True)
       pullbacks.append(lambda ct, f=pullback: (f(ct)[0], None))
@@ -254,7 +254,7 @@ def test_jitted_stages_match_to_float32_rounding():
   split = split_model(model, 4)
   x = _images((4, 8, 8, 1))
   y, new_state = x, {}
-  for stage, params, state in zip(split.stages, split.params, split.state):
+  for stage, params, state in zip(split.stages, split.params, split.state, strict=True):
     y, state = jax.jit(stage)(params, y, state)
     new_state.update(state)
   reference = nnx.jit(lambda m, v: m(v))(model, x)

@@ -102,7 +102,7 @@ def _assert_trees_equal(got, want):
   flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
   flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
   assert tree_got == tree_want
-  for (path, g), (_, w) in zip(flat_got, flat_want):
+  for (path, g), (_, w) in zip(flat_got, flat_want, strict=True):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
 
 
@@ -129,7 +129,8 @@ def test_compressed_step_equals_a_direct_sync(sync):
     exact = jax.tree.map(lambda g: np.sum(np.asarray(g, np.float64), 0),
                          _device_grads(state.params, coeffs))
     assert any(np.any(np.asarray(g) != e.astype(np.float32))
-               for g, e in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(exact)))
+               for g, e in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(exact),
+                               strict=True))
   assert int(state.step) == 2
   residuals = jax.tree.leaves(state.sync_state)
   assert len(residuals) == (8 if sync.compression.name == "onebit" else 0)

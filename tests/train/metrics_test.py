@@ -22,7 +22,7 @@ def test_rows_round_trip_float32_bits_and_resume_drops_later_rows(tmp_path):
   w.close()
   rows = read_metrics(str(tmp_path))
   assert [r["step"] for r in rows] == [1, 2, 3]
-  for r, v in zip(rows, values):
+  for r, v in zip(rows, values, strict=True):
     assert np.float32(r["train_loss"]) == v and np.float32(r["eval_accuracy"]) == v
     assert abs(r["time"] - rows[0]["time"]) < 60
   w = MetricsWriter(str(tmp_path), resume_step=2)

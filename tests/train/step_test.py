@@ -95,7 +95,7 @@ def _assert_trees_equal(got, want):
   flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
   flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
   assert tree_got == tree_want
-  for (path, g), (_, w) in zip(flat_got, flat_want):
+  for (path, g), (_, w) in zip(flat_got, flat_want, strict=True):
     np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
 
 
@@ -210,7 +210,8 @@ def test_scanned_nodes_equal_devices():
   seeds = (0, 1, 2)
   want = _run(2, jt.GradSync(emulate_nodes=4, node_map="scan"), seeds)
   _assert_trees_equal(_run(1, jt.GradSync(emulate_nodes=8, node_map="scan"), seeds), want)
-  for got, unrolled in zip(jax.tree.leaves(want), jax.tree.leaves(_run(8, jt.GradSync(), seeds))):
+  unrolled_leaves = jax.tree.leaves(_run(8, jt.GradSync(), seeds))
+  for got, unrolled in zip(jax.tree.leaves(want), unrolled_leaves, strict=True):
     np.testing.assert_allclose(got, unrolled, rtol=1e-5, atol=1e-7)
 
 
@@ -254,15 +255,15 @@ def test_float32_step_matches_reference(node_map):
   """Also node_map="vmap" (not bit-identical to devices, but as close to the reference)."""
   state, metrics = _run(4, jt.GradSync(emulate_nodes=2, node_map=node_map), (3,))
   params, stats, loss = _reference_step(_model(), _batch(3), 8, 0.1, 1e-3)
-  for got, want in zip(jax.tree.leaves(state.params), params):
+  for got, want in zip(jax.tree.leaves(state.params), params, strict=True):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
-  for got, want in zip(jax.tree.leaves(state.batch_stats), stats):
+  for got, want in zip(jax.tree.leaves(state.batch_stats), stats, strict=True):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
   np.testing.assert_allclose(metrics[0]["loss"], loss, rtol=1e-6)
   # The parameters moved by much more than the tolerance.
   start = jax.tree.leaves(nnx.state(_model(), nnx.Param))
   assert max(np.max(np.abs(a - np.asarray(b))) for a, b in zip(jax.tree.leaves(state.params),
-                                                                start)) > 1e-3
+                                                                start, strict=True)) > 1e-3
 
 
 # -- training -----------------------------------------------------------------------------------
