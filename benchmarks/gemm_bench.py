@@ -1,14 +1,15 @@
 """Custom-precision accumulation matmul against a float32 matmul, timed alternately.
 
-Run: python -m benchmarks.gemm_bench [--size=256] [--repeats=11] [--impl=xla]
+Run: python -m benchmarks.gemm_bench [--size=256 | --shape=M,K,N] [--repeats=11] [--impl=xla]
 
-`jlp.gemm.accum.matmul` (M = K = N = --size) with an e5m2 accumulator in the
-exact per-add mode (chunk = 1, CPD's quant_gemm, cpd.md §2.1) and with
+`jlp.gemm.accum.matmul` (M = K = N = --size, or --shape) with an e5m2
+accumulator in the exact per-add mode (chunk = 1, CPD's quant_gemm, cpd.md §2.1) and with
 chunk = 32, plain and Kahan, each timed alternately with a jitted float32
 `jnp.matmul(precision=HIGHEST)` in the same run. Ratios are the median over the
 alternating pairs of time / float32 time (targets, issue 3: <= 30x exact,
 <= 3x chunk = 32). The Pallas path is only meaningful on a GPU (interpret mode
-is a correctness tool).
+is a correctness tool). The K-scaling case of issue 14 is a convolution's
+weight gradient, K = N*H*W: --shape=64,147456,64 and --shape=64,802816,128.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jlp.formats import FloatFormat
 from jlp.gemm.accum import matmul
 
 _SIZE = flags.DEFINE_integer("size", 256, "M = K = N.")
+_SHAPE = flags.DEFINE_list("shape", None, "M,K,N (instead of --size), e.g. 64,147456,64.")
 _REPEATS = flags.DEFINE_integer("repeats", 11, "timed (float32, candidate) pairs per case.")
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "matmul implementation.")
 
@@ -50,16 +52,25 @@ def compare(candidate, reference, a, b, repeats):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  n = _SIZE.value
-  if n <= 0:
-    raise app.UsageError(f"--size={n} is not allowed; expected a positive int.")
+  if _SHAPE.value is None:
+    m = k = n = _SIZE.value
+  else:
+    try:
+      m, k, n = (int(v) for v in _SHAPE.value)
+    except ValueError:
+      raise app.UsageError(f"--shape={','.join(_SHAPE.value)} is not allowed; expected M,K,N.")
+  if min(m, k, n) <= 0:
+    raise app.UsageError(f"M, K, N = {m}, {k}, {n} is not allowed; expected positive ints.")
   ka, kb = jax.random.split(jax.random.key(0))
-  a = jax.random.normal(ka, (n, n), jnp.float32)
-  b = jax.random.normal(kb, (n, n), jnp.float32)
+  a = jax.random.normal(ka, (m, k), jnp.float32)
+  b = jax.random.normal(kb, (k, n), jnp.float32)
   fmt = FloatFormat.from_name("e5m2")
   reference = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
+  impl = _IMPL.value + (" (interpreted)" if _IMPL.value == "pallas"
+                        and jax.default_backend() != "gpu" else "")
   print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); "
-        f"{n}x{n}x{n}, e5m2 accumulator, impl={_IMPL.value}, median of {_REPEATS.value}, "
+        f"(M, K, N) = ({m}, {k}, {n}), e5m2 accumulator, impl={impl}, "
+        f"median of {_REPEATS.value}, "
         f"reference = float32 jnp.matmul (HIGHEST); load average before: "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}\n")
   header = f"{'case':22s} {'ms':>9s} {'f32 ms':>9s} {'ratio':>8s}"

@@ -4,25 +4,39 @@ Semantics: `accum_matmul(a, b, fmt, kahan=..., chunk=...)` equals the XLA path o
 `jlp.gemm.accum.matmul` bit for bit (CPD's quant_gemm, Han, Demmel, You,
 arXiv:1911.08907; cpd.md §2.1): for every output element, k strictly
 increasing, p = q(fl32(a[i,k] * b[k,j])) (chunk = 1) or p = q(float32 sum of
-`chunk` consecutive raw float32 products, in k order; the last chunk shorter),
-then the plain step s = q(s + p) or the Kahan step y = q(p - c), t = q(s + y),
-c = q(q(t - s) - y), s = t; the result is s. q is `cast_bits` on the float32
-bit patterns (the same integer code as `jlp.quantize`). See
-`jlp.gemm.accum` for the full statement and the float32-subnormal caveat.
+`chunk` consecutive raw float32 products, in k order, starting from the first
+product; the last chunk completed with zero products), then the plain step
+s = q(s + p) or the Kahan step y = q(p - c), t = q(s + y), c = q(q(t - s) - y),
+s = t; the result is s. q is `cast_bits` on the float32 bit patterns (the same
+integer code as `jlp.quantize`). See `jlp.gemm.accum` for the full statement
+and the float32-subnormal caveat.
 
-Layout: the grid is (M / tm, N / tn) with power-of-two tiles (Triton); each
-program holds an A tile (tm, Kp) and a B tile (Kp, tn) and loops over k
-sequentially (`fori_loop`), loading a column of the A tile and a row of the B
-tile for a rank-1 update of the (tm, tn) accumulators (s, c), which stay in
-registers. M and N are zero-padded to the tiles (padded rows/columns are
-sliced off). K is zero-padded to a power of two Kp for the block shape, but the
-loop runs over the real K only: the padding is never accumulated. (That
-matters: with Kahan, a zero product is not a no-op, since y = q(0 - c) folds
-the compensation into s.) In chunked mode the last chunk's missing products
-are padding zeros added to the float32 partial sum, P + (±0) = P exactly (a
-zero's sign never reaches s: s is never -0). A uint32 zero operand (opaque to
-the compiler) is OR-ed into raw products before they are added, so that no FMA
-replaces the separately rounded multiply and add.
+Layout: the grid is (M / tm, N / tn) with power-of-two output tiles (Triton).
+Each program keeps its (tm, tn) accumulators (s, c, and the chunk's partial
+sum) in registers and walks K in blocks of tk (a power of two): a `fori_loop`
+over the K blocks loads an A block (tm, tk) and a B block (tk, tn), splits them
+into columns and rows (`lax.split`, lowered to Triton reshapes and splits)
+and runs the tk rank-1 steps of the sequence above, unrolled. K is not a grid
+axis: Triton runs the programs of a grid in parallel, and the order over k must
+stay sequential (no split-K), so it lives inside one program. M and N are
+zero-padded to the tiles (padded rows and columns are sliced off); K is
+zero-padded only to a multiple of tk (nothing when tk divides K), and the
+steps run over the real K only: the last, partial block runs its K mod tk
+steps and the padding is never accumulated. (That matters: with Kahan, a zero
+product is not a no-op, since y = q(0 - c) folds the compensation into s.)
+
+Chunked mode: a chunk starts and ends at positions k = 0 (mod chunk) and
+k = chunk - 1 (mod chunk). Where tk is a multiple of chunk those positions are
+the same in every block and known when tracing; where chunk is a multiple of
+tk, only the block index is tested (once per block); otherwise every step tests
+its k. At a start the partial sum is the product itself, elsewhere partial +
+product; at an end the partial sum enters the accumulator (a branch, so that
+non-ending steps cost one float32 add). If chunk does not divide K, the XLA
+path adds zero products to complete the last chunk: P + (+0) + ... + (+0) =
+P + (+0) (P unchanged, except -0 becomes +0), so one addition of an opaque +0
+does the same. A uint32 zero operand (opaque to the compiler, loaded at run
+time) is OR-ed into raw products before they are added, so that no FMA
+replaces the separately rounded multiply and add, and gives that +0.
 
 `interpret=True` runs the kernel with the Pallas interpreter (any backend);
 `interpret=False` needs a GPU (Triton).
@@ -43,50 +57,82 @@ from jlp.gemm.accum import accumulate, check_accum, check_operands, opaque_zero,
 from jlp.numerics.float_cast import float_cast
 from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
 
-# 32 x 32 accumulators (two float32 arrays with Kahan) per program: registers,
-# with 4 warps; the A and B tiles stream through L1/L2 one column/row per k.
+# 32 x 32 accumulators (s, and c with Kahan, and the chunk's partial sum) per program, in
+# registers (num_warps from tiling: 8).
 DEFAULT_TILE = 32
+# K steps per loaded block: A (32, 16) and B (16, 32) tiles, 16 unrolled rank-1 steps per
+# loop iteration.
+DEFAULT_TILE_K = 16
 
 
-def _kernel(zero_ref, a_ref, b_ref, o_ref, *, fmt: FloatFormat, kahan: bool, chunk: int, k: int):
+def _at_position(kb, j: int, r: int, tk: int, chunk: int):
+  """Whether k = kb * tk + j has k mod chunk == r: a Python bool, or a traced bool.
+
+  kb is the K block index (a Python int or a traced int32), j the static step in the block.
+  """
+  if isinstance(kb, int):
+    return (kb * tk + j) % chunk == r
+  if tk % chunk == 0:
+    return j % chunk == r
+  if chunk % tk == 0:  # kb * tk mod chunk is a multiple of tk, j < tk
+    if j != r % tk:
+      return False
+    return True if chunk == tk else lax.rem(kb, chunk // tk) == r // tk
+  return lax.rem(kb * tk + j, chunk) == r  # k >= 0: lax.rem is the modulus (jnp's % is not lowered)
+
+
+def _kernel(zero_ref, a_ref, b_ref, o_ref, *, fmt: FloatFormat, kahan: bool, chunk: int, k: int,
+            tk: int):
   tm, tn = o_ref.shape
   zero = zero_ref[...]  # (1, 1) uint32 zero, loaded at run time
-  s0 = jnp.zeros((tm, tn), jnp.float32)
-  c0 = jnp.zeros((tm, tn), jnp.float32) if kahan else None
+  carry = (jnp.zeros((tm, tn), jnp.float32), jnp.zeros((tm, tn), jnp.float32) if kahan else None,
+           jnp.zeros((tm, tn), jnp.float32) if chunk > 1 else None)
 
-  def product(kk):
-    a_col = a_ref[:, pl.ds(kk, 1)]  # (tm, 1)
-    b_row = b_ref[pl.ds(kk, 1), :]  # (1, tn)
-    return a_col, b_row
+  def add_to_accumulator(s, c, partial):
+    return accumulate(s, c, float_cast(partial, fmt), fmt)
 
-  if chunk == 1:
-    def body(kk, carry):
-      s, c = carry
-      a_col, b_row = product(kk)
-      return accumulate(s, c, float_cast(a_col * b_row, fmt), fmt)
-    num_steps = k
-  else:
-    def body(ci, carry):
-      s, c = carry
-      k0 = ci * chunk
-      a_col, b_row = product(k0)
-      partial0 = rounded_product(a_col, b_row, zero)
+  def step(carry, kb, j, a_col, b_row):
+    s, c, partial = carry
+    if chunk == 1:
+      return (*accumulate(s, c, float_cast(a_col * b_row, fmt), fmt), None)
+    term = rounded_product(a_col, b_row, zero)
+    start = _at_position(kb, j, 0, tk, chunk)
+    if start is True:
+      partial = term
+    elif start is False:
+      partial = partial + term
+    else:
+      partial = jnp.where(start, term, partial + term)
+    end = _at_position(kb, j, chunk - 1, tk, chunk)
+    if end is True:
+      s, c = add_to_accumulator(s, c, partial)
+    elif end is not False:
+      s, c = lax.cond(end, add_to_accumulator, lambda s, c, _: (s, c), s, c, partial)
+    return s, c, partial
 
-      def add(j, partial):
-        a_col, b_row = product(k0 + j)
-        return partial + rounded_product(a_col, b_row, zero)
+  def block(kb, carry, steps: int):
+    """The first `steps` k steps of K block kb (kb * tk .. kb * tk + steps - 1)."""
+    k0 = kb * tk if isinstance(kb, int) else pl.multiple_of(kb * tk, tk)
+    a_cols = lax.split(a_ref[:, pl.ds(k0, tk)], (1,) * tk, axis=1)  # tk x (tm, 1)
+    b_rows = lax.split(b_ref[pl.ds(k0, tk), :], (1,) * tk, axis=0)  # tk x (1, tn)
+    for j in range(steps):
+      carry = step(carry, kb, j, a_cols[j], b_rows[j])
+    return carry
 
-      partial = lax.fori_loop(1, chunk, add, partial0)
-      return accumulate(s, c, float_cast(partial, fmt), fmt)
-    num_steps = -(-k // chunk)
-
-  s, _ = lax.fori_loop(0, num_steps, body, (s0, c0))
+  full_blocks, rest = divmod(k, tk)
+  if full_blocks:
+    carry = lax.fori_loop(0, full_blocks, lambda kb, carry: block(kb, carry, tk), carry)
+  if rest:
+    carry = block(full_blocks, carry, rest)
+  s, c, partial = carry
+  if chunk > 1 and k % chunk:
+    s, _ = add_to_accumulator(s, c, partial + lax.bitcast_convert_type(zero, jnp.float32))
   o_ref[...] = s
 
 
 def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = False,
                  chunk: int = 1, interpret: bool = False, tile_m: int = DEFAULT_TILE,
-                 tile_n: int = DEFAULT_TILE) -> jax.Array:
+                 tile_n: int = DEFAULT_TILE, tile_k: int = DEFAULT_TILE_K) -> jax.Array:
   """a (M, K) @ b (K, N) with the accumulator rounded to `fmt` after every float32 op.
 
   Args:
@@ -98,6 +144,8 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
     interpret: run with the Pallas interpreter instead of compiling for the GPU.
     tile_m, tile_n: output tile per program, powers of two (capped at the
       padded M, N).
+    tile_k: K steps per loaded A / B block, a power of two (capped at the
+      padded K); K is zero-padded to a multiple of it.
 
   Returns:
     float32 (M, N), bit-identical to `jlp.gemm.accum.matmul(..., impl="xla")`.
@@ -105,7 +153,7 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
   fmt = check_accum(fmt)
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk={chunk!r} is not allowed; expected an int >= 1.")
-  for name, t in (("tile_m", tile_m), ("tile_n", tile_n)):
+  for name, t in (("tile_m", tile_m), ("tile_n", tile_n), ("tile_k", tile_k)):
     if not is_power_of_two(t):
       raise ValueError(f"{name}={t!r} is not allowed; expected a power of two >= 1.")
   a, b = check_operands(a, b)
@@ -116,12 +164,12 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
   chunk = min(chunk, k)
   tm = min(tile_m, next_power_of_two(m))
   tn = min(tile_n, next_power_of_two(n))
-  mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn
-  kp = next_power_of_two(-(-k // chunk) * chunk)
-  a_p = jnp.pad(a, ((0, mp - m), (0, kp - k)))
-  b_p = jnp.pad(b, ((0, kp - k), (0, np_ - n)))
+  tk = min(tile_k, next_power_of_two(k))
+  mp, np_, kp = -(-m // tm) * tm, -(-n // tn) * tn, -(-k // tk) * tk
+  a_p = jnp.pad(a, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else a
+  b_p = jnp.pad(b, ((0, kp - k), (0, np_ - n))) if (kp, np_) != (k, n) else b
   zero = jnp.broadcast_to(opaque_zero(), (1, 1))
-  kernel = functools.partial(_kernel, fmt=fmt, kahan=kahan, chunk=chunk, k=k)
+  kernel = functools.partial(_kernel, fmt=fmt, kahan=kahan, chunk=chunk, k=k, tk=tk)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),

@@ -18,8 +18,10 @@ q is `jlp.numerics.float_cast.float_cast(., fmt)` (the bit-exact cast of
     c[i, j] = s   (already in fmt; no final cast)
 
   chunk = n > 1 (a model of hardware with wider float32 partial sums): k is
-  split into consecutive chunks [0, n), [n, 2n), ... (the last one shorter when
-  n does not divide K). In each chunk the raw float32 products are summed in
+  split into consecutive chunks [0, n), [n, 2n), ... (when n does not divide K
+  the last one is padded with +0 products, which can turn a -0 chunk sum into
+  +0: the XLA path and the kernel both do exactly this). In each chunk the raw
+  float32 products are summed in
   float32, in k order, starting from the first product:
       P = fl32(...fl32(fl32(a[i,k0]*b[k0,j]) + fl32(a[i,k0+1]*b[k0+1,j])) + ...)
   (each product rounded to float32 on its own, then added: no FMA), and the
