@@ -5,8 +5,12 @@ VENV := .venv
 PY312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
 	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 STAMP := $(VENV)/.installed
+# test-latest: Python 3.13 with the newest releases setup.cfg's ranges admit (no constraints file).
+VENV_LATEST := .venv-latest
+PY313 := $(shell for p in python3.13 $$HOME/.pyenv/versions/3.13*/bin/python3.13 /usr/local/bin/python3.13 /usr/bin/python3.13; do \
+	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 13)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: demo test test-slow test-all bench venv clean
+.PHONY: demo test test-latest test-slow test-all bench venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +27,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 -q
 
+# Re-resolves on every run (--upgrade, eager), so it tracks new releases; prints what it tested.
+test-latest:
+	@test -n "$(PY313)" || { echo "error: Python 3.13 not found (needed for test-latest)"; exit 1; }
+	test -x $(VENV_LATEST)/bin/python || $(PY313) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/pip install -q --upgrade pip
+	$(VENV_LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[dev]'
+	@$(VENV_LATEST)/bin/python -c 'import sys; print("Python", sys.version.split()[0])'
+	@$(VENV_LATEST)/bin/pip freeze --exclude-editable | grep -iE '^(jax|jaxlib|flax|optax|chex|ml.collections|ml.dtypes|orbax.checkpoint|tensorboardx|numpy|scipy|absl.py|tqdm|matplotlib|scikit.learn|pillow|pytest|pytest.xdist|hypothesis)=='
+	$(VENV_LATEST)/bin/python -m pytest -n 2 -q
+
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow
 
@@ -30,4 +44,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.quantize_bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info

@@ -26,9 +26,13 @@ QUICK_STEPS = 4
 #: The study's compressors: HiPress's five with their defaults, then TBQ at the digits scale.
 COMPRESSORS = ("onebit", "tbq", "terngrad", "dgc", "graddrop", ("tbq", {"threshold": 0.001}))
 
-_WORKDIR = flags.DEFINE_string("workdir", "out/compression_digits", "Where the runs and plots go.")
-_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Override the config's max_steps.")
-_QUICK = flags.DEFINE_bool("quick", False, f"Smoke run: {QUICK_STEPS} steps per run.")
+
+def define_flags() -> None:
+  """The command-line flags, defined only when this runs as a program: the tests import this
+  module beside the other experiments, which define flags of the same names."""
+  flags.DEFINE_string("workdir", "out/compression_digits", "Where the runs and plots go.")
+  flags.DEFINE_integer("max_steps", None, "Override the config's max_steps.")
+  flags.DEFINE_bool("quick", False, f"Smoke run: {QUICK_STEPS} steps per run.")
 
 
 def study_config(max_steps: int | None = None, quick: bool = False):
@@ -72,8 +76,9 @@ def run(workdir: str, max_steps: int | None = None, quick: bool = False,
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  run(_WORKDIR.value, _MAX_STEPS.value, _QUICK.value)
+  run(flags.FLAGS.workdir, flags.FLAGS.max_steps, flags.FLAGS.quick)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -38,10 +38,14 @@ PAPER_DIRECTION = (
     "numbers were not retrievable from any stored source (only its abstract and appendix; "
     "sdpipe.md §6), so none are quoted.")
 
-_WORKDIR = flags.DEFINE_string("workdir", "out/sdpipe_digits", "Where the plots go.")
-_NUM_BATCHES = flags.DEFINE_integer("num_batches", None, "Override the updates per run.")
-_QUICK = flags.DEFINE_bool("quick", False,
-                           f"Smoke run: one layout, h in {QUICK_HETEROS}, {QUICK_BATCHES} updates.")
+
+def define_flags() -> None:
+  """The command-line flags, defined only when this runs as a program: the tests import this
+  module beside the other experiments, which define flags of the same names."""
+  flags.DEFINE_string("workdir", "out/sdpipe_digits", "Where the plots go.")
+  flags.DEFINE_integer("num_batches", None, "Override the updates per run.")
+  flags.DEFINE_bool("quick", False,
+                    f"Smoke run: one layout, h in {QUICK_HETEROS}, {QUICK_BATCHES} updates.")
 
 
 def study_settings(num_pipelines: int, num_stages: int, num_batches: int | None = None,
@@ -166,8 +170,9 @@ def run(workdir: str, num_batches: int | None = None, quick: bool = False,
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  run(_WORKDIR.value, _NUM_BATCHES.value, _QUICK.value)
+  run(flags.FLAGS.workdir, flags.FLAGS.num_batches, flags.FLAGS.quick)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
