@@ -14,15 +14,18 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jlp.formats import BFPFormat, Format, FloatFormat, MXFormat, as_format
 from jlp.numerics import bfp as bfp_numerics
 from jlp.numerics import float_cast as float_numerics
 from jlp.numerics import mx as mx_numerics
+from jlp.numerics import random_bits as rb
 
 IMPLS = ("auto", "xla", "pallas")
 _NATIVE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -32,9 +35,11 @@ def is_stochastic(fmt: Format | None) -> bool:
   return fmt is not None and fmt.rounding == "stochastic"
 
 
-def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """The uint32 draws of stochastic rounding: one per element, from `key` alone."""
-  return jax.random.bits(key, shape, jnp.uint32)
+def random_bits(key: jax.Array, shape: tuple[int, ...], *, index_offset=0,
+                rng: str = "pairs") -> jax.Array:
+  """The uint32 draws of stochastic rounding, one per element: a counter-based hash of `key` and
+  the element's global flat index (`jlp.numerics.random_bits`)."""
+  return rb.random_bits(key, shape, index_offset=index_offset, rng=rng)
 
 
 def _use_pallas(impl: str) -> bool:
@@ -42,28 +47,40 @@ def _use_pallas(impl: str) -> bool:
 
 
 def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
-                 impl: str = "xla") -> jax.Array:
-  """float32 x rounded to `fmt` (no custom_vjp, no validation): the shared core."""
-  rbits = random_bits(key, x.shape) if is_stochastic(fmt) else None
-  pallas = _use_pallas(impl) and not isinstance(fmt, MXFormat)
+                 impl: str = "xla", *, index_offset=0, rng: str = "pairs") -> jax.Array:
+  """float32 x rounded to `fmt` (no custom_vjp, no validation): the shared core.
+
+  A FloatFormat generates its draws inside the cast (XLA fusion or kernel tile); the block
+  formats take them as an array from `random_bits`.
+  """
+  pallas = _use_pallas(impl)
   interpret = jax.default_backend() != "gpu"
   if isinstance(fmt, FloatFormat):
     if pallas:
       from pallas_kernels import float_cast as kernel  # pylint: disable=g-import-not-at-top
-      return kernel.float_cast(x, fmt, rbits, interpret=interpret)
-    return float_numerics.float_cast(x, fmt, rbits)
+      return kernel.float_cast(x, fmt, key=key, index_offset=index_offset, rng=rng,
+                               interpret=interpret)
+    return float_numerics.float_cast(x, fmt, key=key, index_offset=index_offset, rng=rng)
+  rbits = None
+  if is_stochastic(fmt):
+    rbits = random_bits(key, x.shape, index_offset=index_offset, rng=rng)
   if isinstance(fmt, BFPFormat):
     if pallas:
       from pallas_kernels import bfp as kernel  # pylint: disable=g-import-not-at-top
       return kernel.bfp_quantize(x, fmt, rbits, interpret=interpret)
     return bfp_numerics.bfp_quantize(x, fmt, rbits)
+  if pallas:
+    from pallas_kernels import mx as kernel  # pylint: disable=g-import-not-at-top
+    return kernel.mx_quantize(x, fmt, rbits, interpret=interpret)
   return mx_numerics.mx_quantize(x, fmt, rbits)
 
 
-def _apply(x: jax.Array, fmt: Format, key: jax.Array | None, impl: str) -> jax.Array:
+def _apply(x: jax.Array, fmt: Format, key: jax.Array | None, impl: str, index_offset,
+           rng: str) -> jax.Array:
   if x.dtype == jnp.float32:
-    return quantize_f32(x, fmt, key, impl)
-  return quantize_f32(x.astype(jnp.float32), fmt, key, impl).astype(x.dtype)
+    return quantize_f32(x, fmt, key, impl, index_offset=index_offset, rng=rng)
+  return quantize_f32(x.astype(jnp.float32), fmt, key, impl, index_offset=index_offset,
+                      rng=rng).astype(x.dtype)
 
 
 def backward_key(key: jax.Array) -> jax.Array:
@@ -71,21 +88,27 @@ def backward_key(key: jax.Array) -> jax.Array:
   return jax.random.fold_in(key, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _quantize(x, key, fmt, bwd, impl):
-  return _apply(x, fmt, key, impl)
+# index_offset travels as `traced_offset` (an array argument, None for a static offset) or as
+# the static int `static_offset` (a nondiff argument, so the "pairs" layout sees its parity).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _quantize(x, key, traced_offset, fmt, bwd, impl, rng, static_offset):
+  offset = static_offset if traced_offset is None else traced_offset
+  return _apply(x, fmt, key, impl, offset, rng)
 
 
-def _quantize_fwd(x, key, fmt, bwd, impl):
-  return _apply(x, fmt, key, impl), key
+def _quantize_fwd(x, key, traced_offset, fmt, bwd, impl, rng, static_offset):
+  offset = static_offset if traced_offset is None else traced_offset
+  return _apply(x, fmt, key, impl, offset, rng), (key, traced_offset)
 
 
-def _quantize_bwd(fmt, bwd, impl, key, g):
+def _quantize_bwd(fmt, bwd, impl, rng, static_offset, residuals, g):
   del fmt
+  key, traced_offset = residuals
   if bwd is None:
-    return g, None
+    return g, None, None
+  offset = static_offset if traced_offset is None else traced_offset
   bkey = backward_key(key) if is_stochastic(bwd) else None
-  return _apply(g, bwd, bkey, impl), None
+  return _apply(g, bwd, bkey, impl, offset, rng), None, None
 
 
 _quantize.defvjp(_quantize_fwd, _quantize_bwd)
@@ -109,7 +132,8 @@ def _check_shape(shape: tuple[int, ...], fmt: Format) -> None:
 
 
 def quantize(x: jax.Array, fmt: Format | str, *, bwd: Format | str | None = None,
-             key: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+             key: jax.Array | None = None, impl: str = "auto", index_offset=0,
+             rng: str = "pairs") -> jax.Array:
   """Rounds `x` to `fmt`; differentiable (straight-through, or `bwd` on the cotangent).
 
   Args:
@@ -118,31 +142,34 @@ def quantize(x: jax.Array, fmt: Format | str, *, bwd: Format | str | None = None
     fmt: a FloatFormat, BFPFormat, MXFormat or a FloatFormat name ("e4m3",
       "float8_e4m3fn", ...).
     bwd: None (straight-through gradient) or the format the cotangent is rounded to.
-    key: PRNG key, required when `fmt` or `bwd` rounds stochastically. The
-      forward pass draws `jax.random.bits(key, x.shape, uint32)`, the backward
-      pass the same from `jax.random.fold_in(key, 1)`; an element rounds away
-      from zero iff its draw is below (dropped fraction) * 2^32.
+    key: PRNG key (threefry2x32, the default), required when `fmt` or `bwd` rounds
+      stochastically. An element rounds away from zero iff its uint32 draw is below
+      (dropped fraction) * 2^32. The draws are a counter-based hash (Threefry-2x32-20) of the
+      key and the element's global flat index, generated inside the cast
+      (`jlp.numerics.random_bits`): the forward pass hashes with `key`, the backward pass
+      with `jax.random.fold_in(key, 1)`.
     impl: "xla" (fused integer bit manipulation), "pallas" (the kernels in
-      `pallas_kernels/`, run with `interpret=True` when there is no GPU; MXFormat
-      has no kernel) or "auto" (pallas on GPU, xla elsewhere). Both agree bit for bit.
+      `pallas_kernels/`, run with `interpret=True` when there is no GPU) or "auto"
+      (pallas on GPU, xla elsewhere). Both agree bit for bit, forward and backward.
+    index_offset: the global flat index of x's first element (a non-negative int, or an
+      int32 / uint32 scalar): inside `jax.shard_map` over x's leading axis,
+      `lax.axis_index(axis) * x.size` gives each element the draw it gets unsharded.
+    rng: "pairs" (one hash serves two neighbouring elements) or "jax" (the draws are
+      `jax.random.bits(key, x.shape, uint32)` at index_offset=0, one hash per element).
 
   Returns:
     An array of x's shape and dtype holding values exactly representable in `fmt`.
 
   Raises:
-    ValueError: an invalid format, dtype, impl, block rank or a missing key,
-      before any computation.
+    ValueError: an invalid format, dtype, impl, block rank, rng, index_offset or a missing
+      key, before any computation.
   """
   fmt = as_format(fmt, "fmt")
   bwd = None if bwd is None else as_format(bwd, "bwd")
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not allowed; expected one of {IMPLS}.")
-  if impl == "pallas" and isinstance(fmt, MXFormat):
-    raise ValueError(f"impl='pallas' is not available for {fmt!r}; use impl='xla' or 'auto'.")
   _check_dtype(x, fmt, "x")
   if bwd is not None:
-    if impl == "pallas" and isinstance(bwd, MXFormat):
-      raise ValueError(f"impl='pallas' is not available for bwd={bwd!r}; use impl='xla' or 'auto'.")
     _check_dtype(x, bwd, "x (cotangent, for bwd)")
   shape = jnp.shape(x)
   _check_shape(shape, fmt)
@@ -152,5 +179,11 @@ def quantize(x: jax.Array, fmt: Format | str, *, bwd: Format | str | None = None
     if is_stochastic(f) and key is None:
       raise ValueError(f"key=None is not allowed with {name}={f!r}: stochastic rounding "
                        "needs a PRNG key (e.g. jax.random.key(0)).")
+  rb.check_rng(rng)
+  if is_stochastic(fmt) or is_stochastic(bwd):
+    rb.check_offset(index_offset, math.prod(shape))
+    rb.key_words(key)
   x = jnp.asarray(x)
-  return _quantize(x, key, fmt, bwd, impl)
+  if isinstance(index_offset, (int, np.integer)):
+    return _quantize(x, key, None, fmt, bwd, impl, rng, int(index_offset))
+  return _quantize(x, key, index_offset, fmt, bwd, impl, rng, 0)

@@ -44,13 +44,33 @@ def test_stochastic_needs_a_key_and_is_a_function_of_the_key():
   c = jlp.quantize(x, fmt, key=jax.random.key(2))
   ref.assert_same_bits(a, b)
   assert not np.array_equal(a, c)
-  # documented stream: bits(key) forward, bits(fold_in(key, 1)) backward
-  rbits = np.asarray(jax.random.bits(jax.random.key(1), x.shape, jnp.uint32))
+  # documented streams: "pairs" of key forward, of fold_in(key, 1) backward; "jax" = jax.random.bits
+  words = lambda k: [int(v) for v in np.asarray(jax.random.key_data(k))]
+  rbits = ref.stochastic_draws(words(jax.random.key(1)), x.size)
   ref.assert_same_bits(a, ref.round_to_format(np.asarray(x), fmt, rbits))
   w = np.asarray(x)[::-1].copy()
   g = jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e4m3", bwd=fmt, key=jax.random.key(1)) * w))(x)
-  bbits = np.asarray(jax.random.bits(jax.random.fold_in(jax.random.key(1), 1), x.shape, jnp.uint32))
+  bbits = ref.stochastic_draws(words(jax.random.fold_in(jax.random.key(1), 1)), x.size)
   ref.assert_same_bits(g, ref.round_to_format(w, fmt, bbits))
+  jbits = np.asarray(jax.random.bits(jax.random.key(1), x.shape, jnp.uint32))
+  ref.assert_same_bits(jlp.quantize(x, fmt, key=jax.random.key(1), rng="jax"),
+                       ref.round_to_format(np.asarray(x), fmt, jbits))
+  obits = ref.stochastic_draws(words(jax.random.key(1)), x.size, offset=12345)
+  ref.assert_same_bits(jlp.quantize(x, fmt, key=jax.random.key(1), index_offset=12345),
+                       ref.round_to_format(np.asarray(x), fmt, obits))
+
+
+def test_stochastic_argument_errors_before_compute():
+  fmt = FloatFormat(4, 3, rounding="stochastic")
+  x = jnp.ones((4, 4))
+  with pytest.raises(ValueError, match="rng='philox'"):
+    jlp.quantize(x, fmt, key=jax.random.key(0), rng="philox")
+  with pytest.raises(ValueError, match="index_offset=-3"):
+    jlp.quantize(x, fmt, key=jax.random.key(0), index_offset=-3)
+  with pytest.raises(ValueError, match="index_offset of shape"):
+    jlp.quantize(x, "e4m3", bwd=fmt, key=jax.random.key(0), index_offset=jnp.float32(1))
+  with pytest.raises(ValueError, match="threefry2x32"):
+    jlp.quantize(x, fmt, key=jax.random.key(0, impl="rbg"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -85,8 +105,8 @@ def test_argument_errors_before_compute():
     jlp.quantize(x, jlp.BFPFormat(8, (1, 24, 3, 3)))
   with pytest.raises(ValueError, match="axis=3"):
     jlp.quantize(x, jlp.MXFormat("float8_e4m3fn", axis=3))
-  with pytest.raises(ValueError, match="impl='pallas'.*MXFormat"):
-    jlp.quantize(x, jlp.MXFormat("float8_e4m3fn"), impl="pallas")
+  with pytest.raises(ValueError, match="axis=3"):
+    jlp.quantize(x, jlp.MXFormat("float8_e4m3fn", axis=3), impl="pallas")
 
 
 def test_vmap_jit_grad_compose():
@@ -125,7 +145,10 @@ def test_inside_shard_map_on_8_devices():
 
 
 @pytest.mark.parametrize("fmt", [FloatFormat(4, 3), FloatFormat(5, 2, rounding="stochastic"),
-                                 jlp.BFPFormat(4, (1, 24)), jlp.BFPFormat(8, (2, 8), rounding="nearest")],
+                                 jlp.BFPFormat(4, (1, 24)), jlp.BFPFormat(8, (2, 8), rounding="nearest"),
+                                 jlp.MXFormat("float8_e4m3fn"),  # 48 = 32 + a ragged 16
+                                 jlp.MXFormat(FloatFormat(2, 1, "stochastic", specials="none"),
+                                              block=16, axis=0)],
                          ids=repr)
 def test_pallas_impl_equals_xla_impl_forward_and_backward(fmt):
   x = jnp.asarray(np.random.default_rng(5).standard_normal((16, 48)).astype(np.float32))
@@ -134,7 +157,8 @@ def test_pallas_impl_equals_xla_impl_forward_and_backward(fmt):
   def loss(x, impl):
     return jnp.sum(jlp.quantize(x, fmt, bwd=fmt, key=key, impl=impl) * x[::-1])
 
-  for want, got in zip(jax.value_and_grad(loss)(x, "xla"), jax.value_and_grad(loss)(x, "pallas")):
+  for want, got in zip(jax.value_and_grad(loss)(x, "xla"), jax.value_and_grad(loss)(x, "pallas"),
+                       strict=True):
     ref.assert_same_bits(got, want)
 
 

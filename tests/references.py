@@ -145,3 +145,41 @@ def imagenet_normalized(hwc):
     out[idx] = ((np.float32(hwc[idx]) / np.float32(255) - np.float32(IMAGENET_MEAN[c]))
                 / np.float32(IMAGENET_STD[c]))
   return out
+
+
+# -- counter-based random bits ---------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+
+
+def threefry2x32_20(key, counter):
+  """Random123's Threefry-2x32 with 20 rounds (Salmon et al., SC'11, §3.2), in numpy uint64
+  arithmetic masked to 32 bits. key: two ints; counter: two uint arrays. Returns two uint32
+  arrays."""
+  rot = ((13, 15, 26, 6), (17, 29, 16, 24))
+  k = [int(key[0]), int(key[1])]
+  k.append(k[0] ^ k[1] ^ 0x1BD11BDA)
+  x0 = (np.asarray(counter[0], np.uint64) + k[0]) & _MASK32
+  x1 = (np.asarray(counter[1], np.uint64) + k[1]) & _MASK32
+  for r in range(20):
+    x0 = (x0 + x1) & _MASK32
+    d = rot[(r // 4) % 2][r % 4]
+    x1 = (((x1 << np.uint64(d)) | (x1 >> np.uint64(32 - d))) & _MASK32) ^ x0
+    if r % 4 == 3:
+      s = r // 4 + 1
+      x0 = (x0 + k[s % 3]) & _MASK32
+      x1 = (x1 + k[(s + 1) % 3] + s) & _MASK32
+  return x0.astype(np.uint32), x1.astype(np.uint32)
+
+
+def stochastic_draws(key, n: int, offset: int = 0, rng: str = "pairs") -> np.ndarray:
+  """The uint32 draws of elements offset .. offset + n - 1 (jlp.quantize's documented streams):
+  "pairs": element g takes word g % 2 of Threefry-2x32-20(key, (hi | 2^31, lo)), (hi, lo) the
+  halves of g // 2; "jax": word 0 xor word 1 of Threefry-2x32-20(key, halves of g)."""
+  g = np.arange(n, dtype=np.uint64) + np.uint64(offset)
+  if rng == "jax":
+    y0, y1 = threefry2x32_20(key, (g >> np.uint64(32), g & _MASK32))
+    return y0 ^ y1
+  c = g >> np.uint64(1)
+  y0, y1 = threefry2x32_20(key, ((c >> np.uint64(32)) | np.uint64(0x80000000), c & _MASK32))
+  return np.where(g % 2 == 0, y0, y1)

@@ -12,11 +12,13 @@ Default semantics (compat=None) are those of ml_dtypes casts (IEEE 754 round to
 nearest even, gradual underflow, the overflow rules of each ml_dtypes type);
 see `jlp.FloatFormat` for the options.
 
-Stochastic rounding takes one uint32 `rbits` per element (callers draw them
-with `jax.random.bits(key, x.shape, jnp.uint32)`): with the exact value lying a
-fraction `p` of the way from the grid point below to the one above (in
-magnitude), the result rounds away from zero iff `rbits < floor(p * 2^32)`
-(exact integer arithmetic; p is resolved to 2^-32).
+Stochastic rounding takes one uint32 draw `rbits` per element: with the exact
+value lying a fraction `p` of the way from the grid point below to the one above
+(in magnitude), the result rounds away from zero iff `rbits < floor(p * 2^32)`
+(exact integer arithmetic; p is resolved to 2^-32). `float_cast` takes the draws
+either as an array or as a PRNG key, from which they are generated inside the
+cast's fusion (`jlp.numerics.random_bits`: a counter-based hash of the key and
+each element's global index).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from jlp.formats import FloatFormat
+from jlp.numerics import random_bits as rb
 
 SIGN = np.uint32(0x80000000)
 ABS = np.uint32(0x7FFFFFFF)
@@ -70,48 +73,6 @@ def round_up_decision(rem: jax.Array, half: jax.Array, lsb: jax.Array, rounding:
   raise ValueError(f"rounding={rounding!r}")
 
 
-def _round_magnitude(a: jax.Array, sh, fmt_rounding: str, rbits, emin_field: int, man: int,
-                     dynamic: bool) -> jax.Array:
-  """Rounds magnitude bits `a` to a grid of 2^sh float32-ulps of a's binade.
-
-  Valid for sh <= 23 (the grid step is at most the binade's leading bit); with
-  `dynamic` the elements with sh >= 24 (below half the smallest subnormal step's
-  binade) are handled: they round to 0 or to the smallest subnormal 2^(emin-man).
-  """
-  f = a >> 23
-  s = jnp.minimum(sh, u32(23)) if dynamic else sh
-  s_arr = jnp.asarray(s, jnp.uint32)
-  one = u32(1)
-  mask = (one << s_arr) - one
-  rem = a & mask
-  kept = a & ~mask
-  half = jnp.where(s_arr > 0, one << (jnp.maximum(s_arr, one) - one), u32(0))
-  # Parity of the kept count: bit s of `a`, except that at s == 23 the kept count
-  # is the hidden bit of a normal number (float32's exponent lsb is not it).
-  lsb = ((a >> s_arr) & one) | jnp.where((s_arr == 23) & (f > 0), one, u32(0))
-  threshold = None
-  if fmt_rounding == "stochastic":
-    # rem / 2^s * 2^32; s == 0 means nothing is dropped.
-    threshold = jnp.where(s_arr > 0, rem << (u32(32) - jnp.maximum(s_arr, one)), u32(0))
-  up = round_up_decision(rem, half, lsb, fmt_rounding, threshold, rbits)
-  q = kept + jnp.where(up, one << s_arr, u32(0))
-  if not dynamic:
-    return q
-  # sh >= 24: |x| < 2^(emin - man) = the smallest subnormal step Q.
-  sig = (a & FRAC) | jnp.where(f > 0, HIDDEN, u32(0))
-  if fmt_rounding == "nearest":
-    up_low = (sh == 24) & (sig > HIDDEN)  # |x| / Q = sig / 2^24 > 1/2
-  elif fmt_rounding == "truncate":
-    up_low = jnp.zeros(a.shape, jnp.bool_)
-  else:
-    left = sig << (u32(32) - jnp.clip(sh, 24, 32))           # sh <= 32
-    right_shift = jnp.clip(sh, 32, 63) - u32(32)
-    right = jnp.where(right_shift < 24, sig >> jnp.minimum(right_shift, u32(31)), u32(0))
-    up_low = rbits < jnp.where(sh <= 32, left, right)
-  q_low = jnp.where(up_low, u32((emin_field - man) << 23), u32(0))
-  return jnp.where(sh >= 24, q_low, q)
-
-
 def _round_deterministic(a: jax.Array, fmt: FloatFormat) -> jax.Array:
   """Magnitude bits `a` rounded to `fmt`'s grid by "nearest" or "truncate" (before overflow).
 
@@ -149,22 +110,44 @@ def _round_deterministic(a: jax.Array, fmt: FloatFormat) -> jax.Array:
   return jnp.where(a < u32((fmt.emin + 127) << 23), to_bits(below), q)
 
 
+def _round_stochastic(a: jax.Array, fmt: FloatFormat, rbits: jax.Array) -> jax.Array:
+  """Magnitude bits `a` rounded stochastically to `fmt`'s grid (before overflow): one step away
+  from zero iff rbits < floor(p * 2^32), p the fraction of a grid step that is dropped.
+
+  In fmt's normal range the grid is float32's with the low s = 23 - man bits dropped. With
+  r = rbits >> (32 - s), rbits < rem * 2^(32 - s) iff r < rem iff rem + (2^s - 1 - r) carries
+  into bit s, so the result is (a + (~rbits >> (32 - s))) with the low s bits cleared (a carry
+  into the exponent is right). Below 2^emin (exp < 8) the grid step is Q = 2^(emin - man):
+  y = |x| / Q and p = y - floor(y) are exact float32 operations (a power-of-two scale; Sterbenz),
+  p * 2^32 < 2^32 is exact, so its floor converted to uint32 is the threshold, and
+  (floor(y) + up) * Q is a float32 normal. A float32-subnormal |x|, which XLA:CPU flushes to 0,
+  has p < 2^-32 there (exp < 8 means Q >= 2^-85), so its threshold is 0 either way.
+  """
+  man = fmt.man
+  s = 23 - man
+  if s == 0:
+    q = a
+  else:
+    q = (a + ((~rbits) >> u32(32 - s))) & ~u32((1 << s) - 1)
+  if fmt.exp == 8:  # fmt's subnormals are float32's, on the same bit grid
+    return q
+  y = from_bits(a) * np.float32(2.0 ** (man - fmt.emin))
+  steps = jnp.floor(y)
+  threshold = jnp.floor((y - steps) * np.float32(2.0 ** 32)).astype(jnp.uint32)
+  steps = steps + jnp.where(rbits < threshold, np.float32(1), np.float32(0))
+  below = to_bits(steps * np.float32(2.0 ** (fmt.emin - man)))
+  return jnp.where(a < u32((fmt.emin + 127) << 23), below, q)
+
+
 def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
   """float32 bits -> bits of the float32 value rounded to `fmt` (compat=None)."""
-  man, exp = fmt.man, fmt.exp
   sign = u & SIGN
   a = u & ABS
   emin_field = fmt.emin + 127  # float32 exponent field of fmt's smallest normal
   if fmt.rounding != "stochastic":
     q = _round_deterministic(a, fmt)
-  elif exp == 8:  # fmt's subnormal range is float32's: a fixed shift suffices
-    q = _round_magnitude(a, u32(23 - man), fmt.rounding, rbits, emin_field, man, dynamic=False)
   else:
-    f = a >> 23
-    below = jnp.maximum(u32(emin_field) - jnp.maximum(f, u32(1)), u32(0))
-    below = jnp.where(f >= emin_field, u32(0), below)
-    sh = u32(23 - man) + below
-    q = _round_magnitude(a, sh, fmt.rounding, rbits, emin_field, man, dynamic=True)
+    q = _round_stochastic(a, fmt, rbits)
 
   max_bits = float_bits(fmt.max)
   if fmt.specials == "none" or fmt.overflow == "saturate":
@@ -198,8 +181,19 @@ def cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) ->
   return compat.qtorch_cast_bits(u, fmt, rbits)
 
 
-def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
-  """float32 `x` rounded to `fmt`, as float32 (the XLA path of `jlp.quantize`)."""
-  if fmt.rounding == "stochastic" and rbits is None:
-    raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
-  return from_bits(cast_bits(to_bits(x), fmt, rbits))
+def float_cast(x: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None, *,
+               key: jax.Array | None = None, index_offset=0, rng: str = "pairs") -> jax.Array:
+  """float32 `x` rounded to `fmt`, as float32 (the XLA path of `jlp.quantize`).
+
+  Stochastic rounding takes its draws from `rbits` (uint32, x's shape) or, when rbits is None,
+  from `key`: `jlp.numerics.random_bits` stream `rng` at global index `index_offset` + the
+  element's flat index, generated in the same fusion as the cast. Other roundings ignore both.
+  """
+  if fmt.rounding != "stochastic":
+    return from_bits(cast_bits(to_bits(x), fmt))
+  if rbits is not None:
+    return from_bits(cast_bits(to_bits(x), fmt, rbits))
+  if key is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, x.shape) or a key")
+  return rb.map_with_bits(lambda v, r: from_bits(cast_bits(to_bits(v), fmt, r)), x, key,
+                          index_offset=index_offset, rng=rng)

@@ -35,7 +35,7 @@ def _rounder(fmt: FloatFormat | None, key: jax.Array | None):
 
   def q(v, step, slot):
     k = jax.random.fold_in(jax.random.fold_in(key, step), slot)
-    return float_cast(v, fmt, jax.random.bits(k, v.shape, jnp.uint32))
+    return float_cast(v, fmt, key=k)
   return q
 
 
@@ -82,8 +82,9 @@ def sequential_sum(x: jax.Array, axis: int = 0, *, fmt: FloatFormat | str | None
     x: float32 array.
     axis: the axis summed over, in increasing index order.
     fmt: the format of every intermediate (None: float32).
-    key: PRNG key for a stochastic `fmt`; step i, operation j draws from
-      fold_in(fold_in(key, i), j).
+    key: PRNG key for a stochastic `fmt`; step i, operation j rounds with the draws of
+      fold_in(fold_in(key, i), j) (`jlp.numerics.random_bits`, "pairs" stream, generated
+      inside the cast).
   """
   xs, fmt = _prepare(x, axis, fmt, key)
   q = _rounder(fmt, key)

@@ -4,6 +4,9 @@ References (written here from bfp.md §1, never from jlp code):
   `truncate_reference`: BFPsim's bit rule (§1.1) on int32 views, one group at a time.
   `arithmetic_reference`: the §1.2 form sign · floor(|x| / Δ) · Δ for normal groups.
   `rounding_reference`: nearest / stochastic on the same grid in float64 arithmetic.
+Besides, `_previous_bfp_quantize` keeps the XLA path as it was before issue 13 (group
+maxima by one padded reduction, broadcast back) to check that the faster grouping computes
+the same bits.
 """
 
 import functools
@@ -15,7 +18,8 @@ import numpy as np
 import pytest
 
 from jlp import BFPFormat
-from jlp.numerics.bfp import bfp_quantize, group_rows
+from jlp.numerics.bfp import bfp_bits, bfp_quantize, group_rows
+from jlp.numerics.float_cast import from_bits, to_bits, u32
 import references as ref
 
 
@@ -318,3 +322,77 @@ def test_validation():
     bfp_quantize(jnp.ones((4, 4)), BFPFormat(4, (4,)))
   with pytest.raises(ValueError, match="rbits"):
     bfp_quantize(jnp.ones((4,)), BFPFormat(4, (4,), "stochastic"))
+
+
+# -- the grouping against the previous XLA path ----------------------------------
+
+def _previous_bfp_quantize(x, fmt, rbits=None, man=None):
+  """`jlp.numerics.bfp.bfp_quantize` before issue 13, verbatim but for the docstring and one
+  line break."""
+  fmt.check_rank(x.ndim)
+  if fmt.rounding == "stochastic" and rbits is None:
+    raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
+  shape = tuple(x.shape)
+  dims = tuple(max(1, min(int(d), n)) for d, n in zip(fmt.block, shape))
+  counts = tuple(-(-n // d) for n, d in zip(shape, dims))
+  padded_shape = tuple(c * d for c, d in zip(counts, dims))
+  split = tuple(v for cd in zip(counts, dims) for v in cd)
+  ragged = padded_shape != shape
+
+  u = to_bits(jnp.asarray(x, jnp.float32))
+  exponents = (u >> 23) & u32(0xFF)
+  if ragged:  # zeros never raise a group's maximum
+    exponents = jnp.pad(exponents, [(0, p - n) for p, n in zip(padded_shape, shape)])
+  group_max = jnp.max(exponents.reshape(split), axis=tuple(range(1, 2 * len(shape), 2)),
+                      keepdims=True)
+  group_max = jnp.broadcast_to(group_max, split).reshape(padded_shape)
+  if ragged:
+    group_max = group_max[tuple(slice(0, n) for n in shape)]
+  r = None if fmt.rounding != "stochastic" else jnp.asarray(rbits, jnp.uint32)
+  return from_bits(bfp_bits(u, group_max, fmt, r, man))
+
+
+# Both grouping paths (last block entry < 8: one reduction over boxes; >= 8: runs along the
+# last axis, as element-wise maxima of up to 32 runs of gcd(d, 8) or else one reduction, then
+# the other axes), ragged tails on every axis, blocks wider than their axis, whole-array groups
+# and rank 1 to 4; then random shapes and blocks.
+GROUPING_CASES = [
+    ((3, 1024), (1, 24)), ((2, 1000), (1, 24)), ((4, 7, 8, 50), (1, 3, 3, 24)),
+    ((2, 6, 6, 48), (1, 3, 3, 24)), ((3, 50, 7, 7), (1, 24, 3, 3)), ((5, 70), (1, 16)),
+    ((37,), (8,)), ((301,), (264,)), ((9, 300), (2, 264)), ((6, 90), (1, 40)),
+    ((4, 3, 33), (2, 2, 9)), ((11, 13), (4, 4)), ((40, 6), (16, 1)), ((3, 5), (4, 8)),
+    ((2, 3, 4, 5), (1, 1, 1, 1)), ((7, 9, 17), (3, 1, 8)),
+]
+
+
+def _random_grouping_cases(count, seed=13):
+  rng = np.random.default_rng(seed)
+  cases = []
+  for _ in range(count):
+    rank = int(rng.integers(1, 5))
+    shape = tuple(int(n) for n in rng.integers(1, 13, rank - 1)) + (int(rng.integers(1, 120)),)
+    block = tuple(int(rng.integers(1, n + 3)) for n in shape[:-1]) + (int(rng.integers(1, 41)),)
+    cases.append((shape, block))
+  return cases
+
+
+@pytest.mark.parametrize("shape, block", GROUPING_CASES + _random_grouping_cases(8), ids=str)
+def test_grouping_matches_previous_xla_path(shape, block):
+  """Reference: `_previous_bfp_quantize`, every rounding and a traced width, bit for bit, on
+  `random_array` values (zeros, subnormals, inf, NaN, zero/subnormal-only groups)."""
+  rng = np.random.default_rng(sum(shape) * 31 + sum(block))
+  dims = tuple(min(d, n) for d, n in zip(block, shape))
+  x = random_array(rng, shape, dims)
+  rbits = rng.integers(0, 2 ** 32, shape, dtype=np.uint64).astype(np.uint32)
+  fmts = [BFPFormat(int(rng.integers(1, 25)), block, r)
+          for r in ("truncate", "nearest", "stochastic")]
+
+  def both(quantize_fn):
+    return jax.jit(lambda x, r, m: [quantize_fn(x, f, r if f.rounding == "stochastic" else None)
+                                    for f in fmts] + [quantize_fn(x, fmts[0], None, man=m)])
+
+  args = (jnp.asarray(x), jnp.asarray(rbits), jnp.int32(rng.integers(1, 25)))
+  for fmt, got, want in zip(fmts + ["traced man"], both(bfp_quantize)(*args),
+                            both(_previous_bfp_quantize)(*args)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32),
+                                  err_msg=str(fmt))

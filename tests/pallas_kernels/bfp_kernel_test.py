@@ -69,7 +69,7 @@ def check(shape, fmts, rows_per_tile, seed: int = 0):
   rbits = random_bits(shape, seed + 1)
   got_all = _kernel_fn(fmts, rows_per_tile)(x, rbits)
   want_all = _xla_fn(fmts)(x, rbits)
-  for fmt, got, want in zip(fmts, got_all, want_all):
+  for fmt, got, want in zip(fmts, got_all, want_all, strict=True):
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == np.float32 and got.shape == x.shape
     got, want = got.view(np.uint32).ravel(), want.view(np.uint32).ravel()

@@ -143,7 +143,7 @@ def check_select(v: np.ndarray, thresholds, capacities, block_size: int):
   capacities = tuple(capacities)
   for thr in thresholds:
     results = _select_fn(capacities, block_size)(v, np.float32(thr))
-    for capacity, ((idx, total), (xla_idx, xla_count)) in zip(capacities, results):
+    for capacity, ((idx, total), (xla_idx, xla_count)) in zip(capacities, results, strict=True):
       want, want_total = select_reference(v, thr, capacity)
       assert idx.dtype == jnp.int32 and idx.shape == (capacity,)
       np.testing.assert_array_equal(np.asarray(idx), want, err_msg=f"thr={thr} cap={capacity}")
@@ -240,7 +240,8 @@ def test_ops_threshold_selections(impl):
                                  ops.capped_threshold_select(v, thr, c, impl=impl))
                                 for c in capacities])
   for thr in (np.inf, 2.5, 1.5, 1.0, -1.0):
-    for capacity, ((idx, count), (capped, capped_count)) in zip(capacities, run(v, thr)):
+    for capacity, ((idx, count), (capped, capped_count)) in zip(capacities, run(v, thr),
+                                                                strict=True):
       want, total = select_reference(v, thr, capacity)
       np.testing.assert_array_equal(np.asarray(idx), want)
       assert int(count) == min(total, capacity)

@@ -78,7 +78,8 @@ def check(x: np.ndarray, fmts, block_size: int = BLOCK, seed: int = 1):
   """Kernel == XLA path for each format (grouped so that they share one compile)."""
   fmts = tuple(fmts)
   rbits = random_bits(x.shape, seed)
-  for fmt, got, want in zip(fmts, _kernel_fn(fmts, block_size)(x, rbits), _xla_fn(fmts)(x, rbits)):
+  for fmt, got, want in zip(fmts, _kernel_fn(fmts, block_size)(x, rbits), _xla_fn(fmts)(x, rbits),
+                            strict=True):
     assert got.dtype == jnp.float32 and got.shape == x.shape
     assert_bits_equal(got, want, x, fmt)
 
@@ -174,3 +175,59 @@ def test_argument_errors():
     float_cast(x.astype(jnp.bfloat16), FloatFormat.from_name("e4m3"), interpret=True)
   with pytest.raises(TypeError):
     float_cast(x, "e4m3", interpret=True)
+
+
+# -- draws generated in the kernel from a key ---------------------------------------------------
+
+KEY = jax.random.fold_in(jax.random.key(11), 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _keyed_fns(fmts: tuple, block_size: int, rng: str, offset):
+  """(kernel, XLA path) for every format, jitted; offset None means a traced int32 argument."""
+  def casts(cast_fn):
+    def f(x, key, traced_offset):
+      off = traced_offset if offset is None else offset
+      return [cast_fn(x, fmt, key=key, index_offset=off, rng=rng) for fmt in fmts]
+    return jax.jit(f)
+  return (casts(functools.partial(float_cast, interpret=True, block_size=block_size)),
+          casts(xla_cast.float_cast))
+
+
+@pytest.mark.parametrize("shape,block_size,offset,rng", [
+    ((16 * BLOCK - 4,), BLOCK, 0, "pairs"),   # 16 tiles of (512, 2) rows, the last one padded
+    ((3, 5, 7), 16, 0, "pairs"),              # odd size: one hash per element
+    ((16, 64), 64, 2 ** 32 - 6, "pairs"),     # pair counters carry into the high word
+    ((100,), 32, 7, "pairs"),                 # odd static offset
+    ((100,), 32, None, "pairs"),              # traced offset (7)
+    ((2, 3, 4, 5), 8, 2 ** 40 + 2, "jax"),
+    ((1,), 1024, 0, "pairs"),
+    ((2,), 1, 0, "pairs"),                    # block_size 1: pair tiles of one row
+], ids=str)
+def test_keyed_matches_xla_path(shape, block_size, offset, rng):
+  n = int(np.prod(shape, dtype=np.int64))
+  x = sampled_bits(max(n, 128), seed=n)[:n].view(np.float32).reshape(shape)
+  fmts = tuple(FORMAT_GROUPS["stochastic"]) + (FloatFormat(5, 2, rounding="stochastic",
+                                                           compat="qtorch"),)
+  kernel, xla = _keyed_fns(fmts, block_size, rng, offset)
+  for fmt, got, want in zip(fmts, kernel(x, KEY, jnp.int32(7)), xla(x, KEY, jnp.int32(7)),
+                            strict=True):
+    assert got.dtype == jnp.float32 and got.shape == x.shape
+    assert_bits_equal(got, want, x, fmt)
+
+
+def test_keyed_vmap_over_keys():
+  x = sampled_bits(4 * 300).view(np.float32).reshape(4, 300)
+  keys = jax.random.split(KEY, 4)
+  kernel = jax.jit(jax.vmap(lambda x, k: float_cast(x, E4M3_SR, key=k, interpret=True,
+                                                    block_size=128)))
+  want = np.stack([np.asarray(xla_cast.float_cast(x[i], E4M3_SR, key=keys[i])) for i in range(4)])
+  assert_bits_equal(kernel(x, keys), want, x, E4M3_SR)
+
+
+def test_keyed_argument_errors():
+  x = jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError, match="rng='threefry'"):
+    float_cast(x, E4M3_SR, key=KEY, rng="threefry", interpret=True)
+  with pytest.raises(ValueError, match="index_offset=-1"):
+    float_cast(x, E4M3_SR, key=KEY, index_offset=-1, interpret=True)

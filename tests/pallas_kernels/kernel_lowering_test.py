@@ -7,7 +7,7 @@ unsupported ops or dtypes) on a CPU-only machine.
 
 Shift semantics: XLA defines `x << s` and `x >> s` as 0 for s >= the bit width,
 while the Triton lowering emits LLVM shifts, which are poison there. The kernel
-bodies (`cast_bits`, `bfp_rows_bits`) are evaluated op by op on sampled inputs
+bodies (`cast_bits`, `bfp_rows_bits`, `mx_rows_bits`) are evaluated op by op on sampled inputs
 and every shift amount is checked to be below 32, so that the GPU kernels cannot
 differ from the XLA path through shifts.
 """
@@ -20,11 +20,15 @@ from jax.experimental import pallas as pl
 from jax.extend.core import Literal
 from jax.sharding import AxisType
 
-from jlp.formats import BFPFormat, FloatFormat
+from jlp.formats import BFPFormat, FloatFormat, MXFormat
+from jlp.numerics import random_bits
 from jlp.numerics.bfp import bfp_rows_bits
 from jlp.numerics.float_cast import cast_bits
+from jlp.numerics.mx import mx_rows_bits
+from pallas_kernels import accum_matmul as accum_matmul_kernel
 from pallas_kernels import bfp as bfp_kernel
 from pallas_kernels import float_cast as float_cast_kernel
+from pallas_kernels import mx as mx_kernel
 from pallas_kernels import pack_bits as pack_kernel
 from pallas_kernels import threshold_select as select_kernel
 
@@ -84,6 +88,24 @@ def test_float_cast_lowers_small_and_odd_tiles(shape, block_size):
 
 
 @pytest.mark.lowering
+@pytest.mark.parametrize("rng,offset", [("pairs", 0), ("pairs", 3), ("pairs", None), ("jax", 0)],
+                         ids=str)
+@pytest.mark.parametrize("fmt", [FloatFormat.from_name("e4m3", rounding="stochastic"),
+                                 FloatFormat.from_name("bfloat16", rounding="stochastic"),
+                                 FloatFormat(5, 2, rounding="stochastic", compat="qtorch")],
+                         ids=repr)
+def test_float_cast_with_key_lowers_to_triton(fmt, rng, offset):
+  """Draws generated in the kernel: (2048, 2) pair tiles, or 1-D tiles (odd / traced offset)."""
+  def f(x, key, traced_offset):
+    off = traced_offset if offset is None else offset
+    return float_cast_kernel.float_cast(x, fmt, key=key, index_offset=off, rng=rng)
+  hlo = lower_for_h100(f, _sds((1000, 37), jnp.float32), _sds((), jax.random.key(0).dtype),
+                       _sds((), jnp.int32))
+  assert TRITON_CALL in hlo
+  assert "grid_x = 10 " in hlo
+
+
+@pytest.mark.lowering
 @pytest.mark.parametrize("rounding", ["truncate", "nearest", "stochastic"])
 @pytest.mark.parametrize("shape,block,man,rows_per_tile", [
     ((256, 1000), (1, 32), 8, None),             # default tiles: (128, 32)
@@ -96,6 +118,25 @@ def test_bfp_lowers_to_triton(shape, block, man, rows_per_tile, rounding):
   hlo = lower_for_h100(lambda x, r: bfp_kernel.bfp_quantize(x, fmt, r, rows_per_tile=rows_per_tile),
                        _sds(shape, jnp.float32), _sds(shape, jnp.uint32))
   assert TRITON_CALL in hlo
+
+
+MX_ELEMS = ["float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn",
+            "int8", FloatFormat.from_name("float8_e4m3fn", rounding="stochastic")]
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("elem", MX_ELEMS, ids=str)
+@pytest.mark.parametrize("shape,axis,grid", [
+    ((256, 1024), -1, 64),  # 8192 blocks of 32, default tiles (128, 32)
+    ((1000, 37), 0, 10),    # along axis 0, ragged (1000 = 31 * 32 + 8): 1184 blocks, 1280 padded
+    ((257, 1000), 1, 65),   # along the last axis, ragged: 8224 blocks
+], ids=str)
+def test_mx_lowers_to_triton(shape, axis, grid, elem):
+  fmt = MXFormat(elem, block=32, axis=axis)
+  hlo = lower_for_h100(lambda x, r: mx_kernel.mx_quantize(x, fmt, r),
+                       _sds(shape, jnp.float32), _sds(shape, jnp.uint32))
+  assert TRITON_CALL in hlo
+  assert f"grid_x = {grid} " in hlo
 
 
 @pytest.mark.lowering
@@ -129,6 +170,26 @@ def test_threshold_select_lowers_to_triton(n, capacity, block_size, grid):
       _sds((n,), jnp.float32), _sds((), jnp.float32))
   assert hlo.count(TRITON_CALL) == 2  # tile counts, compaction
   assert hlo.count(f"grid_x = {grid} ") == 2
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("kahan,chunk", [(False, 1), (True, 1), (True, 32), (False, 3)], ids=str)
+@pytest.mark.parametrize("m,k,n,padded_k,grid", [
+    (64, 147_456, 64, 147_456, (2, 2)),    # conv weight gradient, K = 256 x 24 x 24
+    (64, 802_816, 128, 802_816, (2, 4)),   # K = 256 x 56 x 56
+    (64, 147_461, 64, 147_472, (2, 2)),    # ragged K: padded to a multiple of the K block (16)
+], ids=str)
+def test_accum_matmul_lowers_for_large_k(m, k, n, padded_k, grid, kahan, chunk):
+  """The operands reach the Triton call unpadded (K padded only to a multiple of 16)."""
+  fmt = FloatFormat.from_name("e5m2")
+  hlo = lower_for_h100(
+      lambda a, b: accum_matmul_kernel.accum_matmul(a, b, fmt, kahan=kahan, chunk=chunk),
+      _sds((m, k), jnp.float32), _sds((k, n), jnp.float32))
+  assert hlo.count(TRITON_CALL) == 1
+  assert f"grid_x = {grid[0]} " in hlo and f"grid_y = {grid[1]} " in hlo
+  assert (f"(tensor<1x1xui32>, tensor<{m}x{padded_k}xf32>, tensor<{padded_k}x{n}xf32>) -> "
+          f"tensor<{m}x{n}xf32>") in hlo
+  assert ("stablehlo.pad" in hlo) == (padded_k != k)
 
 
 @pytest.mark.lowering
@@ -217,6 +278,23 @@ def test_float_cast_kernel_body_shifts_below_width():
   assert shifts_at_or_above_width(bodies, u, _random_bits(u.shape, 1)) == []
 
 
+def test_keyed_float_cast_kernel_body_shifts_below_width():
+  """The draws' hash (both streams, both layouts) and the casts that consume them."""
+  u = _sampled_bits(4096)
+  u = u[:u.size // 2 * 2]
+  r = _random_bits(u.shape, 3)
+  formats = [f for f in FLOAT_FORMATS if f.rounding == "stochastic"]
+  bodies = {}
+  for f in formats:
+    for stream in random_bits.RNGS:
+      bodies[f"{f!r} {stream}"] = (lambda u, r, f=f, s=stream: cast_bits(
+          u, f, random_bits.bits_at(r[0], r[1], r >> np.uint32(7), r, s)))
+    bodies[f"{f!r} pair rows"] = (lambda u, r, f=f: cast_bits(
+        u.reshape(-1, 2), f, random_bits.pair_bits(r[0], r[1], r[:u.size // 2, None] >> 9,
+                                                   r[u.size // 2:, None])))
+  assert shifts_at_or_above_width(bodies, u, r) == []
+
+
 def test_bfp_kernel_body_shifts_below_width():
   u = _sampled_bits(4096)
   u = u[:u.size // 32 * 32].reshape(-1, 32)
@@ -228,6 +306,19 @@ def test_bfp_kernel_body_shifts_below_width():
   bodies = {repr(f): (lambda u, r, f=f: bfp_rows_bits(u, f, r if f.rounding == "stochastic" else None))
             for f in formats}
   assert shifts_at_or_above_width(bodies, u, _random_bits(u.shape, 2)) == []
+
+
+def test_mx_kernel_body_shifts_below_width():
+  u = _sampled_bits(4096)
+  u = u[:u.size // 32 * 32].reshape(-1, 32)
+  # Blocks with zero/subnormal maxima (smallest scale), small and near-float32-max maxima.
+  u[::4] &= np.uint32(0x807FFFFF)
+  u[1::4] = (u[1::4] & np.uint32(0x80FFFFFF)) | np.uint32(0x01000000)
+  u[2::8] = (u[2::8] & np.uint32(0x80FFFFFF)) | np.uint32(0x7E000000)
+  formats = [MXFormat(e) for e in MX_ELEMS]
+  bodies = {repr(f): lambda u, r, f=f: mx_rows_bits(u, f, r if f.rounding == "stochastic" else None)
+            for f in formats}
+  assert shifts_at_or_above_width(bodies, u, _random_bits(u.shape, 5)) == []
 
 
 def test_pack_kernel_bodies_shift_below_width():

@@ -1,0 +1,237 @@
+"""The MX Pallas kernel (interpret mode) against its XLA path and the spec reference, bit for bit.
+
+References: `jlp.numerics.mx.mx_quantize` (the XLA path, compared as uint32 bit
+patterns) and `mx_reference` of tests/numerics/mx_test.py (float64 + ml_dtypes,
+written from OCP MX v1.0 §6.3; NaNs compared by sign only). Gradients: the
+straight-through identity, or the reference applied to the cotangent. Grids stay
+at <= 16 steps.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jlp
+from jlp.formats import FloatFormat, MXFormat
+from jlp.numerics import mx as xla_mx
+from numerics.mx_test import ELEMENTS, mx_reference, random_blocks
+from pallas_kernels import mx as mx_kernel
+import references as ref
+
+# (element name, rounding): every element format jlp names for MX, and stochastic elements.
+ELEMS = [(name, "nearest") for name in ELEMENTS] + [("float8_e4m3fn", "stochastic"),
+                                                   ("float4_e2m1fn", "stochastic")]
+F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def mx_format(elem: str, rounding: str, block: int, axis: int) -> MXFormat:
+  if rounding == "nearest":
+    return MXFormat(elem, block=block, axis=axis)
+  return MXFormat(FloatFormat.from_name(elem, rounding=rounding), block=block, axis=axis)
+
+
+def sample(shape, axis: int, seed: int = 0) -> np.ndarray:
+  """float32 values whose blocks along `axis` span 2^-150..2^127 with wide spreads.
+
+  `random_blocks` rows (zeros, -0, float32 subnormals, ±inf, NaN, saturating tops)
+  plus, every 7th line, values within a factor 2 of float32's max, and every 11th
+  line random bit patterns; the lines run along `axis`.
+  """
+  rng = np.random.default_rng(seed)
+  lines = np.moveaxis(np.zeros(shape, np.float32), axis, -1)
+  flat = random_blocks(rng, int(np.prod(lines.shape[:-1])), lines.shape[-1])
+  big = (rng.random(flat[::7].shape) + 1.0).astype(np.float32) * np.float32(2.0 ** 127)
+  flat[::7] = np.where(rng.random(big.shape) < 0.5, big, -big)
+  flat[::7, 0] = F32_MAX
+  patterns = rng.integers(0, 2 ** 32, flat[5::11].shape, dtype=np.uint64).astype(np.uint32)
+  flat[5::11] = patterns.view(np.float32)
+  return np.moveaxis(flat.reshape(lines.shape), -1, axis).copy()
+
+
+def random_bits(shape, seed: int = 1) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, 2 ** 32, size=shape, dtype=np.uint64).astype(np.uint32)
+
+
+def _quantizers(fmts: tuple, quantize_fn):
+  """One jitted function applying `quantize_fn` for every format (one compile for all)."""
+  return jax.jit(lambda x, r: [quantize_fn(x, f, r if f.rounding == "stochastic" else None)
+                               for f in fmts])
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_fn(fmts: tuple, rows_per_tile):
+  return _quantizers(fmts, functools.partial(mx_kernel.mx_quantize, interpret=True,
+                                             rows_per_tile=rows_per_tile))
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_fn(fmts: tuple):
+  return _quantizers(fmts, xla_mx.mx_quantize)
+
+
+def check(x, block: int, axis: int, rows_per_tile, elems=ELEMS, seed: int = 1):
+  """Kernel == XLA path (bit for bit) and == mx_reference, for each element format."""
+  fmts = tuple(mx_format(e, r, block, axis) for e, r in elems)
+  rbits = random_bits(x.shape, seed)
+  got_all = _kernel_fn(fmts, rows_per_tile)(x, rbits)
+  want_all = _xla_fn(fmts)(x, rbits)
+  for (elem, rounding), fmt, got, want in zip(elems, fmts, got_all, want_all, strict=True):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    gb, wb = got.view(np.uint32).ravel(), want.view(np.uint32).ravel()
+    bad = np.flatnonzero(gb != wb)
+    if bad.size:
+      xb = x.view(np.uint32).ravel()
+      detail = [(i, hex(xb[i]), hex(wb[i]), hex(gb[i])) for i in bad[:8]]
+      raise AssertionError(f"{fmt}: {bad.size} of {gb.size} differ; (i, x, want, got): {detail}")
+    r = rbits if rounding == "stochastic" else None
+    with np.errstate(invalid="ignore"):  # the reference's casts of signalling NaNs
+      ref.assert_same_bits(got, mx_reference(x, elem, block, axis, r), x, repr(fmt))
+
+
+@pytest.mark.parametrize("shape,block,axis,rows_per_tile", [
+    ((40, 64), 32, -1, 8),      # OCP blocks along the last axis: G = 80, 10 tiles
+    ((50, 24), 20, 0, 8),       # along axis 0, ragged (50 = 20 + 20 + 10): G = 72, P = 32, 9 tiles
+], ids=str)
+def test_matches_xla_path_and_reference(shape, block, axis, rows_per_tile):
+  check(sample(shape, axis), block, axis, rows_per_tile)
+
+
+def test_middle_axis_rank_3():
+  # ragged (70 = 32 + 32 + 6): G = 3 * 3 * 5 = 45, 12 tiles
+  elems = [("float8_e5m2", "nearest"), ("float6_e2m3fn", "nearest"),
+           ("float4_e2m1fn", "stochastic")]
+  check(sample((3, 70, 5), 1), 32, 1, 4, elems=elems)
+
+
+@pytest.mark.parametrize("shape,block,axis", [
+    ((64, 256), 32, 1),   # default tiles: 128 blocks per tile, 4 tiles
+    ((6, 10), 32, -1),    # block longer than the axis: one (8, 16) tile, 2 padding rows
+], ids=str)
+def test_default_tiles(shape, block, axis):
+  check(sample(shape, axis, seed=2), block, axis, None,
+        elems=[("float8_e5m2", "nearest"), ("int8", "nearest")])
+
+
+def special_blocks() -> np.ndarray:
+  """(12, 32): one special case per row (each row is one block)."""
+  x = np.tile(np.linspace(-3.0, 3.0, 32, dtype=np.float32), (12, 1))
+  x[0] = np.where(np.arange(32) % 2, -0.0, 0.0)                    # all-zero, signed
+  x[1, 7] = np.inf
+  x[2, 0] = -np.inf
+  x[3, 31] = np.nan
+  x[4, 3] = np.float32(-np.nan)
+  x[5] = (np.arange(32, dtype=np.uint32) * 0x3FFFF + 1).view(np.float32)  # float32 subnormals
+  x[5, ::3] *= -1
+  x[6] = np.float32(2.0 ** -126) * np.linspace(-1.0, 1.0, 32, dtype=np.float32)  # normal/subnormal
+  x[7] = F32_MAX * np.linspace(-1.0, 1.0, 32, dtype=np.float32)   # largest scale, 2^127 - emax
+  x[7, 0] = -F32_MAX
+  x[8] = np.float32(2.0 ** 127) * np.float32(1.96875)              # saturating near float32's max
+  x[8, 1::2] = np.float32(2.0 ** 100)                              # elements rounding to ±0
+  x[8, 3::4] *= -1
+  x[9] = np.float32(957.0) * np.linspace(-1.0, 1.0, 32, dtype=np.float32)  # microxcaling issue 4
+  x[10, :] = 0.0
+  x[10, 5] = np.float32(2.0 ** -149)                               # one smallest subnormal
+  x[11] = np.float32(1e-40) * np.linspace(-1.0, 1.0, 32, dtype=np.float32)
+  return x
+
+
+def test_special_values():
+  x = special_blocks()
+  check(x, 32, -1, 4)
+  got = np.asarray(jlp.quantize(jnp.asarray(x), MXFormat("float8_e4m3fn"), impl="pallas"))
+  ref.assert_same_bits(got[0], x[0])                      # signed zeros kept
+  assert np.isnan(got[1:5]).all() and np.isfinite(got[5:]).all()
+  # scale 2^(127 - 8): float32's max is 511.99.. there, saturating to 448
+  assert got[7, 0] == np.float32(-1.75 * 2.0 ** 127) and got[8, 0] == np.float32(1.75 * 2.0 ** 127)
+  assert np.signbit(got[8, 3::4]).all() and (got[8, 1::2] == 0).all()  # 2^100 / 2^119 -> ±0
+
+
+def test_transposed_blocks_equal_row_blocks():
+  """Blocks along axis 0 of x^T are the blocks along axis 1 of x (same kernel, other layout)."""
+  x = sample((24, 40), -1, seed=3)
+  fmt = MXFormat("float6_e3m2fn", block=16)
+  rows = mx_kernel.mx_quantize(x, fmt, interpret=True, rows_per_tile=8)
+  cols = mx_kernel.mx_quantize(x.T.copy(), MXFormat("float6_e3m2fn", block=16, axis=0),
+                               interpret=True, rows_per_tile=8)
+  ref.assert_same_bits(np.asarray(cols).T, np.asarray(rows))
+
+
+@pytest.mark.parametrize("elem,bwd_elem", [("float8_e4m3fn", "float8_e5m2"),
+                                           ("float4_e2m1fn", "int8"),
+                                           ("float6_e2m3fn", None)], ids=str)
+def test_jlp_quantize_forward_and_gradient(elem, bwd_elem):
+  """impl="pallas" == impl="xla" for the value and the custom_vjp's gradient; the gradient
+  is the reference applied to the cotangent (or the cotangent itself, straight-through)."""
+  x = sample((16, 48), -1, seed=4)
+  x[~np.isfinite(x)] = 1.0
+  w = sample((16, 48), -1, seed=5)[::-1].copy()
+  w[~np.isfinite(w)] = -2.0
+  fmt = MXFormat(elem)  # 48 = 32 + a ragged 16
+  bwd = None if bwd_elem is None else MXFormat(bwd_elem, block=16, axis=0)
+
+  def loss(x, impl):
+    return jnp.sum(jlp.quantize(x, fmt, bwd=bwd, impl=impl) * w)
+
+  want = jax.jit(jax.value_and_grad(loss), static_argnums=1)(jnp.asarray(x), "xla")
+  got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(jnp.asarray(x), "pallas")
+  for g, v in zip(got, want, strict=True):
+    ref.assert_same_bits(np.asarray(g), np.asarray(v))
+  ref.assert_same_bits(np.asarray(jlp.quantize(jnp.asarray(x), fmt, impl="pallas")),
+                       mx_reference(x, elem, 32, -1), x)
+  want_grad = w if bwd is None else mx_reference(w, bwd_elem, 16, 0)
+  ref.assert_same_bits(np.asarray(got[1]), want_grad, w)
+
+
+def test_stochastic_through_jlp_quantize_uses_the_documented_draws():
+  fmt = MXFormat(FloatFormat.from_name("float8_e5m2", rounding="stochastic"), block=32, axis=0)
+  x = sample((40, 12), 0, seed=6)
+  key = jax.random.key(7)
+  run = jax.jit(lambda x, k: [jlp.quantize(x, fmt, key=k, impl=i) for i in ("pallas", "xla")])
+  got, want = (np.asarray(v) for v in run(jnp.asarray(x), key))
+  words = [int(v) for v in np.asarray(jax.random.key_data(key))]
+  rbits = ref.stochastic_draws(words, x.size).reshape(x.shape)
+  ref.assert_same_bits(got, mx_reference(x, "float8_e5m2", 32, 0, rbits), x)
+  ref.assert_same_bits(got, want)
+
+
+def test_auto_picks_the_kernel_on_gpu(monkeypatch):
+  calls = []
+  kernel = mx_kernel.mx_quantize
+
+  def spy(x, fmt, rbits=None, *, interpret=False, **kwargs):
+    calls.append(interpret)
+    return kernel(x, fmt, rbits, interpret=True, **kwargs)
+
+  x = jnp.asarray(sample((8, 32), -1, seed=8))
+  run = lambda x, impl: jlp.quantize(x, MXFormat("int8"), impl=impl)  # noqa: E731
+  want = np.asarray(jax.jit(run, static_argnums=1)(x, "xla"))
+  monkeypatch.setattr(mx_kernel, "mx_quantize", spy)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  got = np.asarray(jax.jit(run, static_argnums=1)(x, "auto"))
+  assert calls == [False]  # compiled (not interpreted) on a GPU
+  ref.assert_same_bits(got, want)
+
+
+def test_empty_array():
+  out = mx_kernel.mx_quantize(jnp.zeros((0, 32), jnp.float32), MXFormat("int8"), interpret=True)
+  assert out.shape == (0, 32) and out.dtype == jnp.float32
+
+
+def test_argument_errors():
+  x = jnp.ones((4, 64), jnp.float32)
+  with pytest.raises(ValueError, match="rbits"):
+    mx_kernel.mx_quantize(x, mx_format("float8_e4m3fn", "stochastic", 32, -1), interpret=True)
+  with pytest.raises(ValueError, match="rbits has shape"):
+    mx_kernel.mx_quantize(x, mx_format("float8_e4m3fn", "stochastic", 32, -1),
+                          jnp.zeros((4, 32), jnp.uint32), interpret=True)
+  with pytest.raises(ValueError, match="axis=2"):
+    mx_kernel.mx_quantize(x, MXFormat("int8", axis=2), interpret=True)
+  with pytest.raises(ValueError, match="rows_per_tile"):
+    mx_kernel.mx_quantize(x, MXFormat("int8"), interpret=True, rows_per_tile=3)
+  with pytest.raises(TypeError):
+    mx_kernel.mx_quantize(x, jlp.BFPFormat(8, (1, 32)), interpret=True)
