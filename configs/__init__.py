@@ -77,3 +77,21 @@ def bert_small_sst2(c):
   c.dataset.kwargs.max_len = c.model.kwargs.get_ref("max_len")
   c.eval_batch_size = 896            # SST-2 dev (872) in one padded batch, 16 | 896
   return c
+
+
+def local_bert_digits_tokens(c):
+  """The `:local` CPU smoke variant of a BERT config, in place: the bundled digits as 64-token
+  sentences, a 2-layer BERT of width 32, six steps with evaluation and checkpoints every three."""
+  c.dataset.name = "digits_tokens"
+  c.dataset.root = ""
+  c.dataset.kwargs = {"max_len": 66}
+  c.model.kwargs = {"vocab": 21, "max_len": 66, "hidden": 32, "num_layers": 2, "heads": 2,
+                    "mlp_dim": 64, "pad_id": 0}
+  c.batch_size = 64
+  c.eval_batch_size = 120
+  c.max_steps = 6
+  c.log_every = 1
+  c.eval_every = c.checkpoint_every = 3
+  c.schedule.warmup_steps = 0
+  c.lr = 1e-3
+  return c

@@ -28,7 +28,7 @@ pixel values ("digits_tokens", 21-token vocabulary), a 2-layer hidden-32 BERT, m
 gradient compressed), a few steps.
 """
 
-from configs import bert_small_sst2, hipress_compression
+from configs import bert_small_sst2, local_bert_digits_tokens, hipress_compression
 from jlp.train.config import base_config, parse_arg
 
 
@@ -49,17 +49,6 @@ def get_config(arg=None):
   c.wd_exclude = "norm|bias"         # BERT: no decay on LayerNorm and biases
   hipress_compression(c, arg.compressor, arg.topology)
   if arg.local:
-    c.dataset.name = "digits_tokens"
-    c.dataset.root = ""
-    c.dataset.kwargs = {"max_len": 66}
-    c.model.kwargs = {"vocab": 21, "max_len": 66, "hidden": 32, "num_layers": 2, "heads": 2,
-                      "mlp_dim": 64, "pad_id": 0}
-    c.batch_size = 64
-    c.eval_batch_size = 120
-    c.max_steps = 6
-    c.log_every = 1
-    c.eval_every = c.checkpoint_every = 3
-    c.schedule.warmup_steps = 0
-    c.lr = 1e-3
+    local_bert_digits_tokens(c)
     c.compression.min_size = 0       # the tiny model's gradients are all below 262,144 floats
   return c

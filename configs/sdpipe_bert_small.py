@@ -23,7 +23,7 @@ sentences of their 64 pixel values ("digits_tokens"), a 2-layer hidden-32 BERT (
 embeddings | layer | layer | head), lr 1e-3, 6 steps in calls of 3.
 """
 
-from configs import bert_small_sst2, epoch_cadence, sdpipe_pipeline
+from configs import bert_small_sst2, epoch_cadence, local_bert_digits_tokens, sdpipe_pipeline
 from jlp.train.config import base_config, parse_arg
 
 SST2_TRAIN = 67349
@@ -43,18 +43,7 @@ def get_config(arg=None):
   c.weight_decay = 0.01
   c.wd_exclude = "norm|bias"
   if arg.local:
-    c.dataset.name = "digits_tokens"
-    c.dataset.root = ""
-    c.dataset.kwargs = {"max_len": 66}
-    c.model.kwargs = {"vocab": 21, "max_len": 66, "hidden": 32, "num_layers": 2, "heads": 2,
-                      "mlp_dim": 64, "pad_id": 0}
+    local_bert_digits_tokens(c)
     c.pipeline.pipelines = 2
     c.pipeline.batches_per_call = 3
-    c.batch_size = 64
-    c.eval_batch_size = 120
-    c.max_steps = 6
-    c.log_every = 1
-    c.eval_every = c.checkpoint_every = 3
-    c.schedule.warmup_steps = 0
-    c.lr = 1e-3
   return c
