@@ -19,7 +19,7 @@ One call runs (or resumes) the config in `workdir`:
      pipeline i trains on its rows [i*b, (i+1)*b), b = batch_size / N.
 
 Rows of metrics.jsonl, every log_every mini-batches (from the call's per-mini-batch metrics):
-train_loss (mean over pipelines), learning_rate, throughput (examples per wall-clock second over
+train_loss and train_accuracy (means over pipelines), learning_rate, throughput (examples per wall-clock second over
 the call), epoch, virtual_time (virtual seconds at which the mini-batch's update finished),
 virtual_throughput (examples per virtual second over the call), bubble_fraction (the schedule
 table's idle share). Evaluation (every eval_every steps and at the end, between calls): every
