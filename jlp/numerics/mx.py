@@ -17,9 +17,14 @@ zeros; elements keep their sign when they round to zero.
 MXINT8 elements are k / 64 with k = round-half-even(v · 64) clamped to
 [-127, 127] (-128 unused, as microxcaling reads the spec).
 
-The power-of-two scalings are integer ops on the bit patterns (`ldexp_bits`), so
-float32 subnormal inputs and outputs are exact whatever the backend does with
-subnormal float arithmetic.
+The power-of-two scalings are integer ops on the bit patterns, so float32
+subnormal inputs and outputs are exact whatever the backend does with subnormal
+float arithmetic: adding ±shared_exp to the exponent field where the element grid
+allows it (`_exponent_scaling_is_exact`: every OCP element format, nearest or
+truncating rounding), else the general `ldexp_bits`. Both give the same bits.
+The XLA path finds each block's maximum by a reshape of the (zero-padded) axis
+into (blocks, block) and quantizes x in its own shape, so a donated buffer is
+written in place.
 
 References:
   OCP Microscaling Formats (MX) Specification v1.0, 2023, §5–§6.
@@ -36,7 +41,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jlp.formats import INT8, FloatFormat, MXFormat
-from jlp.numerics.bfp import group_rows
 from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, cast_bits, float_bits,
                                      from_bits, to_bits, u32)
 
@@ -78,6 +82,52 @@ def ldexp_bits(u: jax.Array, k: jax.Array) -> jax.Array:
   return sign | jnp.where(significand == 0, u32(0), magnitude)
 
 
+def _exponent_scaling_is_exact(fmt: MXFormat) -> bool:
+  """Whether `_scale_down_bits` / `_scale_up_bits` give the same result as `ldexp_bits`.
+
+  True when the element grid's smallest step 2^low has low >= -22 (every q · 2^shared_exp,
+  shared_exp >= -127, is a float32, so scaling back is exact) and low - 1 >= -126 (a scaled
+  element below 2^-126, the only case where the scaling down rounds, rounds to a zero of
+  its sign by nearest or truncating rounding, as it does by the element cast; stochastic
+  rounding keeps `ldexp_bits`).
+  """
+  grid = _INT8_GRID if fmt.elem == INT8 else fmt.elem
+  low = grid.emin - grid.man
+  return fmt.rounding != "stochastic" and low >= -22
+
+
+def _scale_down_bits(u: jax.Array, shared_exp: jax.Array) -> jax.Array:
+  """Bits of the finite float32 `u` times 2^-shared_exp where that is a float32 normal, else ±0.
+
+  Exponent-field arithmetic only: a float32 subnormal input is its fraction (an int below
+  2^23, exactly a float32) times 2^-149. Requires |u| < 2^(shared_exp + 128).
+  """
+  sign = u & SIGN
+  a = u & ABS
+  subnormal_in = a < HIDDEN
+  base = jnp.where(subnormal_in, to_bits(a.astype(jnp.float32)), a)
+  shift = jnp.where(subnormal_in, -149 - shared_exp, -shared_exp)
+  out_field = (base >> 23).astype(jnp.int32) + shift
+  shifted = (base.astype(jnp.int32) + (shift << 23)).astype(jnp.uint32)
+  return sign | jnp.where(out_field >= 1, shifted, u32(0))
+
+
+def _scale_up_bits(q: jax.Array, shared_exp: jax.Array) -> jax.Array:
+  """Bits of q · 2^shared_exp for a zero or float32-normal `q` whose product is exact.
+
+  A product below 2^-126 is the significand shifted right, exactly (no bits are lost when
+  `_exponent_scaling_is_exact`). Products past 2^128 are garbage (NaN-scale blocks only).
+  """
+  sign = q & SIGN
+  a = q & ABS
+  out_field = (a >> 23).astype(jnp.int32) + shared_exp
+  normal = (a.astype(jnp.int32) + (shared_exp << 23)).astype(jnp.uint32)
+  right = jnp.clip(1 - out_field, 0, 31).astype(jnp.uint32)
+  subnormal = ((a & FRAC) | HIDDEN) >> right
+  magnitude = jnp.where(out_field >= 1, normal, subnormal)
+  return sign | jnp.where(a == 0, u32(0), magnitude)
+
+
 def _saturating(elem: FloatFormat) -> FloatFormat:
   return dataclasses.replace(elem, overflow="saturate")
 
@@ -103,20 +153,46 @@ def mx_rows_bits(u: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) ->
   """
   if fmt.rounding == "stochastic" and rbits is None:
     raise ValueError("stochastic rounding needs rbits (uint32, one per element)")
+  largest = jnp.max(u & ABS, axis=1, keepdims=True)
+  return _mx_bits_given_largest(u, largest, fmt, rbits)
+
+
+def _mx_bits_given_largest(u: jax.Array, largest: jax.Array, fmt: MXFormat,
+                           rbits: jax.Array | None) -> jax.Array:
+  """Element-wise MX quantization of bit patterns `u` whose blocks have max |x| bits `largest`."""
   a = u & ABS
-  largest = jnp.max(a, axis=1, keepdims=True)
   largest_field = (largest >> 23).astype(jnp.int32)
   shared_exp = jnp.maximum(largest_field - 127 - fmt.elem_emax, E8M0_MIN_EXP)
   nan_scale = (largest >= INF) | (shared_exp > E8M0_MAX_EXP)
 
   finite = jnp.where(a >= INF, u32(0), u)
-  scaled = ldexp_bits(finite, -shared_exp)
+  exact = _exponent_scaling_is_exact(fmt)
+  scaled = _scale_down_bits(finite, shared_exp) if exact else ldexp_bits(finite, -shared_exp)
   if fmt.elem == INT8:
     q = _int8_bits(scaled)
   else:
     q = cast_bits(scaled, _saturating(fmt.elem), rbits)
-  out = ldexp_bits(q, shared_exp)
+  out = _scale_up_bits(q, shared_exp) if exact else ldexp_bits(q, shared_exp)
   return jnp.where(nan_scale, QNAN, out)
+
+
+def _block_max_bits(u: jax.Array, axis: int, block: int) -> jax.Array:
+  """Bits of max |x| over each MX block along `axis`, broadcast back to every element of u.
+
+  The axis is zero-padded to whole blocks (zeros never raise a maximum), split into
+  (blocks, block) by a reshape, reduced, broadcast and sliced back.
+  """
+  length = u.shape[axis]
+  block = min(block, length)
+  count = -(-length // block)
+  a = u & ABS
+  pad = [(0, 0)] * u.ndim
+  pad[axis] = (0, count * block - length)
+  a = jnp.pad(a, pad)
+  split = u.shape[:axis] + (count, block) + u.shape[axis + 1:]
+  largest = jnp.max(a.reshape(split), axis=axis + 1, keepdims=True)
+  largest = jnp.broadcast_to(largest, split).reshape(a.shape)
+  return lax.slice_in_dim(largest, 0, length, axis=axis)
 
 
 def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> jax.Array:
@@ -134,10 +210,9 @@ def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> 
   fmt.check_rank(x.ndim)
   if fmt.rounding == "stochastic" and rbits is None:
     raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
-  block = [1] * x.ndim
-  block[fmt.axis] = fmt.block
-  rows, ungroup = group_rows(to_bits(jnp.asarray(x, jnp.float32)), tuple(block))
-  rbit_rows = None
-  if fmt.rounding == "stochastic":
-    rbit_rows, _ = group_rows(jnp.asarray(rbits, jnp.uint32), tuple(block))
-  return from_bits(ungroup(mx_rows_bits(rows, fmt, rbit_rows)))
+  u = to_bits(jnp.asarray(x, jnp.float32))
+  if u.size == 0:
+    return from_bits(u)
+  largest = _block_max_bits(u, fmt.axis % u.ndim, fmt.block)
+  rbits = jnp.asarray(rbits, jnp.uint32) if fmt.rounding == "stochastic" else None
+  return from_bits(_mx_bits_given_largest(u, largest, fmt, rbits))
