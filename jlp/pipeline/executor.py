@@ -145,6 +145,12 @@ def _slots(table: sched.Table, starts: dict, ends: dict) -> int:
   return best
 
 
+def _write_slot(buffers: Any, slot: jax.Array, values: Any, when: jax.Array) -> Any:
+  """`buffers` (a pytree of [K, ...] ring buffers) with entry `slot` replaced by `values` where
+  `when` holds, kept otherwise: one slot read and written, not the whole buffer."""
+  return jax.tree.map(lambda b, v: b.at[slot].set(jnp.where(when, v, b[slot])), buffers, values)
+
+
 def _is_int(value: Any) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -646,13 +652,10 @@ class Pipeline:
     act, id_x = lax.ppermute((act_out, sent_x), STAGE, down)
     grad, id_g = lax.ppermute((grad_out, sent_g), STAGE, up)
 
-    def store(buf, value, ident, slots):
-      slot = jnp.maximum(ident - 1, 0) % slots
-      return buf.at[slot].set(jnp.where(ident > 0, value, buf[slot]))
-
+    slot = lambda ident, slots: jnp.maximum(ident - 1, 0) % slots
     bufs = dict(bufs)
-    bufs["recv_x"] = store(bufs["recv_x"], act, id_x, layout.x_slots)
-    bufs["recv_g"] = store(bufs["recv_g"], grad, id_g, layout.g_slots)
+    bufs["recv_x"] = _write_slot(bufs["recv_x"], slot(id_x, layout.x_slots), act, id_x > 0)
+    bufs["recv_g"] = _write_slot(bufs["recv_g"], slot(id_g, layout.g_slots), grad, id_g > 0)
     return bufs
 
   def _update(self, carry, stage, grads, do_update, batch_index, global_batch, mix):
@@ -718,12 +721,8 @@ class Pipeline:
       is_fwd = kind == sched.FWD
       bufs = dict(bufs)
       # A forward stashes the weights and the state it runs with, for its backward.
-      bufs["stash_w"] = jax.tree.map(
-          lambda b, v: b.at[slot_w].set(jnp.where(is_fwd, v, b[slot_w])),
-          bufs["stash_w"], carry["params"])
-      bufs["stash_state"] = jax.tree.map(
-          lambda b, v: b.at[slot_w].set(jnp.where(is_fwd, v, b[slot_w])),
-          bufs["stash_state"], carry["model_state"])
+      bufs["stash_w"] = _write_slot(bufs["stash_w"], slot_w, carry["params"], is_fwd)
+      bufs["stash_state"] = _write_slot(bufs["stash_state"], slot_w, carry["model_state"], is_fwd)
       act_out, grad_out, grads, new_model_state, loss = self._tick(
           layout, carry, bufs, stage, kind, index, x_in, y_in, jnp.float32(1))
       carry = dict(carry, model_state=new_model_state)
@@ -758,9 +757,8 @@ class Pipeline:
         y_in = jax.tree.map(take, y_b)
         slot = index % layout.w_slots
         bufs = dict(bufs)
-        bufs["stash_state"] = jax.tree.map(
-            lambda buf, v: buf.at[slot].set(jnp.where(kind == sched.FWD, v, buf[slot])),
-            bufs["stash_state"], carry["model_state"])
+        bufs["stash_state"] = _write_slot(bufs["stash_state"], slot, carry["model_state"],
+                                          kind == sched.FWD)
         act_out, grad_out, grads, new_model_state, loss = self._tick(
             layout, carry, bufs, stage, kind, index, x_in, y_in, np.float32(1.0 / M), grads)
         carry = dict(carry, model_state=new_model_state)
