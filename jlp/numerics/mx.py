@@ -22,9 +22,17 @@ subnormal inputs and outputs are exact whatever the backend does with subnormal
 float arithmetic: adding ±shared_exp to the exponent field where the element grid
 allows it (`_exponent_scaling_is_exact`: every OCP element format, nearest or
 truncating rounding), else the general `ldexp_bits`. Both give the same bits.
-The XLA path finds each block's maximum by a reshape of the (zero-padded) axis
-into (blocks, block) and quantizes x in its own shape, so a donated buffer is
-written in place.
+
+The XLA path reads x twice: once for each block's largest exponent field (a
+reshape of the zero-padded axis into (blocks, block); only the field decides the
+shared exponent, and a max of 8-bit fields vectorizes on XLA:CPU where a max of
+whole bit patterns runs as a scalar compare-and-branch loop), once to quantize x
+in its own shape, so a donated buffer is written in place. With nearest rounding,
+when every block is all zero, non-finite, or has its largest field in the range
+`_nearest_fields(fmt)` (for E4M3 blocks, max |x| from 2^-108 to 2^122), the elements are
+rounded directly on the block's grid, the element grid times 2^shared_exp
+(`_nearest_on_scaled_grid`); otherwise, and for the other roundings, they are
+scaled down, cast and scaled back. Both give the same bits.
 
 References:
   OCP Microscaling Formats (MX) Specification v1.0, 2023, §5–§6.
@@ -176,23 +184,80 @@ def _mx_bits_given_largest(u: jax.Array, largest: jax.Array, fmt: MXFormat,
   return jnp.where(nan_scale, QNAN, out)
 
 
-def _block_max_bits(u: jax.Array, axis: int, block: int) -> jax.Array:
-  """Bits of max |x| over each MX block along `axis`, broadcast back to every element of u.
+def _nearest_fields(fmt: MXFormat) -> tuple[int, int]:
+  """The range of a block's largest exponent field F in which `_nearest_on_scaled_grid` is exact.
 
-  The axis is zero-padded to whole blocks (zeros never raise a maximum), split into
-  (blocks, block) by a reshape, reduced, broadcast and sliced back.
+  With shared_exp = F - 127 - emax and the block grid's subnormal step Q = 2^(emin + shared_exp
+  - man): from below, Q >= 2^-125, so float32-subnormal elements (which the backend may read as
+  0) lie below Q / 2 and round to 0, and every result k · Q is a float32 normal; from above,
+  2^23 · Q (the constant C of the rounding) is a finite float32.
+  """
+  grid = _INT8_GRID if fmt.elem == INT8 else fmt.elem
+  low = grid.emin - grid.man
+  return 2 + fmt.elem_emax - low, 231 + fmt.elem_emax - low
+
+
+def _nearest_on_scaled_grid(u: jax.Array, field: jax.Array, fmt: MXFormat) -> jax.Array:
+  """MX with nearest rounding, on the grid of the element format scaled by 2^shared_exp.
+
+  `field` is the block's largest exponent field, in `_nearest_fields(fmt)` or 255 (a NaN
+  block); an all-zero block may pass any field of that range. In the block grid's normal range
+  (|x| >= 2^(emin + shared_exp)) the grid is float32's with the low 23 - man bits dropped, so
+  the bits are rounded directly (a carry into the exponent is right). Below it the step is
+  Q = 2^(emin + shared_exp - man): |x| + C with C = 2^23 · Q is rounded to nearest even by the
+  float addition, its bits minus C's count the steps k (as in `float_cast`), and k · Q is
+  exact. Results above the block's largest value max(elem) · 2^shared_exp saturate to it.
+  """
+  grid = _INT8_GRID if fmt.elem == INT8 else fmt.elem
+  s = 23 - grid.man
+  max_bits = _INT8_MAX_BITS if fmt.elem == INT8 else float_bits(fmt.elem.max)
+  shared_exp = field.astype(jnp.int32) - (127 + fmt.elem_emax)
+
+  def power_bits(exponent: jax.Array) -> jax.Array:
+    return ((exponent + 127) << 23).astype(jnp.uint32)
+
+  a = u & ABS
+  normal = (a + u32((1 << (s - 1)) - 1) + ((a >> u32(s)) & u32(1))) & ~u32((1 << s) - 1)
+  step = shared_exp + (grid.emin - grid.man)
+  c = power_bits(step + 23)
+  steps = lax.bitcast_convert_type(to_bits(from_bits(a) + from_bits(c)) - c, jnp.int32)
+  below = to_bits(steps.astype(jnp.float32) * from_bits(power_bits(step)))
+  q = jnp.where(a < power_bits(shared_exp + grid.emin), below, normal)
+  q = jnp.minimum(q, (max_bits.astype(jnp.int32) + (shared_exp << 23)).astype(jnp.uint32))
+  return jnp.where(field >= 255, QNAN, (u & SIGN) | q)
+
+
+def _rounds_on_scaled_grid(codes: jax.Array, fmt: MXFormat) -> jax.Array:
+  """Whether every block (codes from `_block_field_codes`) is all zero, non-finite or has its
+  largest field in `_nearest_fields(fmt)`: then `_nearest_on_scaled_grid` quantizes x."""
+  low, high = _nearest_fields(fmt)
+  return jnp.all(((codes > low) & (codes <= high + 1)) | (codes == 0) | (codes == 256))
+
+
+def _block_field_codes(u: jax.Array, axis: int, block: int) -> jax.Array:
+  """Per MX block along `axis`: 0 for an all-zero block, else 1 + the largest exponent field.
+
+  The axis is zero-padded to whole blocks, split into (blocks, block) by a reshape and reduced;
+  the result has a size-1 axis after the blocks axis (`_broadcast_blocks` undoes the split).
+  A float32 subnormal's field is 0, so a nonzero block's code is at least 1.
   """
   length = u.shape[axis]
-  block = min(block, length)
   count = -(-length // block)
   a = u & ABS
+  codes = (a >> 23) + (a != 0).astype(jnp.uint32)
   pad = [(0, 0)] * u.ndim
   pad[axis] = (0, count * block - length)
-  a = jnp.pad(a, pad)
   split = u.shape[:axis] + (count, block) + u.shape[axis + 1:]
-  largest = jnp.max(a.reshape(split), axis=axis + 1, keepdims=True)
-  largest = jnp.broadcast_to(largest, split).reshape(a.shape)
-  return lax.slice_in_dim(largest, 0, length, axis=axis)
+  return jnp.max(jnp.pad(codes, pad).reshape(split), axis=axis + 1, keepdims=True)
+
+
+def _broadcast_blocks(per_block: jax.Array, shape: tuple[int, ...], axis: int,
+                      block: int) -> jax.Array:
+  """Per-block values (from `_block_field_codes`) broadcast back to every element of `shape`."""
+  count = per_block.shape[axis]
+  split = shape[:axis] + (count, block) + shape[axis + 1:]
+  full = jnp.broadcast_to(per_block, split).reshape(shape[:axis] + (count * block,) + shape[axis + 1:])
+  return lax.slice_in_dim(full, 0, shape[axis], axis=axis)
 
 
 def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> jax.Array:
@@ -210,9 +275,26 @@ def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> 
   fmt.check_rank(x.ndim)
   if fmt.rounding == "stochastic" and rbits is None:
     raise ValueError("stochastic rounding needs rbits (uint32, x.shape)")
-  u = to_bits(jnp.asarray(x, jnp.float32))
-  if u.size == 0:
-    return from_bits(u)
-  largest = _block_max_bits(u, fmt.axis % u.ndim, fmt.block)
-  rbits = jnp.asarray(rbits, jnp.uint32) if fmt.rounding == "stochastic" else None
-  return from_bits(_mx_bits_given_largest(u, largest, fmt, rbits))
+  x = jnp.asarray(x, jnp.float32)
+  if x.size == 0:
+    return x
+  u = to_bits(x)
+  axis = fmt.axis % u.ndim
+  block = min(fmt.block, u.shape[axis])
+  codes = _block_field_codes(u, axis, block)
+
+  # The branches take x, not u: a bitcast outside lax.cond made XLA:CPU copy a donated buffer.
+  def general(x: jax.Array, codes: jax.Array) -> jax.Array:
+    field = jnp.maximum(_broadcast_blocks(codes, x.shape, axis, block), 1) - 1
+    r = jnp.asarray(rbits, jnp.uint32) if fmt.rounding == "stochastic" else None
+    return from_bits(_mx_bits_given_largest(to_bits(x), field << 23, fmt, r))
+
+  if fmt.rounding != "nearest":
+    return general(x, codes)
+
+  def nearest(x: jax.Array, codes: jax.Array) -> jax.Array:
+    field = jnp.clip(_broadcast_blocks(codes, x.shape, axis, block), _nearest_fields(fmt)[0] + 1,
+                     256) - 1
+    return from_bits(_nearest_on_scaled_grid(to_bits(x), field, fmt))
+
+  return lax.cond(_rounds_on_scaled_grid(codes, fmt), nearest, general, x, codes)

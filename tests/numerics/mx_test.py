@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jlp import FloatFormat, MXFormat
+from jlp.numerics import mx as mx_numerics
 from jlp.numerics.mx import ldexp_bits, mx_quantize
 import references as ref
 
@@ -110,6 +111,75 @@ def test_matches_reference(elem, layout):
   x = x if axis == -1 else x.T.copy()
   fmt = MXFormat(elem, block=block, axis=axis)
   ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, block, axis), x, repr(fmt))
+
+
+def element_grid(elem):
+  """The non-negative finite values of the element format, from ml_dtypes (k / 64 for int8)."""
+  dtype, _, largest = ELEMENTS[elem]
+  if dtype is None:
+    return np.arange(128) / 64
+  values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+  return np.unique(values[np.isfinite(values) & (values >= 0) & (values <= largest)])
+
+
+def scaled_grid_blocks(elem, shared_exps, rng):
+  """Blocks of 32 whose first element is max(elem) * 2^e (so the shared exponent is e) and the
+  rest are hard cases on that block's grid: grid points, midpoints (ties), their float32
+  neighbours, values past the saturation bound, float32 subnormals and signed zeros."""
+  _, emax, largest = ELEMENTS[elem]
+  grid = element_grid(elem)
+  mids = (grid[:-1] + grid[1:]) / 2
+  top = 2.0 ** (emax + 1)  # saturating values stay below it, so the block's exponent stays e
+  cases = np.concatenate([grid, mids, [(largest + top) / 2, top * (1 - 2.0 ** -24)]])
+  blocks = []
+  for e in shared_exps:
+    with np.errstate(over="ignore"):  # e5m2's top * 2^e may pass float32's range
+      v = (cases * 2.0 ** e).astype(np.float32)
+      v = np.concatenate([v, np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(0))])
+      v = v[v < np.float32(top * 2.0 ** e)]
+    v = np.concatenate([v, np.array([2.0 ** -149, 3 * 2.0 ** -140, 2.0 ** -127, 0.0, -0.0], np.float32)])
+    v = v * rng.choice(np.array([-1, 1], np.float32), v.size)
+    v = np.concatenate([v, np.zeros(-v.size % 31, np.float32)]).reshape(-1, 31)
+    first = np.full((v.shape[0], 1), np.float32(largest * 2.0 ** e))
+    blocks.append(np.concatenate([first, v], axis=1))
+  return np.concatenate(blocks)
+
+
+def scaled_grid_codes(x, fmt):
+  codes = mx_numerics._block_field_codes(jnp.asarray(x).view(jnp.uint32), 1, 32)
+  return bool(mx_numerics._rounds_on_scaled_grid(codes, fmt))
+
+
+@pytest.mark.parametrize("elem", list(ELEMENTS))
+def test_rounding_on_the_scaled_grid_matches_reference(elem):
+  """Nearest rounding of arrays whose blocks all lie in `_nearest_fields`, quantized directly on
+  the scaled grid (asserted), at shared exponents from the lowest to the highest of that range,
+  with an all-zero block and a NaN block beside them."""
+  fmt = MXFormat(elem)
+  low, high = mx_numerics._nearest_fields(fmt)
+  emax = ELEMENTS[elem][1]
+  high = min(high, 254)  # the largest finite field
+  exps = sorted({low - 127 - emax, low - 126 - emax, -40, -3, 0, 5, 60, high - 128 - emax,
+                 high - 127 - emax})
+  x = scaled_grid_blocks(elem, exps, np.random.default_rng(len(elem)))
+  x = np.concatenate([x, np.zeros((1, 32), np.float32), np.ones((1, 32), np.float32)])
+  x[-1, 9] = np.nan
+  assert scaled_grid_codes(x, fmt)
+  ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 32, -1), x, repr(fmt))
+
+
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8"])
+def test_blocks_outside_the_scaled_grid_range_match_reference(elem):
+  """One block just below or just above `_nearest_fields` (if that is below float32's largest
+  field) sends the array through the general path (asserted), which gives the reference's bits
+  too."""
+  fmt = MXFormat(elem)
+  low, high = mx_numerics._nearest_fields(fmt)
+  emax = ELEMENTS[elem][1]
+  for e in [low - 128 - emax] + ([high - 126 - emax] if high < 254 else []):
+    x = scaled_grid_blocks(elem, [e, 0], np.random.default_rng(3))
+    assert not scaled_grid_codes(x, fmt)
+    ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 32, -1), x, f"{fmt!r} at 2^{e}")
 
 
 def test_stochastic_elements_match_reference():
