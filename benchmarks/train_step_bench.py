@@ -1,20 +1,28 @@
-"""ResNet18/CIFAR train step: float32 against BFPsim's ResNet18_FB12 preset, timed alternately.
+"""ResNet18/CIFAR train step: float32 against quantized rule sets, timed alternately.
 
 Run: python -m benchmarks.train_step_bench [--batch=128] [--steps=5] [--width=64]
+         [--candidates=ResNet18_FB12,fp8_stochastic]
 
 One SGD step (momentum 0.9, optax) of softmax cross-entropy on a random batch of
 --batch 32x32x3 images, BatchNorm in train mode (running statistics updated),
 jitted with the parameters, the rest of the model state and the optimizer state
 donated (NNX functional style: nnx.split once, nnx.merge(copy=True) inside the
-jitted step). The candidate is the same model (same initial parameters) after
-`quantize_model(model, load_bfpsim_preset("ResNet18_FB12"))`: BFP m4 groups of
-24 channels x 3 x 3 on the forward operands and on both backward GEMMs' operands
-of the 16 residual-block 3x3 convs (stem, shortcuts and classifier stay float32).
+jitted step). Each candidate is the same model (same initial parameters) after
+`quantize_model` with its rules, on the 16 residual-block 3x3 convs (stem, shortcuts
+and classifier stay float32):
 
-After one compile + warm-up step each, the two steps run alternately --steps
-times; reported: median step time, img/s, and FB12/float32 as the ratio of the
+  ResNet18_FB12 (or any BFPsim preset name): `load_bfpsim_preset(name)`, BFP m4
+    groups of 24 channels x 3 x 3 on the forward operands and on both backward
+    GEMMs' operands.
+  fp8_stochastic: activations E4M3 and output gradients E5M2 with stochastic
+    rounding (x, dgrad_dy, wgrad_dy; the backward GEMMs take the forward-quantized
+    activations), weights E4M3 rounded to nearest; keys from the model's "quant"
+    RNG stream, advanced every step.
+
+After one compile + warm-up step each, the steps run in turn (float32 first) --steps
+times; reported: median step time, img/s, and candidate/float32 as the ratio of the
 medians and the median of the per-pair ratios (target <= 1.3; BFPsim reports
-about 2x on GPU).
+about 2x for FB12 on GPU).
 """
 
 from __future__ import annotations
@@ -30,13 +38,27 @@ from absl import app, flags, logging
 from flax import nnx
 
 import jlp.models as zoo
-from jlp.nn import load_bfpsim_preset, quantize_model
+from jlp import FloatFormat, GemmQuant
+from jlp.nn import QuantRule, load_bfpsim_preset, quantize_model
 
 _BATCH = flags.DEFINE_integer("batch", 128, "images per step.")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed (float32, FB12) step pairs after warm-up.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed steps per model after the compile.")
 _WIDTH = flags.DEFINE_integer("width", 64, "ResNet18 base width (64 = full size).")
-_PRESET = flags.DEFINE_string("preset", "ResNet18_FB12", "BFPsim preset of the candidate.")
+_CANDIDATES = flags.DEFINE_list("candidates", ["ResNet18_FB12", "fp8_stochastic"],
+                                "rule sets timed against float32: BFPsim preset names or fp8_stochastic.")
+
+RESIDUAL_CONVS = r"layer\d/\d+/conv\d"
+FP8_STOCHASTIC = GemmQuant(x=FloatFormat(4, 3, rounding="stochastic"), w=FloatFormat(4, 3),
+                           dgrad_dy=FloatFormat(5, 2, rounding="stochastic"),
+                           wgrad_dy=FloatFormat(5, 2, rounding="stochastic"))
+
+
+def quantize_candidate(model: nnx.Module, name: str):
+  """Applies the rule set `name` to `model` in place; returns the QuantReport."""
+  if name == "fp8_stochastic":
+    return quantize_model(model, [QuantRule(RESIDUAL_CONVS, FP8_STOCHASTIC)], rngs=nnx.Rngs(quant=1))
+  return quantize_model(model, load_bfpsim_preset(name))
 
 
 def build(width: int, seed: int = 0) -> nnx.Module:
@@ -104,15 +126,17 @@ def main(argv):
   y = jax.random.randint(key_y, (b,), 0, 10)
   tx = optax.sgd(0.01, momentum=0.9)
 
-  base = build(w)
-  cand = build(w)
-  report = quantize_model(cand, load_bfpsim_preset(_PRESET.value))
   print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); ResNet18 width {w}, "
         f"batch {b} x 32x32x3, SGD momentum 0.9, BatchNorm train mode, donated jit")
-  print(f"{_PRESET.value}: {len(report)} of {len(report.kinds)} GEMM layers quantized "
-        f"({', '.join(sorted({str(next(iter(report.values())).x)}))})\n")
-
-  runners = [Runner("float32", base, tx), Runner(_PRESET.value, cand, tx)]
+  runners = [Runner("float32", build(w), tx)]
+  for name in _CANDIDATES.value:
+    cand = build(w)
+    report = quantize_candidate(cand, name)
+    cfg = next(iter(report.values()))
+    print(f"{name}: {len(report)} of {len(report.kinds)} GEMM layers quantized (x {cfg.x}, "
+          f"dgrad_dy {cfg.dgrad_dy})")
+    runners.append(Runner(name, cand, tx))
+  print()
   for r in runners:
     t0 = time.perf_counter()
     r.run(x, y)
@@ -133,11 +157,13 @@ def main(argv):
   for r in runners:
     med = statistics.median(r.times)
     print(f"{r.name:14s} {med:13.3f} {min(r.times):10.3f} {b / med:8.1f} {r.loss:8.4f}")
-  base_t, cand_t = runners[0].times, runners[1].times
-  ratio_med = statistics.median(cand_t) / statistics.median(base_t)
-  ratio_pair = statistics.median(c / f for c, f in zip(cand_t, base_t))
-  print(f"\n{_PRESET.value}/float32: {ratio_med:.2f}x (ratio of medians), {ratio_pair:.2f}x (median of "
-        f"per-pair ratios); target <= 1.3x")
+  print()
+  base_t = runners[0].times
+  for r in runners[1:]:
+    ratio_med = statistics.median(r.times) / statistics.median(base_t)
+    ratio_pair = statistics.median(c / f for c, f in zip(r.times, base_t, strict=True))
+    print(f"{r.name}/float32: {ratio_med:.2f}x (ratio of medians), {ratio_pair:.2f}x (median of "
+          f"per-pair ratios); target <= 1.3x")
 
 
 if __name__ == "__main__":
