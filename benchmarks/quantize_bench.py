@@ -8,7 +8,10 @@ bandwidth is what is measured) shaped (N, 1024), or NHWC (N, 32, 32, 1024) for 4
 BFP blocks, next to the in-place bandwidth reference (a jitted, donated `x * 2`
 on the same buffer) and, where ml_dtypes has the type, the `astype` round trip
 through it, each timed alternately with the reference in the same run.
-GB/s counts one read and one write of the buffer (medians). Ratios are the median
+GB/s counts one read and one write of the buffer (medians). Two rows after
+"e4m3 stochastic" split its cost: "(cast, no hash)" is the same cast with
+stand-in draws (a Weyl sequence of the element index, not random; a floor for the
+cast alone) and "(hash only)" writes the Threefry draws without the cast. Ratios are the median
 over the alternating pairs of reference_time / time (1.0 = as fast as the
 reference). The Pallas path is only timed on a GPU
 (interpret mode is a correctness tool).
@@ -21,9 +24,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags, logging
+from jax import lax
 
 from jlp import BFPFormat, FloatFormat, MXFormat
+from jlp.numerics import random_bits
+from jlp.numerics.float_cast import float_cast, from_bits
 from jlp.quantize import quantize
 
 _ELEMENTS = flags.DEFINE_integer("elements", 128 * 2 ** 20, "float32 elements per buffer (multiple of 1024).")
@@ -49,6 +56,22 @@ def formats():
            ("MX e2m1fn /32", MXFormat("float4_e2m1fn"))]
   only = [s for s in _ONLY.value.split(",") if s]
   return [(n, f) for n, f in fmts if not only or any(s in n for s in only)]
+
+
+def stochastic_parts(fmt: FloatFormat, key: jax.Array) -> list[tuple[str, object]]:
+  """The "(cast, no hash)" and "(hash only)" rows (module docstring), as jittable functions."""
+  def cast_without_hash(v):
+    m = v.size // 2  # the "pairs" layout of random_bits.map_with_bits
+    index = lax.iota(jnp.uint32, m).reshape(m, 1) * 2 + lax.broadcasted_iota(jnp.uint32, (m, 2), 1)
+    rows = lax.optimization_barrier(v.reshape(m, 2))
+    out = lax.optimization_barrier(float_cast(rows, fmt, index * np.uint32(0x9E3779B9)))
+    return out.reshape(v.shape)
+
+  def hash_only(v):  # reads v (so the donated buffer is reused) and writes finite values
+    in_one_two = lambda bits: from_bits((bits >> np.uint32(9)) | np.uint32(0x3F800000))
+    return random_bits.map_with_bits(lambda u, bits: jnp.where(bits == 0, u, in_one_two(bits)), v,
+                                     key)
+  return [("  (cast, no hash)", cast_without_hash), ("  (hash only)", hash_only)]
 
 
 def timed(fn, x):
@@ -108,6 +131,11 @@ def main(argv):
       ta, _, ratio, x, r = compare(ast, reference, x, r, _REPEATS.value)
       line += f"   {gb / ta:11.2f} {ratio:10.2f}"
     print(line, flush=True)
+    if name == "e4m3 stochastic":
+      for part, fn in stochastic_parts(fmt, key):
+        tc, tr, ratio, x, r = compare(jax.jit(fn, donate_argnums=0), reference, x, r, _REPEATS.value)
+        print(f"{part:26s} {gb / tc:9.2f} {gb / tr:9.2f} {ratio:8.2f}", flush=True)
+      x = jax.random.normal(key, shape, jnp.float32)  # the next formats see the usual data
 
 
 if __name__ == "__main__":
