@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/python -m experiments.aps_digits
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 -q
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal -q
 
 # Re-resolves on every run (--upgrade, eager), so it tracks new releases; prints what it tested.
 test-latest:

@@ -27,6 +27,7 @@ about 2x for FB12 on GPU).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -40,9 +41,10 @@ from flax import nnx
 import jlp.models as zoo
 from jlp import FloatFormat, GemmQuant
 from jlp.nn import QuantRule, load_bfpsim_preset, quantize_model
+from jlp.nn.bfpsim import PRESETS
 
 _BATCH = flags.DEFINE_integer("batch", 128, "images per step.")
-_STEPS = flags.DEFINE_integer("steps", 5, "timed (float32, FB12) step pairs after warm-up.")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed rounds (one step of float32 and of each candidate) after warm-up.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed steps per model after the compile.")
 _WIDTH = flags.DEFINE_integer("width", 64, "ResNet18 base width (64 = full size).")
 _CANDIDATES = flags.DEFINE_list("candidates", ["ResNet18_FB12", "fp8_stochastic"],
@@ -121,6 +123,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   b, w = _BATCH.value, _WIDTH.value
+  for name in _CANDIDATES.value:
+    if name != "fp8_stochastic" and name not in PRESETS and not os.path.isfile(name):
+      raise app.UsageError(f"--candidates entry {name!r} is not allowed; expected fp8_stochastic, "
+                           f"a BFPsim preset ({', '.join(PRESETS)}) or a BFPsim JSON file.")
   key_x, key_y = jax.random.split(jax.random.key(0))
   x = jax.random.normal(key_x, (b, 32, 32, 3), jnp.float32)
   y = jax.random.randint(key_y, (b,), 0, 10)

@@ -46,7 +46,7 @@ def check_study(rows, labels, out, workdir, steps):
     assert os.path.getsize(os.path.join(workdir, name)) > 0
 
 
-def test_compression_digits_quick_two_compressors(tmp_path, capsys):
+def test_compression_digits_quick_two_compressors(tmp_path, capsys, fast_compile):
   from experiments import compression_digits  # pylint: disable=g-import-not-at-top
   rows = compression_digits.run(str(tmp_path), quick=True, compressors=("onebit", "graddrop"))
   check_study(rows, ("onebit", "graddrop"), capsys.readouterr().out, str(tmp_path),

@@ -10,12 +10,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def execute(name: str, steps: int, tmp_path, monkeypatch) -> tuple[str, list]:
   """Runs notebooks/<name> top to bottom in quick mode (JLP_NOTEBOOK_STEPS=steps) on 8 emulated
-  CPU devices; returns (all text outputs, the image outputs)."""
+  CPU devices, with XLA's optimisation passes off (as the `fast_compile` fixture: the quick runs
+  spend most of their time compiling); returns (all text outputs, the image outputs)."""
   nbclient = pytest.importorskip("nbclient")
   nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
   monkeypatch.setenv("JLP_NOTEBOOK_STEPS", str(steps))
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": str(tmp_path)}})

@@ -120,8 +120,14 @@ def test_init_state_is_one_ranks_zero_slots():
       "['a']": {}, "['u']": {}, "['v']": {}}  # QSGD has no state; "u" follows min_size here
 
 
-@pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("name", sorted(jc.COMPRESSORS))
+# Every compressor and both topologies run in the default tier; the three slowest pairs to compile
+# (their other topology stays) run in the slow tier.
+SLOW_PAIRS = {("dgc", "ring"), ("graddrop", "ps"), ("terngrad", "ring")}
+
+
+@pytest.mark.parametrize("name,topology", [
+    pytest.param(n, t, id=f"{n}-{t}", marks=[pytest.mark.slow] if (n, t) in SLOW_PAIRS else [])
+    for n in sorted(jc.COMPRESSORS) for t in TOPOLOGIES])
 def test_matches_simulation_two_steps(name, topology):
   """Two successive calls (state carried) against casync_refs.simulate, bit for bit on every rank:
   the compressed leaves (K = W for "a", K = 3 for "v"), every rank's new state and the wire

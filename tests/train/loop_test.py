@@ -150,7 +150,7 @@ def test_cli_rejects_an_unknown_field_and_a_bad_value(tmp_path):
   assert r.returncode == 2 and "config.lr=-1" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_bfp_schedule_switches_presets_and_the_controller_moves_widths(tmp_path):
+def test_bfp_schedule_switches_presets_and_the_controller_moves_widths(tmp_path, fast_compile):
   """Epoch-keyed presets (2 steps per epoch: 1,437 digits / 480) switch FB16 -> FB12 at step 2
   with training continuing; a controller with lo = hi = 0 moves every layer whose weight ZSE is
   above 0 one step up the ladder 4 -> 8 -> 16 at the end of every 1-step window (at 4 bits every
