@@ -133,7 +133,8 @@ def main(argv):
     print(line, flush=True)
     if name == "e4m3 stochastic":
       for part, fn in stochastic_parts(fmt, key):
-        tc, tr, ratio, x, r = compare(jax.jit(fn, donate_argnums=0), reference, x, r, _REPEATS.value)
+        part_fn = jax.jit(fn, donate_argnums=0)
+        tc, tr, ratio, x, r = compare(part_fn, reference, x, r, _REPEATS.value)
         print(f"{part:26s} {gb / tc:9.2f} {gb / tr:9.2f} {ratio:8.2f}", flush=True)
       x = jax.random.normal(key, shape, jnp.float32)  # the next formats see the usual data
 

@@ -44,11 +44,13 @@ from jlp.nn import QuantRule, load_bfpsim_preset, quantize_model
 from jlp.nn.bfpsim import PRESETS
 
 _BATCH = flags.DEFINE_integer("batch", 128, "images per step.")
-_STEPS = flags.DEFINE_integer("steps", 5, "timed rounds (one step of float32 and of each candidate) after warm-up.")
+_STEPS = flags.DEFINE_integer(
+    "steps", 5, "timed rounds (one step of float32 and of each candidate) after warm-up.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed steps per model after the compile.")
 _WIDTH = flags.DEFINE_integer("width", 64, "ResNet18 base width (64 = full size).")
-_CANDIDATES = flags.DEFINE_list("candidates", ["ResNet18_FB12", "fp8_stochastic"],
-                                "rule sets timed against float32: BFPsim preset names or fp8_stochastic.")
+_CANDIDATES = flags.DEFINE_list(
+    "candidates", ["ResNet18_FB12", "fp8_stochastic"],
+    "rule sets timed against float32: BFPsim preset names or fp8_stochastic.")
 
 RESIDUAL_CONVS = r"layer\d/\d+/conv\d"
 FP8_STOCHASTIC = GemmQuant(x=FloatFormat(4, 3, rounding="stochastic"), w=FloatFormat(4, 3),
@@ -59,7 +61,8 @@ FP8_STOCHASTIC = GemmQuant(x=FloatFormat(4, 3, rounding="stochastic"), w=FloatFo
 def quantize_candidate(model: nnx.Module, name: str):
   """Applies the rule set `name` to `model` in place; returns the QuantReport."""
   if name == "fp8_stochastic":
-    return quantize_model(model, [QuantRule(RESIDUAL_CONVS, FP8_STOCHASTIC)], rngs=nnx.Rngs(quant=1))
+    return quantize_model(model, [QuantRule(RESIDUAL_CONVS, FP8_STOCHASTIC)],
+                          rngs=nnx.Rngs(quant=1))
   return quantize_model(model, load_bfpsim_preset(name))
 
 

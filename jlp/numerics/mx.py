@@ -256,7 +256,8 @@ def _broadcast_blocks(per_block: jax.Array, shape: tuple[int, ...], axis: int,
   """Per-block values (from `_block_field_codes`) broadcast back to every element of `shape`."""
   count = per_block.shape[axis]
   split = shape[:axis] + (count, block) + shape[axis + 1:]
-  full = jnp.broadcast_to(per_block, split).reshape(shape[:axis] + (count * block,) + shape[axis + 1:])
+  padded = shape[:axis] + (count * block,) + shape[axis + 1:]
+  full = jnp.broadcast_to(per_block, split).reshape(padded)
   return lax.slice_in_dim(full, 0, shape[axis], axis=axis)
 
 

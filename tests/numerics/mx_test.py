@@ -137,7 +137,8 @@ def scaled_grid_blocks(elem, shared_exps, rng):
       v = (cases * 2.0 ** e).astype(np.float32)
       v = np.concatenate([v, np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(0))])
       v = v[v < np.float32(top * 2.0 ** e)]
-    v = np.concatenate([v, np.array([2.0 ** -149, 3 * 2.0 ** -140, 2.0 ** -127, 0.0, -0.0], np.float32)])
+    specials = np.array([2.0 ** -149, 3 * 2.0 ** -140, 2.0 ** -127, 0.0, -0.0], np.float32)
+    v = np.concatenate([v, specials])
     v = v * rng.choice(np.array([-1, 1], np.float32), v.size)
     v = np.concatenate([v, np.zeros(-v.size % 31, np.float32)]).reshape(-1, 31)
     first = np.full((v.shape[0], 1), np.float32(largest * 2.0 ** e))
