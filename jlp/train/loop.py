@@ -244,6 +244,26 @@ class _Interrupt:
       signal.signal(signal.SIGINT, self._previous)
 
 
+def _checkpoint_due(config: ml_collections.ConfigDict, step: int, interrupted: bool) -> bool:
+  """Whether the loop writes a checkpoint after `step`: every checkpoint_every steps, at the end
+  and when interrupted."""
+  return (bool(config.checkpoint_every) and step % config.checkpoint_every == 0) or \
+      step == config.max_steps or interrupted
+
+
+def _close_run(bar, writer: MetricsWriter, checkpoints: Checkpointer) -> None:
+  """Closes the progress bar, the metrics writer and the checkpointer (waiting for its saves)."""
+  if bar is not None:
+    bar.close()
+  writer.close()
+  checkpoints.close()
+
+
+def _report_interrupt(step: int, checkpoints: Checkpointer) -> None:
+  print(f"interrupted at step {step}: checkpoint written to {checkpoints.directory}; run the "
+        "same command again to resume.", flush=True)
+
+
 def _progress(enabled: bool | None, total: int, initial: int):
   if enabled is None:
     enabled = sys.stderr.isatty() and jax.process_index() == 0
@@ -328,19 +348,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           else:
             print(_log_line(step, config.max_steps, row), flush=True)
         interrupted = stop.event.is_set()
-        if (config.checkpoint_every and step % config.checkpoint_every == 0) or \
-            step == config.max_steps or interrupted:
+        if _checkpoint_due(config, step, interrupted):
           _save(checkpoints, step, state, run, config)
         if interrupted:
           break
   finally:
-    if bar is not None:
-      bar.close()
-    writer.close()
-    checkpoints.close()
+    _close_run(bar, writer, checkpoints)
   if interrupted:
-    print(f"interrupted at step {step}: checkpoint written to {checkpoints.directory}; run the "
-          "same command again to resume.", flush=True)
+    _report_interrupt(step, checkpoints)
   return {**row, "step": step, "interrupted": interrupted}
 
 

@@ -52,7 +52,8 @@ from jlp.pipeline import (HetPipe, Hetero, Pipeline, PipelineState, PReduce, Sta
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import pipeline_size, validate
-from jlp.train.loop import QuantPlan, _Interrupt, _log_line, _progress
+from jlp.train.loop import (QuantPlan, _checkpoint_due, _close_run, _Interrupt, _log_line,
+                            _progress, _report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
 
@@ -229,19 +230,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
         last_time = time.perf_counter()
         interrupted = stop.event.is_set()
-        if (config.checkpoint_every and end % config.checkpoint_every == 0) or \
-            end == config.max_steps or interrupted:
+        if _checkpoint_due(config, end, interrupted):
           meta = {"step": end, "virtual_time": float(times[-1]),
                   "config": json.loads(config.to_json_best_effort())}
           checkpoints.save(end, state, meta)
         if interrupted:
           break
   finally:
-    if bar is not None:
-      bar.close()
-    writer.close()
-    checkpoints.close()
+    _close_run(bar, writer, checkpoints)
   if interrupted:
-    print(f"interrupted at step {step}: checkpoint written to {checkpoints.directory}; run the "
-          "same command again to resume.", flush=True)
+    _report_interrupt(step, checkpoints)
   return {**row, "step": step, "interrupted": interrupted}
