@@ -1,5 +1,7 @@
 """Experiment configs: one `get_config(arg)` per file, and the settings several of them share."""
 
+from jlp.compression.casync import DEFAULT_MIN_SIZE
+
 #: The compressor fields HiPress ran with (hipress.md §1, §1.6), by compressor name.
 HIPRESS_COMPRESSOR_KWARGS = {
     # §1.5: the onebit kernel is not public; jlp's is Seide's two-means 1-bit SGD with EF.
@@ -14,7 +16,7 @@ HIPRESS_COMPRESSOR_KWARGS = {
     "graddrop": {"drop_ratio": 0.999, "sample_rate": 0.001},
 }
 #: HiPress's --comp-threshold: compress a gradient iff it has more than this many floats (§2.1).
-HIPRESS_MIN_SIZE = 262144
+HIPRESS_MIN_SIZE = DEFAULT_MIN_SIZE
 
 
 def hipress_compression(c, compressor: str, topology: str):

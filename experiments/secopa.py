@@ -12,6 +12,8 @@ Coefficients measured on this machine instead (jlp.compression.profile.fit_cost_
   python -m experiments.secopa --fit --nnodes=8 --profile=coeffs.json ...   fit on the first
       --nnodes devices (on CPU, that many emulated devices), save the fit to coeffs.json, plan
       with it (--compressor: the codec to time, default tbq; --fit_sizes: element counts)
+  python -m experiments.secopa --compressor=onebit ...   plan each gradient with onebit's own
+      payload size (wire_bytes(ceil(S/K)) / 4 float32s) instead of HiPress's 1/16 for every codec
   python -m experiments.secopa --profile=coeffs.json --nnodes=8 ...          plan with a saved
       fit (a JSON cost model: CostModel.save / fit_cost_model)
 
@@ -30,7 +32,9 @@ _TOPOLOGY = flags.DEFINE_string("topology", "PS", "PS (CaSync-PS) or RING (CaSyn
 _NNODES = flags.DEFINE_integer("nnodes", 16, "Cluster size N.")
 _FIT = flags.DEFINE_bool("fit", False, "Fit the cost model on this machine's devices first.")
 _PROFILE = flags.DEFINE_string("profile", None, "Cost model JSON: written by --fit, else read.")
-_COMPRESSOR = flags.DEFINE_string("compressor", "tbq", "With --fit: the compressor to time.")
+_COMPRESSOR = flags.DEFINE_string(
+    "compressor", "tbq", "With --fit: the compressor to time. Given explicitly: also plan with "
+    "its own payload size per partition instead of HiPress's 1/16 for every codec.")
 _FIT_SIZES = flags.DEFINE_list("fit_sizes", None, "With --fit: element counts to time "
                                "(default 2^10..2^20).")
 
@@ -85,8 +89,10 @@ def main(argv):
   try:
     model = cost_model(_NNODES.value)
     grads = secopa.read_grads(_INPUT.value)
+    # HiPress plans every codec at 1/16; a named --compressor is planned at its own size.
+    compressor = _COMPRESSOR.value if flags.FLAGS["compressor"].present else None
     plan = secopa.secopa_plan(grads, num_nodes=_NNODES.value, topology=_TOPOLOGY.value,
-                              cost_model=model)
+                              cost_model=model, compressor=compressor)
     secopa.write_plan(_OUTPUT.value, plan)
   except (ValueError, OSError) as e:
     fail(str(e))

@@ -35,6 +35,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from jlp.compression.casync import TOPOLOGIES
 from jlp.train.loop import train_and_evaluate
 from jlp.train.metrics import read_metrics
 
@@ -99,7 +100,6 @@ def render_table(rows: Sequence[dict[str, float | str]]) -> str:
 
 #: HiPress's five compressors (hipress.md §1), in the paper's order.
 HIPRESS_COMPRESSORS = ("onebit", "tbq", "terngrad", "dgc", "graddrop")
-CASYNC_TOPOLOGIES = ("ps", "ring")
 #: A compressor of the study: its name, or (name, {field: value}).
 CompressorEntry = str | tuple[str, Mapping[str, Any]]
 
@@ -139,7 +139,7 @@ def _final_row(run_dir: str) -> tuple[dict[str, Any], float]:
 
 def compression_study(config: ml_collections.ConfigDict, workdir: str,
                       compressors: Sequence[CompressorEntry] = HIPRESS_COMPRESSORS,
-                      topologies: Sequence[str] = CASYNC_TOPOLOGIES, *,
+                      topologies: Sequence[str] = TOPOLOGIES, *,
                       baseline_algorithm: str = "ring", fresh: bool = True,
                       progress: bool | None = False) -> list[dict[str, Any]]:
   """Trains `config` with a float32 all-reduce, then once per compressor x topology; rows of

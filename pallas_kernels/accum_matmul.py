@@ -53,7 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlp.formats import FloatFormat
-from jlp.gemm.accum import accumulate, check_accum, check_operands, opaque_zero, rounded_product
+from jlp.gemm.accum import accumulate, check_accum, check_operands
+from jlp.numerics.opaque import opaque_zero, rounded_product
 from jlp.numerics.float_cast import float_cast
 from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
 

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jlp.compression.layout import BITS, packed_size
+from jlp.numerics.packing import BITS, packed_size
 from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
 
 # 8192 codes (8 KiB of uint8 codes, 1 to 8 KiB packed) per tile: with 8 warps, 32 codes per

@@ -1,5 +1,5 @@
-"""Helpers of the tests that compare training runs: metrics rows without their timing fields, and
-the newest checkpoint of a run directory as flat arrays."""
+"""Helpers of the tests that compare training runs: metrics rows without their timing fields, the
+newest checkpoint of a run directory as flat arrays, and bitwise equality of two pytrees."""
 
 import os
 
@@ -26,3 +26,12 @@ def final_checkpoint(workdir):
                                                          meta=ocp.args.JsonRestore()))
   leaves = jax.tree_util.tree_flatten_with_path(restored.state)[0]
   return step, {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
+
+
+def assert_trees_equal(got, want):
+  """The same tree structure and, leaf by leaf, the same values (named by path when not)."""
+  flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
+  flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
+  assert tree_got == tree_want
+  for (path, g), (_, w) in zip(flat_got, flat_want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))

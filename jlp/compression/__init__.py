@@ -7,7 +7,8 @@ SeCoPa planner.
     approx = c.decode(payload, grad.size)
     wire = c.to_bytes(payload)                         # HiPress's bytes, byte for byte
     summed, state = jlp.compression.sync(grads, "data", c, state, topology="ps")  # in shard_map
-    plan = jlp.compression.plan_for_tree(grads, num_nodes=8, topology="ring")   # SeCoPa
+    plan = jlp.compression.plan_for_tree(grads, num_nodes=8, topology="ring", compressor=c)
+                                                       # SeCoPa, each partition at c's own size
 
 A new compressor is a small frozen dataclass with a payload layout and two functions over
 unpacked fields (`jlp.compression.base`; README "Writing a compressor").
@@ -20,9 +21,10 @@ from jlp.compression.codecs import DGC, TBQ, DGCServer, GradDrop, OneBit, TernGr
 from jlp.compression.contrib import QSGD, EFSignSGD
 from jlp.compression.layout import Header, Packed, Scalars, Sparse
 from jlp.compression.profile import fit_cost_model
-from jlp.compression.secopa import CostModel, plan_for_tree, secopa_plan
+from jlp.compression.secopa import CostModel, compression_ratio, plan_for_tree, secopa_plan
 
 __all__ = ["COMPRESSORS", "Compressor", "CostModel", "DGC", "DGCServer", "EFSignSGD", "GradDrop",
            "Header", "OneBit", "Packed", "QSGD", "Scalars", "Sparse", "TBQ", "TernGrad",
-           "TOPOLOGIES", "get", "fit_cost_model", "init_state", "leaf_routes", "ops",
-           "plan_for_tree", "register", "secopa_plan", "sync", "sync_with_bytes"]
+           "TOPOLOGIES", "compression_ratio", "get", "fit_cost_model", "init_state",
+           "leaf_routes", "ops", "plan_for_tree", "register", "secopa_plan", "sync",
+           "sync_with_bytes"]

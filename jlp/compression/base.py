@@ -14,25 +14,31 @@ and, when it has state, `init`. With `error_feedback = True` the base class keep
 r (state {"residual"}): compress sees v = x + r, and the new residual is v - decode(payload),
 computed after the payload is packed (a second pass over x and r, so that a donated residual is
 updated in place: XLA would otherwise copy it); `feedback(v, payload)`, where a compressor
-defines it, gives the same bits from v without unpacking the payload. The base class turns
-these into the protocol the synchronisation (`jlp.compression.sync`), the train step and the wire
-use:
+defines it, gives the same bits from v without unpacking the payload. A compressor may instead
+keep its own state and apply its feedback lazily in one pass (onebit keeps v and its scales, and
+derives r at the next encode). The base class turns these into the protocol the synchronisation
+(`jlp.compression.sync`), the train step and the wire use:
 
-  init(x) -> state                      error-feedback residual, DGC's U and V; {} if none
+  init(x) -> state                      error-feedback residual (onebit: its last v and scales),
+                                        DGC's U and V; {} if none
   encode(x, state, key=None) -> (payload, state)
                                         x of any shape, taken flat in C order; payload: fixed-
                                         shape arrays holding the packed codes
   decode(payload, n) -> float32[n];  decode_add(payload, acc) -> acc + decode(payload, n)
   to_bytes(payload) -> numpy uint8;  from_bytes(data, n) -> payload   (HiPress's wire bytes)
   wire_bytes(n) -> int                  the bytes one payload puts on the wire (sparse: capacity)
-  server(num_ranks=1) -> Compressor     what an aggregator of num_ranks payloads re-encodes with
+  server(num_ranks) -> Compressor       what an aggregator of num_ranks payloads re-encodes with
                                         (CaSync-PS, §2.2); `self` unless the algorithm says
                                         otherwise (DGC: the union of the non-zeros)
+  is_sparse(compressor) -> bool         (a function of this module) whether the payload is a
+                                        Sparse field: count, indices, values
 
 A layout that depends on the compressor's fields (TernGrad's bit width, onebit's scale count) is
 a `layout` property instead of a class attribute. A compressor whose layout is one Sparse field
 gets decompress (zero-fill, then scatter) and decompress_add (scatter-add) from the base class;
-unused slots (index n, or past `count`) are skipped. `needs_key` may also be a property.
+unused slots (index n, or past `count`) are skipped. `needs_key` may also be a property. A field
+`impl` ("auto" | "xla" | "pallas", default "auto": Pallas on GPU, XLA elsewhere, the same bits)
+chooses the ops' path; a compressor without one runs "auto".
 encode, decode and decode_add each run as one jitted program (inlined under an outer jit, vmap
 or shard_map), so eager calls give jit's bits.
 
@@ -54,7 +60,7 @@ from jax import lax
 from jlp.compression import layout as layout_lib
 from jlp.compression import ops
 
-__all__ = ["COMPRESSORS", "Compressor", "get", "register"]
+__all__ = ["COMPRESSORS", "Compressor", "get", "is_sparse", "register"]
 
 COMPRESSORS: dict[str, type["Compressor"]] = {}
 
@@ -106,9 +112,15 @@ def check_impl(owner: str, impl: Any) -> None:
     raise invalid(f"{owner}.impl", impl, f"one of {ops.IMPLS}")
 
 
-def check_num_ranks(owner: str, num_ranks: Any) -> None:
+def check_num_ranks(field: str, num_ranks: Any) -> None:
+  """ValueError naming `field` unless num_ranks is an int >= 1 (a server's number of ranks)."""
   if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-    raise invalid(f"{owner}.server num_ranks", num_ranks, "an int >= 1")
+    raise invalid(field, num_ranks, "an int >= 1")
+
+
+def is_sparse(compressor: "Compressor") -> bool:
+  """Whether the compressor's payload is a Sparse field (count, indices, values)."""
+  return any(isinstance(f, layout_lib.Sparse) for f in compressor.layout)
 
 
 def _scatter(fields: dict[str, jax.Array], out: jax.Array, add: bool) -> jax.Array:
@@ -144,13 +156,13 @@ class Compressor:
 
   def decompress(self, fields: dict[str, jax.Array], n: int) -> jax.Array:
     """float32[n] from unpacked fields. Sparse layouts: zeros with the kept values scattered."""
-    if self._sparse():
+    if is_sparse(self):
       return _scatter(fields, jnp.zeros((n,), jnp.float32), add=False)
     raise NotImplementedError(f"{type(self).__name__}.decompress")
 
   def decompress_add(self, fields: dict[str, jax.Array], acc: jax.Array) -> jax.Array:
     """acc + decompress(fields, n); sparse layouts scatter-add the kept values instead."""
-    if self._sparse():
+    if is_sparse(self):
       return _scatter(fields, acc, add=True)
     return acc + self.decompress(fields, acc.shape[0])
 
@@ -161,19 +173,16 @@ class Compressor:
     del v, payload
     return None
 
-  def server(self, num_ranks: int = 1) -> "Compressor":
+  def server(self, num_ranks: int) -> "Compressor":
     """The compressor an aggregator re-encodes the sum of `num_ranks` payloads with (CaSync-PS
     §2.2, and the ring's reduce hops); `self` unless the algorithm says otherwise."""
-    check_num_ranks(type(self).__name__, num_ranks)
+    check_num_ranks(f"{type(self).__name__}.server num_ranks", num_ranks)
     return self
 
   # -- what comes with it ----------------------------------------------------------------------
   @property
   def impl_(self) -> str:
-    return getattr(self, "impl", "xla")
-
-  def _sparse(self) -> bool:
-    return any(isinstance(f, layout_lib.Sparse) for f in self.layout)
+    return getattr(self, "impl", "auto")
 
   def residual_state(self, x: jax.Array) -> dict[str, jax.Array]:
     """{"residual": zeros like flat x}: the state of an error-feedback compressor."""

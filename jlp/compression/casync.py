@@ -5,20 +5,23 @@
 
 Routing (§2.1; static, `leaf_routes`). A leaf is compressed iff it has more than `min_size`
 elements (HiPress's --comp-threshold, "minimal (excluded) number of floats to compress"), in
-K = W partitions. A SeCoPa `plan` {jax.tree_util.keystr(path): (compress, K)} overrides the
-leaves it names (1 <= K <= W). The other leaves are summed in float32 by one `lax.psum` of all of
-them (HiPress sends them through NCCL / PS-Lite).
+K = min(W, n) partitions. A SeCoPa `plan` {jax.tree_util.keystr(path): (compress, K)} overrides
+the leaves it names (1 <= K <= min(W, n)). The other leaves are summed in float32 by one ring
+all-reduce of all of them, packed into one vector (`jlp.collectives.allreduce`, algorithm="ring",
+fmt=None: a fixed order of float32 adds, so the same bits on any number of processes, where
+lax.psum's order is the backend's; HiPress sends them through NCCL's ring); empty leaves pass
+through unchanged and reach no collective.
 
 Partitions and state. A compressed leaf of n elements is flattened (C order), zero-padded to K*c
-elements and cut into K partitions of c = ceil(n/K). Each rank keeps, per compressed leaf, K state
-slots of c elements: the compressor's state (EF residual, DGC's u and v) with a leading slot
-axis, keyed by leaf and partition (§5 takeaway 3). S = compressor.server(W) is what re-encodes a
-sum of W contributions (the compressor itself, except DGC: the union of the non-zeros).
+elements and cut into K partitions of c = ceil(n/K); partition j is owned by rank j. Each rank
+keeps, per compressed leaf, K state slots of c elements: the compressor's state (EF residual,
+DGC's u and v, ...) with a leading slot axis, keyed by leaf and partition (§5 takeaway 3).
+S = compressor.server(W) is what re-encodes a sum of W contributions (the compressor itself,
+except DGC: the union of the non-zeros).
 
 topology="ps" (CaSync-PS with co-located servers, §2.2; DeepSpeed's compressed_allreduce shape):
   1. rank r encodes each of its K partitions j with slot j (the K encodes as one vmap);
-  2. one `all_to_all` takes partition j's payloads to its owner, rank j (for K < W the rows of
-     partitions K..W-1 are zero dummies);
+  2. partition j's payloads travel to their owner, rank j (`transport.gather_to_owners`);
   3. owner j merges, starting from its own RAW partition j (its contribution enters
      uncompressed, as in HiPress): acc = decode_add(payload of rank r, acc) for
      r = 0, 1, ..., W-1 ascending, r != j;
@@ -30,28 +33,38 @@ topology="ps" (CaSync-PS with co-located servers, §2.2; DeepSpeed's compressed_
      entries for good): then steps 3-4 are acc = 0, acc = decode_add(payload of rank r, acc) for
      r = 0..W-1 ascending, the owner's own step-1 payload included, and S encodes acc from a
      fresh state; every slot keeps its step-1 state;
-  5. one `all_gather` of the K server payloads; every rank decodes partitions 0..K-1 with S.
-topology="ring" (CaSync-Ring, §2.3), the chunk order of `jlp.collectives.allreduce`'s ring, K
-  chunks (chunks K..W-1 are zero dummies): chunk k starts at rank k+1, which encodes its raw
-  chunk with the compressor and its slot k; at reduce hop t = 0..W-2 rank r receives the payload
-  of chunk k = r-2-t (mod W) from rank r-1, decodes it onto its own raw chunk (acc = raw +
-  decode, with the compressor that encoded it) and re-encodes acc with server(t+2) (the number
-  of contributions it now holds; the compressor itself except for DGC: then this is "encode with
-  its own state for that chunk") and its slot k. A stateless server (DGC's union, capacity
-  (t+2)*k) merges encoded contributions only: the rank's own chunk enters as its worker encode
-  (the compressor, slot k, key step W + t) instead of raw, and the server encodes from a fresh
-  state.
+  5. the K server payloads travel to every rank (`transport.broadcast_from_owners`); every rank
+     decodes partitions 0..K-1 with S.
+topology="ring" (CaSync-Ring, §2.3), the chunk order of `jlp.collectives.allreduce`'s ring over
+  the K chunks: chunk k starts at rank k+1, which encodes its raw chunk with the compressor and
+  its slot k; at reduce hop t = 0..W-2 the chunk moves from rank k+1+t to rank k+2+t, which
+  decodes it onto its own raw chunk k (acc = raw + decode, with the compressor that encoded it)
+  and re-encodes acc with server(t+2) (the number of contributions it now holds; the compressor
+  itself except for DGC: then this is "encode with its own state for that chunk") and its slot
+  k. A stateless server (DGC's union, capacity (t+2)*k) merges encoded contributions only: the
+  rank's own chunk enters as its worker encode (the compressor, slot k, key step W + t) instead
+  of raw, and the server encodes from a fresh state.
   After W-1 hops rank k holds chunk k (W encodes and W-1 decodes per chunk). The gather phase
-  does no arithmetic: one `all_gather` of the reduced payloads (the bits of W-1 forwarding hops)
-  and every rank decodes each of the K chunks once, with server(W). All leaves travel in the same
-  hops: each hop is one `ppermute` of every leaf's payload, bitcast to bytes side by side (as in
-  the bucketed ring of `jlp.collectives.allreduce`); the PS exchanges likewise.
+  does no arithmetic: the reduced payloads travel from their holders to every rank
+  (`transport.broadcast_from_owners`: the bits of W-1 forwarding hops), and every rank decodes
+  each of the K chunks once, with server(W). Each hop is one `ppermute` of every leaf's payload
+  (bitcast to bytes side by side, as in the bucketed ring of `jlp.collectives.allreduce`) whose
+  source-target pairs are the K ranks that hold a chunk at that hop.
+Leaves with different K are exchanged group by group (largest K first), each group's collectives
+ordered after the previous group's: only real partitions travel.
 
 Random draws (`needs_key`, then `key` is required): the encode of partition / chunk p of leaf i
 (its index in the flattened tree) by rank r at step s uses `ops.fold(key, i, p, r, s)`: PS s = 0
 worker, 1 server; ring s = 0 first encode, t+1 at reduce hop t (W + t: the worker encode of
-the rank's own chunk at hop t under a stateless server). The draws are independent and
-the result is the same run to run for a key.
+the rank's own chunk at hop t under a stateless server). Callers fold in what else must differ
+(the train step its step number, a pipeline its stage index), so every (stage, pipeline, leaf,
+partition, rank, step) draws its own numbers; the result is the same run to run for a key.
+
+Non-finite gradients. If any rank's leaf holds a NaN or an infinity, that leaf's sum is NaN on
+every rank (a decode would otherwise turn it into finite numbers), and every rank's state comes
+back exactly as it went in, for every leaf (the call leaves no trace: a following call with
+finite gradients gives the bits it would have given without this one). `nonfinite` counts the
+non-finite gradient elements over all ranks and leaves.
 
 Bits. Every encode and decode is the compressor's own, on one partition (or, for a rank's K
 worker encodes in PS, one vmapped call: batched, a codec's float32 reductions such as onebit's
@@ -68,28 +81,33 @@ step carries it stacked on a leading [W] axis sharded over the axis,
     stacked = jax.tree.map(lambda s: jnp.stack([s] * W), init_state(grads, c, W))
 with in_specs / out_specs P(axis). Inside the shard_map body pass the block as it comes (every
 leaf with a leading axis of 1; the new state is returned in the same form) or without its
-leading axis (`s[0]`, then return `s[None]`). Donate it: the update is then in place; XLA pairs
-a donated buffer with the first output of the same size, so return the state before outputs of
-its size.
+leading axis (`s[0]`, then return `s[None]`). Donate it.
 
-Wire bytes (`sync_with_bytes`): the bytes a device sends in the call, averaged over the devices
-(they differ for K < W and with sparse payloads), a float32 scalar, the same on every rank. A
-message counts its payload's HiPress wire size (`Compressor.wire_bytes`), the sparse pairs from
-the real count (4 + 8*count) rather than the capacity; dummy partitions / chunks and a rank's
-message to itself are not counted. PS: K(W-1) worker messages and K(W-1) server messages in
-all; ring: K messages per reduce hop and K(W-1) forwarded ones. Uncompressed leaves count as a
-float32 ring all-reduce: 2(W-1)/W * 4n bytes per device. (Exact while the totals stay below
-2^24 bytes; float32 beyond.)
+Bytes (`sync_with_bytes`'s report, float32 scalars averaged over the devices, the same on every
+rank):
+  wire_bytes     the bytes the call's collectives move per device (the conventions of
+                 `jlp.compression.transport`): every payload at its in-jit size, which is
+                 HiPress's wire size with sparse payloads at capacity (4 + 8 * capacity), K(W-1)
+                 worker and K(W-1) server messages in PS, K per reduce hop and K(W-1) forwarded
+                 in the ring; 2(W-1) * 4 * ceil(n/W) for the float32 ring all-reduce of the n
+                 uncompressed elements; and
+                 the sync's bookkeeping psum of (number of compressed leaves + 2) int32 counters
+                 (non-finite counts and sparse sizes). Static: it is what the compiled program
+                 moves, whatever the data.
+  payload_bytes  what HiPress's wire format would carry for the same messages: sparse payloads
+                 at their real count (4 + 8 * count), the uncompressed leaves as above, no
+                 bookkeeping. Exact while the totals stay below 2^24 bytes; float32 beyond.
+  nonfinite      int32: the number of non-finite gradient elements, summed over the ranks.
 
 The results of compressed leaves are identical on every rank but typed as varying over
-`axis_name` (they come from an all_gather): return them with out_specs naming the axis, or use
+`axis_name` (they come from a collective): return them with out_specs naming the axis, or use
 `check_vma=False` for out_specs=P().
 """
 
 from __future__ import annotations
 
-import inspect
 import math
+from collections import defaultdict
 from typing import Any, NamedTuple
 
 import jax
@@ -97,11 +115,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jlp.collectives.allreduce import axis_size
-from jlp.compression import layout as layout_lib
+from jlp._checks import invalid, is_int
+from jlp.collectives.allreduce import allreduce, axis_size
 from jlp.compression import ops
-from jlp.compression.base import Compressor, invalid
-from jlp.gemm.accum import opaque_zero
+from jlp.compression import transport
+from jlp.compression.base import Compressor, is_sparse
+from jlp.compression.transport import Codec
+from jlp.numerics.opaque import opaque_zero
 
 __all__ = ["DEFAULT_MIN_SIZE", "TOPOLOGIES", "Route", "init_state", "leaf_routes", "sync",
            "sync_with_bytes"]
@@ -112,7 +132,8 @@ DEFAULT_MIN_SIZE = 262144
 
 
 class Route(NamedTuple):
-  """How `sync` moves one leaf: compressed in K partitions, or by the float32 psum."""
+  """How `sync` moves one leaf: compressed in K partitions, or by the float32 ring all-reduce (K
+  is then only what a plan said, or min(W, n))."""
   path: str
   size: int
   compress: bool
@@ -121,17 +142,13 @@ class Route(NamedTuple):
 
 # -- validation and routing (static) ---------------------------------------------------------------
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_topology(topology: Any) -> None:
   if not isinstance(topology, str) or topology not in TOPOLOGIES:
     raise invalid("topology", topology, f"one of {TOPOLOGIES}")
 
 
 def _check_min_size(min_size: Any) -> None:
-  if not _is_int(min_size) or min_size < 0:
+  if not is_int(min_size) or min_size < 0:
     raise invalid("min_size", min_size, "an int >= 0 (elements; 0 compresses every non-empty leaf)")
 
 
@@ -169,7 +186,7 @@ def _routes(specs: list[tuple[str, tuple[int, ...]]], num_ranks: int, min_size: 
   routes = []
   for path, shape in specs:
     size = math.prod(shape)
-    compress, k = size > min_size, num_ranks
+    compress, k = size > min_size, min(num_ranks, max(size, 1))
     if path in plan:
       entry = plan[path]
       if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
@@ -177,10 +194,14 @@ def _routes(specs: list[tuple[str, tuple[int, ...]]], num_ranks: int, min_size: 
       compress, k = entry
       if not isinstance(compress, (bool, np.bool_)):
         raise invalid(f"plan[{path!r}] compress", compress, "True or False")
-      if not _is_int(k) or not 1 <= k <= num_ranks:
+      if not is_int(k) or not 1 <= k <= num_ranks:
         raise invalid(f"plan[{path!r}] K", k, f"an int in [1, {num_ranks}] (the number of ranks)")
       if compress and size == 0:
         raise invalid(f"plan[{path!r}] compress", compress, "False for an empty leaf")
+      if compress and k > size:
+        raise invalid(f"plan[{path!r}] K", k,
+                      f"an int in [1, {size}] (a partition per element at most: the leaf has "
+                      f"{size})")
     routes.append(Route(path, size, bool(compress), int(k)))
   return routes
 
@@ -188,16 +209,10 @@ def _routes(specs: list[tuple[str, tuple[int, ...]]], num_ranks: int, min_size: 
 def leaf_routes(tree: Any, num_ranks: int, *, min_size: int = DEFAULT_MIN_SIZE,
                 plan: dict[str, tuple[bool, int]] | None = None) -> list[Route]:
   """How `sync` routes each leaf of `tree` over `num_ranks` ranks: [Route(path, size, compress,
-  K)] in flattening order (K = num_ranks unless the plan says otherwise)."""
-  if not _is_int(num_ranks) or num_ranks < 1:
+  K)] in flattening order (K = min(num_ranks, size) unless the plan says otherwise)."""
+  if not is_int(num_ranks) or num_ranks < 1:
     raise invalid("num_ranks", num_ranks, "an int >= 1")
   return _routes(_leaf_specs(tree), int(num_ranks), min_size, plan)
-
-
-def _server(compressor: Compressor, num_ranks: int) -> Compressor:
-  """compressor.server(num_ranks) (or server() where it takes no argument)."""
-  params = inspect.signature(compressor.server).parameters
-  return compressor.server(num_ranks) if params else compressor.server()
 
 
 def _shapes(tree: Any) -> Any:
@@ -251,66 +266,6 @@ def init_state(tree: Any, compressor: Compressor, num_ranks: int, *, topology: s
   return {leaf.route.path: _slot_state(compressor, leaf) for leaf in _leaves(specs, routes)}
 
 
-# -- payloads as bytes --------------------------------------------------------------------------
-
-def _field_bytes(spec: jax.ShapeDtypeStruct) -> int:
-  return math.prod(spec.shape) * jnp.dtype(spec.dtype).itemsize
-
-
-def _payload_bytes(spec: dict[str, jax.ShapeDtypeStruct]) -> int:
-  return sum(_field_bytes(s) for s in spec.values())
-
-
-def _to_bytes(payload: dict[str, jax.Array], spec: dict[str, jax.ShapeDtypeStruct]) -> jax.Array:
-  """uint8[..., B]: the payload's fields bitcast to bytes side by side (leading batch axes kept)."""
-  parts = []
-  for name, s in spec.items():
-    a = payload[name]
-    lead = a.shape[:a.ndim - len(s.shape)]
-    if a.dtype != jnp.uint8:
-      a = lax.bitcast_convert_type(a, jnp.uint8)
-    parts.append(a.reshape(lead + (-1,)))
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
-
-
-def _from_bytes(data: jax.Array, spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
-  out, pos = {}, 0
-  lead = data.shape[:-1]
-  for name, s in spec.items():
-    size = _field_bytes(s)
-    chunk = data[..., pos:pos + size]
-    pos += size
-    dtype = jnp.dtype(s.dtype)
-    if dtype == jnp.uint8:
-      out[name] = chunk.reshape(lead + s.shape)
-    else:
-      out[name] = lax.bitcast_convert_type(chunk.reshape(lead + s.shape + (dtype.itemsize,)),
-                                           dtype)
-  return out
-
-
-class _Codec(NamedTuple):
-  """A compressor at one partition width: its payload spec and wire-size parts."""
-  comp: Compressor
-  spec: dict[str, jax.ShapeDtypeStruct]
-  nbytes: int        # bytes of the in-jit payload
-  fixed_wire: int    # wire bytes without the sparse pairs (4 + 8*count: 4 here, 8*count dynamic)
-  sparse: bool
-
-  @classmethod
-  def of(cls, comp: Compressor, width: int) -> "_Codec":
-    spec = comp.payload_spec(width)
-    sparse = _is_sparse(comp)
-    fixed = comp.wire_bytes(width) - (8 * spec["indices"].shape[0] if sparse else 0)
-    return cls(comp, spec, _payload_bytes(spec), fixed, sparse)
-
-  def sparse_wire(self, payload: dict[str, jax.Array]) -> jax.Array:
-    """int32 (batched like payload): the bytes of the (index, value) pairs, 8*count."""
-    if not self.sparse:
-      return jnp.zeros(payload[next(iter(self.spec))].shape[:-1], jnp.int32)
-    return 8 * payload["count"].astype(jnp.int32)
-
-
 # -- the synchronisation ---------------------------------------------------------------------------
 
 def _keys(key: jax.Array | None, leaf: int, parts: jax.Array | int, rank: jax.Array, step: Any):
@@ -321,13 +276,9 @@ def _keys(key: jax.Array | None, leaf: int, parts: jax.Array | int, rank: jax.Ar
   return jax.vmap(lambda p: ops.fold(key, leaf, p, rank, step))(parts)
 
 
-def _is_sparse(comp: Compressor) -> bool:
-  return any(isinstance(f, layout_lib.Sparse) for f in comp.layout)
-
-
 def _dense_merge(comp: Compressor) -> bool:
   """Whether comp's decode_add is the base class's acc + decode (not sparse, not overridden)."""
-  return not _is_sparse(comp) and type(comp).decompress_add is Compressor.decompress_add
+  return not is_sparse(comp) and type(comp).decompress_add is Compressor.decompress_add
 
 
 def _decode_add(comp: Compressor, payload: dict[str, jax.Array], acc: jax.Array,
@@ -400,41 +351,45 @@ def _unpartition(rows: jax.Array, leaf: _Leaf) -> jax.Array:
 
 
 class _Exchange(NamedTuple):
-  """What `_ps` / `_ring` return: the sums, the new states, this device's sparse wire bytes
-  (int32, 8*count of its messages) and the other wire bytes averaged per device (static)."""
+  """What `_ps` / `_ring` return for one group of leaves: the sums, the new states, this device's
+  sparse wire bytes (int32, 8*count of the messages it sent) and, static and averaged per
+  device, the bytes the group's collectives move and the HiPress wire bytes without the sparse
+  pairs."""
   sums: list[jax.Array]
   states: list[Any]
   sparse_bytes: jax.Array
+  moved_bytes: float
   fixed_bytes: float
 
 
-def _ps(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor, server: Compressor,
-        states: list[Any], key: jax.Array | None, w: int, axis_name: Any) -> _Exchange:
-  """CaSync-PS of the compressed leaves (module docstring): one all_to_all and one all_gather
-  for all of them."""
+def _ps(xs: list[jax.Array], leaves: list[_Leaf], k: int, compressor: Compressor,
+        server: Compressor, states: list[Any], key: jax.Array | None, w: int,
+        axis_name: Any) -> _Exchange:
+  """CaSync-PS of leaves of K partitions each (module docstring): one exchange to the owners and
+  one back for all of them."""
   rank = lax.axis_index(axis_name)
+  owns = True if k == w else rank < k  # rank j owns partition j
+  slot = rank if k == w else jnp.minimum(rank, k - 1)
   sends, work = [], []
-  for x, leaf, state in zip(xs, leaves, states):
-    k, c = leaf.route.K, leaf.width
-    worker, agg = _Codec.of(compressor, c), _Codec.of(server, c)
+  for x, leaf, state in zip(xs, leaves, states, strict=True):
+    c = leaf.width
+    worker, agg = Codec.of(compressor, c), Codec.of(server, c)
     parts = _partitions(x, k, c)
-    owns = True if k == w else rank < k  # rank j owns partition j
-    slot = rank if k == w else jnp.minimum(rank, k - 1)
     # The owner's slot, copied out before the worker encodes overwrite the state in place.
     old = lax.optimization_barrier(_slot(state, slot))
     payloads, encoded = _encode_rows(compressor, parts, state,
                                      _keys(key, leaf.index, jnp.arange(k), rank, 0))
-    sends.append(jnp.pad(_to_bytes(payloads, worker.spec), ((0, w - k), (0, 0))))
-    work.append((leaf, worker, agg, parts, payloads, encoded, owns, slot, old))
-  recv = lax.all_to_all(jnp.concatenate(sends, axis=1), axis_name, 0, 0)
+    sends.append(transport.to_bytes(payloads, worker.spec))
+    work.append((leaf, worker, agg, parts, payloads, encoded, old))
+  recv = transport.gather_to_owners(jnp.concatenate(sends, axis=1), k, w, axis_name)
   zero = opaque_zero()
 
   offset, server_data, new_states = 0, [], []
   sparse = jnp.zeros((), jnp.int32)
-  fixed = 0.0
-  for leaf, worker, agg, parts, payloads, encoded, owns, slot, old in work:
-    k, c = leaf.route.K, leaf.width
-    got = _from_bytes(recv[:, offset:offset + worker.nbytes], worker.spec)
+  moved = fixed = 0.0
+  for leaf, worker, agg, parts, payloads, encoded, old in work:
+    c = leaf.width
+    got = transport.from_bytes(recv[:, offset:offset + worker.nbytes], worker.spec)
     offset += worker.nbytes
     server_key = _keys(key, leaf.index, rank, rank, 1)
     if _server_stateful(compressor, server, c):
@@ -452,107 +407,118 @@ def _ps(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor, server
       acc = lax.optimization_barrier(acc)
       payload = server.encode(acc, None, server_key)[0]
       new_states.append(encoded)
-    server_data.append(_to_bytes(payload, agg.spec))
+    server_data.append(transport.to_bytes(payload, agg.spec))
     own_sends = jnp.where(jnp.arange(k) != rank, worker.sparse_wire(payloads), 0)
     sparse += jnp.sum(own_sends) + jnp.where(owns, (w - 1) * agg.sparse_wire(payload), 0)
+    moved += k * (w - 1) * (worker.nbytes + agg.nbytes) / w
     fixed += k * (w - 1) * (worker.fixed_wire + agg.fixed_wire) / w
 
-  gathered = lax.all_gather(jnp.concatenate(server_data), axis_name)
+  gathered = transport.broadcast_from_owners(jnp.concatenate(server_data), k, w, axis_name)
   sums, offset = [], 0
   for leaf, _, agg, *_ in work:
-    rows = _from_bytes(gathered[:leaf.route.K, offset:offset + agg.nbytes], agg.spec)
+    rows = transport.from_bytes(gathered[:, offset:offset + agg.nbytes], agg.spec)
     offset += agg.nbytes
     sums.append(_unpartition(_decode_rows(server, rows, leaf.width), leaf))
-  return _Exchange(sums, new_states, sparse, fixed)
+  return _Exchange(sums, new_states, sparse, moved, fixed)
 
 
-def _ring(xs: list[jax.Array], leaves: list[_Leaf], compressor: Compressor,
+def _ring(xs: list[jax.Array], leaves: list[_Leaf], k: int, compressor: Compressor,
           states: list[Any], key: jax.Array | None, w: int, axis_name: Any) -> _Exchange:
-  """CaSync-Ring of the compressed leaves (module docstring): every hop one ppermute of all of
-  them, then one all_gather."""
+  """CaSync-Ring of leaves of K chunks each (module docstring): every hop one ppermute of all of
+  them, then one exchange from the chunks' holders to every rank."""
   rank = lax.axis_index(axis_name)
-  to_next = [(i, (i + 1) % w) for i in range(w)]
   zero = opaque_zero()
   # coders[s]: what encodes at step s (0: the compressor, t+1: server(t+2) at reduce hop t).
-  coders = [compressor] + [_server(compressor, m) for m in range(2, w + 1)]
-  chunks = [_partitions(x, w, leaf.width) for x, leaf in zip(xs, leaves)]
-  codecs = [[_Codec.of(comp, leaf.width) for comp in coders] for leaf in leaves]
+  coders = _coders(compressor, "ring", w)
+  chunks = [_partitions(x, k, leaf.width) for x, leaf in zip(xs, leaves, strict=True)]
+  codecs = [[Codec.of(comp, leaf.width) for comp in coders] for leaf in leaves]
   stateful = [[_server_stateful(compressor, comp, leaf.width) for comp in coders]
               for leaf in leaves]
 
-  def encode_step(s, step, k, accs, states):
-    """Every leaf's chunk k (accs) encoded by coders[s] at `step` (the key's step id: s, traced
-    inside the loop) with this rank's slot k; the bytes to send and their sparse wire bytes."""
+  def real_and_slot(chunk):
+    """Whether this rank holds a real chunk (chunk < K) and the state slot it would use."""
+    if k == w:
+      return True, chunk
+    return chunk < k, jnp.minimum(chunk, k - 1)
+
+  def own_chunk(i, chunk):
+    return lax.dynamic_index_in_dim(chunks[i], real_and_slot(chunk)[1], keepdims=False)
+
+  def encode_step(s, step, chunk, accs, states):
+    """Every leaf's chunk (accs) encoded by coders[s] at `step` (the key's step id: s, traced
+    inside the loop) with this rank's slot; the bytes to send and their sparse wire bytes."""
+    real, slot = real_and_slot(chunk)
     datas, new_states, sparse = [], [], jnp.zeros((), jnp.int32)
-    for leaf, acc, state, codec, full in zip(leaves, accs, states, codecs, stateful):
-      real = True if leaf.route.K == w else k < leaf.route.K
-      slot = k if leaf.route.K == w else jnp.minimum(k, leaf.route.K - 1)
-      keys = _keys(key, leaf.index, k, rank, step)
+    for leaf, acc, state, codec, full in zip(leaves, accs, states, codecs, stateful, strict=True):
+      keys = _keys(key, leaf.index, chunk, rank, step)
       if full[s]:
         old = _slot(state, slot)
         payload, new = coders[s].encode(acc, old, keys)
         state = _set_slot(state, _select(real, new, old), slot)
       else:
         payload, _ = coders[s].encode(acc, None, keys)
-      datas.append(_to_bytes(payload, codec[s].spec))
+      datas.append(transport.to_bytes(payload, codec[s].spec))
       new_states.append(state)
       sparse += jnp.where(real, codec[s].sparse_wire(payload), 0)
     return jnp.concatenate(datas), new_states, sparse
 
+  def pairs(t):
+    """The source-target pairs of reduce hop t: chunk c moves from rank c+1+t to rank c+2+t."""
+    return [((c + 1 + t) % w, (c + 2 + t) % w) for c in range(k)]
+
   def hop(s, t, wire, states, sparse):
-    """Reduce hop t (coders[s], s = t + 1, encodes; t may be traced): receive chunk r-2-t from
-    rank r-1, decode it onto this rank's raw chunk, re-encode."""
-    got = lax.ppermute(wire, axis_name, to_next)
-    k = (rank - 2 - t) % w
+    """Reduce hop t (coders[s], s = t + 1, encodes; t may be traced when K = W): receive chunk
+    r-2-t from rank r-1, decode it onto this rank's raw chunk, re-encode."""
+    got = lax.ppermute(wire, axis_name, pairs(0 if k == w else t))
+    chunk = (rank - 2 - t) % w
     accs, offset, states = [], 0, list(states)
-    for i, (leaf, chunk, codec) in enumerate(zip(leaves, chunks, codecs)):
+    for i, (leaf, codec) in enumerate(zip(leaves, codecs, strict=True)):
       sent = codec[s - 1]
-      payload = _from_bytes(got[offset:offset + sent.nbytes], sent.spec)
+      payload = transport.from_bytes(got[offset:offset + sent.nbytes], sent.spec)
       offset += sent.nbytes
-      own = lax.dynamic_index_in_dim(chunk, k, keepdims=False)
+      own = own_chunk(i, chunk)
       if not stateful[i][s]:
         # A stateless server (DGC's union) merges encoded contributions only: this rank's chunk
         # enters as its worker encode (slot k, key step W + t), not raw.
-        real = True if leaf.route.K == w else k < leaf.route.K
-        slot = k if leaf.route.K == w else jnp.minimum(k, leaf.route.K - 1)
+        real, slot = real_and_slot(chunk)
         old = _slot(states[i], slot)
-        mine, new = compressor.encode(own, old, _keys(key, leaf.index, k, rank, w + t))
+        mine, new = compressor.encode(own, old, _keys(key, leaf.index, chunk, rank, w + t))
         states[i] = _set_slot(states[i], _select(real, new, old), slot)
         own = _decode_add(compressor, mine, jnp.zeros_like(own), zero)
       # Materialised once: fused into the encode, the decode would run in each of its passes.
       accs.append(lax.optimization_barrier(_decode_add(sent.comp, payload, own, zero)))
-    wire, states, more = encode_step(s, t + 1, k, accs, states)
-    sent_on = t + 1 < w - 1  # the last encode is forwarded by the gather phase, counted there
+    wire, states, more = encode_step(s, t + 1, chunk, accs, states)
+    sent_on = t + 1 < w - 1  # the last encode travels in the gather phase, counted there
     return wire, states, sparse + jnp.where(sent_on, more, 0)
 
-  k0 = (rank - 1) % w
-  first = [lax.dynamic_index_in_dim(chunk, k0, keepdims=False) for chunk in chunks]
-  wire, states, sparse = encode_step(0, 0, k0, first, list(states))
-  carry = wire, states, sparse if w > 1 else jnp.zeros((), jnp.int32)
+  first_chunk = (rank - 1) % w
+  first = [own_chunk(i, first_chunk) for i in range(len(leaves))]
+  carry = encode_step(0, 0, first_chunk, first, list(states))
   if w > 1:
     carry = hop(1, 0, *carry)
-  if w > 2 and all(comp == coders[1] for comp in coders[1:]):
-    # Hops 1..W-2 receive and encode with the same codec: one loop body.
+  if k == w and w > 2 and all(comp == coders[1] for comp in coders[1:]):
+    # Hops 1..W-2 send over the whole ring and encode with the same codec: one loop body.
     carry = lax.fori_loop(1, w - 1, lambda t, c: hop(2, t, *c), carry)
   else:
     for t in range(1, w - 1):
       carry = hop(t + 1, t, *carry)
   wire, states, sparse = carry
 
-  # Gather phase: rank k holds chunk k. It does no arithmetic, so one all_gather gives the bits
-  # of the W-1 forwarding hops, in which rank r forwards every chunk except chunk r+1.
-  gathered = lax.all_gather(wire, axis_name)
-  sums, offset, fixed = [], 0, 0.0
-  for leaf, codec in zip(leaves, codecs):
-    k, last = leaf.route.K, codec[w - 1]
-    rows = _from_bytes(gathered[:, offset:offset + last.nbytes], last.spec)
+  # Gather phase: rank j holds chunk j. It does no arithmetic, so one exchange from the holders
+  # gives the bits of the W-1 forwarding hops.
+  gathered = transport.broadcast_from_owners(wire, k, w, axis_name)
+  holds = True if k == w else rank < k
+  sums, offset, moved, fixed = [], 0, 0.0, 0.0
+  for i, (leaf, codec) in enumerate(zip(leaves, codecs, strict=True)):
+    last = codec[w - 1]
+    rows = transport.from_bytes(gathered[:, offset:offset + last.nbytes], last.spec)
+    own = transport.from_bytes(wire[offset:offset + last.nbytes], last.spec)
     offset += last.nbytes
-    forwarded = (jnp.arange(w) < k) & (jnp.arange(w) != (rank + 1) % w)
-    sparse += jnp.sum(jnp.where(forwarded, last.sparse_wire(rows), 0))
+    sparse += jnp.where(holds, (w - 1) * last.sparse_wire(own), 0)
+    moved += k * (sum(c.nbytes for c in codec[:-1]) + (w - 1) * last.nbytes) / w
     fixed += k * (sum(c.fixed_wire for c in codec[:-1]) + (w - 1) * last.fixed_wire) / w
-    rows = jax.tree.map(lambda a, k=k: a[:k], rows)
     sums.append(_unpartition(_decode_rows(last.comp, rows, leaf.width), leaf))
-  return _Exchange(sums, states, sparse, fixed)
+  return _Exchange(sums, states, sparse, moved, fixed)
 
 
 # -- the public functions --------------------------------------------------------------------------
@@ -580,16 +546,20 @@ def _state_form(state: Any, expected: Any) -> bool:
 def _coders(compressor: Compressor, topology: str, w: int) -> list[Compressor]:
   """Every compressor that encodes in a sync: the compressor and its server(s)."""
   if topology == "ps":
-    return [compressor, _server(compressor, w)]
-  return [compressor] + [_server(compressor, m) for m in range(2, w + 1)]
+    return [compressor, compressor.server(w)]
+  return [compressor] + [compressor.server(m) for m in range(2, w + 1)]
+
+
+def _nonfinite(x: jax.Array) -> jax.Array:
+  return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
 
 
 def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: Any = None, *,
                     topology: str = "ps", min_size: int = DEFAULT_MIN_SIZE,
                     plan: dict[str, tuple[bool, int]] | None = None,
-                    key: jax.Array | None = None) -> tuple[Any, Any, jax.Array]:
-  """`sync`, plus the wire bytes: a float32 scalar, the bytes a device sent in this call averaged
-  over the devices (module docstring), identical on every rank."""
+                    key: jax.Array | None = None) -> tuple[Any, Any, dict[str, jax.Array]]:
+  """`sync`, plus its report {"wire_bytes", "payload_bytes", "nonfinite"} (module docstring),
+  identical on every rank."""
   _check_topology(topology)
   _check_compressor(compressor)
   specs = _leaf_specs(tree)
@@ -609,35 +579,66 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
 
   flat, treedef = jax.tree.flatten(tree)
   out = [jnp.asarray(x, jnp.float32) for x in flat]
-  plain = [i for i, r in enumerate(routes) if not r.compress]
+  plain = [i for i, r in enumerate(routes) if not r.compress and r.size > 0]
+  counts = [_nonfinite(out[leaf.index]) for leaf in leaves]
+  counts.append(sum((_nonfinite(out[i]) for i in plain), jnp.zeros((), jnp.int32)))
+  plain_size = sum(routes[i].size for i in plain)
+  moved = fixed = transport.ring_allreduce_bytes(plain_size, w)
   if plain:
-    for i, total in zip(plain, lax.psum([out[i] for i in plain], axis_name)):
-      out[i] = total
-  fixed = sum(2 * (w - 1) / w * 4 * routes[i].size for i in plain)
+    # One float32 ring all-reduce of all of them, packed (a fixed order of the float32 adds:
+    # the same bits on any number of processes, where lax.psum's order is the backend's).
+    total = allreduce(jnp.concatenate([out[i].reshape(-1) for i in plain]), axis_name,
+                      algorithm="ring")
+    offset = 0
+    for i in plain:
+      out[i] = total[offset:offset + routes[i].size].reshape(out[i].shape)
+      offset += routes[i].size
   new_state = dict(state)
-  sparse = None
-  if leaves:
-    run = _ps if topology == "ps" else _ring
-    args = (coders[1],) if topology == "ps" else ()
-    # The barrier keeps the leaves from fusing into the encodes, and orders the compressed
-    # exchange after the psum: XLA:CPU runs independent collectives of one program in any order
-    # on each device, and two devices waiting in different collectives deadlock.
-    xs, _ = lax.optimization_barrier(([out[leaf.index] for leaf in leaves],
-                                      [out[i] for i in plain]))
-    done = run(xs, leaves, compressor, *args, [state[leaf.route.path] for leaf in leaves], key, w,
-               axis_name)
-    for leaf, total, leaf_state in zip(leaves, done.sums, done.states):
+  sparse = jnp.zeros((), jnp.int32)
+  done_before = [out[i] for i in plain]
+  groups = defaultdict(list)
+  for leaf in leaves:
+    groups[leaf.route.K].append(leaf)
+  for k in sorted(groups, reverse=True):
+    group = groups[k]
+    # The barrier keeps the leaves from fusing into the encodes, and orders this group's
+    # exchange after the collectives before it: XLA:CPU runs independent collectives of one
+    # program in any order on each device, and two devices waiting in different collectives
+    # deadlock.
+    xs, _ = lax.optimization_barrier(([out[leaf.index] for leaf in group], done_before))
+    olds = [state[leaf.route.path] for leaf in group]
+    if topology == "ps":
+      done = _ps(xs, group, k, compressor, coders[1], olds, key, w, axis_name)
+    else:
+      done = _ring(xs, group, k, compressor, olds, key, w, axis_name)
+    for leaf, total, leaf_state in zip(group, done.sums, done.states, strict=True):
       out[leaf.index] = total
       new_state[leaf.route.path] = leaf_state
+    sparse += done.sparse_bytes
+    moved += done.moved_bytes
     fixed += done.fixed_bytes
-    if any(_is_sparse(c) for c in coders):
-      sparse = done.sparse_bytes
-  wire = jnp.float32(fixed)
-  if sparse is not None:
-    wire = wire + lax.psum(sparse, axis_name).astype(jnp.float32) / jnp.float32(w)
+    done_before = done.sums
+
+  report = {"wire_bytes": jnp.float32(0), "payload_bytes": jnp.float32(0),
+            "nonfinite": jnp.zeros((), jnp.int32)}
+  if plain or leaves:
+    # One psum of the bookkeeping after every exchange (the barrier orders it last): the
+    # non-finite counts of each compressed leaf and of the others, and the sparse wire bytes.
+    stats, _ = lax.optimization_barrier((jnp.stack(counts + [sparse]), done_before))
+    stats = lax.psum(stats, axis_name)
+    moved += transport.psum_bytes(4 * stats.shape[0], w)
+    bad = jnp.sum(stats[:-1]) > 0
+    for j, leaf in enumerate(leaves):
+      out[leaf.index] = jnp.where(stats[j] > 0, jnp.float32(jnp.nan), out[leaf.index])
+      old = state[leaf.route.path]
+      new_state[leaf.route.path] = jax.tree.map(lambda o, n: jnp.where(bad, o, n), old,
+                                                new_state[leaf.route.path])
+    report = {"wire_bytes": jnp.float32(moved),
+              "payload_bytes": jnp.float32(fixed) + stats[-1].astype(jnp.float32) / jnp.float32(w),
+              "nonfinite": jnp.sum(stats[:-1])}
   if not block:
     new_state = jax.tree.map(lambda a: a[0], new_state)
-  return jax.tree.unflatten(treedef, out), new_state, wire
+  return jax.tree.unflatten(treedef, out), new_state, report
 
 
 def sync(tree: Any, axis_name: Any, compressor: Compressor, state: Any = None, *,

@@ -68,7 +68,7 @@ class TBQ(Compressor):
   """
 
   threshold: float = 1.0
-  impl: str = "xla"
+  impl: str = "auto"
 
   layout = (Packed("codes", bits=2, pad=1),)
   error_feedback = True  # the base class: v = r + x; r = v - decode = v -+ τ or v
@@ -99,10 +99,18 @@ class TBQ(Compressor):
 class OneBit(Compressor):
   """One sign bit per element with error feedback (Seide et al. 2014; hipress.md §1.5).
 
-  v = x + r (r: the residual, state). bit = 1 iff v < 0. scale_mode="two_means" (Seide, and
-  GRACE's onebit): set bits decode to the mean of the negative entries of v, clear bits to the
-  mean of the non-negative ones (a mean over no entries is 0). scale_mode="l1_mean" (BytePS's
-  onebit with scaling): decode -s / +s with s = mean|v|. r = v - decode(payload).
+  v = x + r (r: the residual). bit = 1 iff v < 0. scale_mode="two_means" (Seide, and GRACE's
+  onebit): set bits decode to the mean of the negative entries of v, clear bits to the mean of
+  the non-negative ones (a mean over no entries is 0). scale_mode="l1_mean" (BytePS's onebit with
+  scaling): decode -s / +s with s = mean|v|. r' = v - decode(payload).
+  State {"v": float32[n], "scales": float32[2 or 1]}: the last encoded v and its scales (fresh:
+  zeros). r' is applied lazily: the next encode computes r = v - decode(v's signs, scales)
+  elementwise (`residual(state)`; +0 for a fresh state) and the new v = x + r, then the signs
+  and the scales' sums of the new v. Keeping r instead would take a second pass over x and r
+  once the scales are known; this way the elementwise work is one pass that reads x and the old
+  v and writes the new v (in place when donated), and the signs and the sums read v (XLA:CPU
+  runs them as two more loops over v). The bits are those of the two-pass v = x + r, payload,
+  r' = v - decode. The sums are `ops.block_sums` (blocks of 1024, then the block sums).
   Wire: ceil(n/8) bytes, element i at bit i mod 8 of byte i // 8 (unused tail bits 0), then the
   float32 scales, little-endian: two_means the negatives' mean, then the non-negatives'; l1_mean
   the one mean|v|. HiPress's onebit kernel is not public; BytePS packs 32 bits per uint32
@@ -110,7 +118,7 @@ class OneBit(Compressor):
   """
 
   scale_mode: str = "two_means"
-  impl: str = "xla"
+  impl: str = "auto"
 
   def __post_init__(self):
     if self.scale_mode not in SCALE_MODES:
@@ -118,13 +126,35 @@ class OneBit(Compressor):
     check_impl("OneBit", self.impl)
 
   @property
+  def scale_count(self) -> int:
+    return 2 if self.scale_mode == "two_means" else 1
+
+  @property
   def layout(self):
-    return (Packed("signs", bits=1), Scalars("scales", 2 if self.scale_mode == "two_means" else 1))
+    return (Packed("signs", bits=1), Scalars("scales", self.scale_count))
 
-  error_feedback = True  # the base class: v = x + r; r = v - decode
+  def init(self, x):
+    """{"v": zeros like flat x, "scales": zeros}: the state of r = +0."""
+    return {"v": jnp.zeros((jnp.size(x),), jnp.float32),
+            "scales": jnp.zeros((self.scale_count,), jnp.float32)}
 
-  def compress(self, v, state, key):
+  def residual(self, state: dict[str, jax.Array]) -> jax.Array:
+    """The error-feedback residual r = v - decode(v's signs, scales) the state stands for: what
+    the next encode adds to its x (x + r_before = decode(payload) + r_after)."""
+    if not isinstance(state, dict) or set(state) != {"v", "scales"}:
+      given = sorted(state) if isinstance(state, dict) else type(state).__name__
+      raise invalid("OneBit state", given, "a dict with keys ['scales', 'v'] (OneBit.init)")
+    v = jnp.asarray(state["v"], jnp.float32)
+    return v - self._levels(v < 0, jnp.asarray(state["scales"], jnp.float32))
+
+  def _levels(self, negative: jax.Array, scales: jax.Array) -> jax.Array:
+    if self.scale_mode == "two_means":
+      return jnp.where(negative, scales[0], scales[1])
+    return jnp.where(negative, -scales[0], scales[0])
+
+  def compress(self, x, state, key):
     del key
+    v = x + self.residual(state)
     negative = v < 0
     if self.scale_mode == "two_means":
       # One pass for the three sums (XLA:CPU materialises the masked values of separate sums).
@@ -135,19 +165,11 @@ class OneBit(Compressor):
       scales = jnp.stack([mean_neg, mean_pos])
     else:
       scales = _divide(ops.block_sums((jnp.abs(v),))[0], v.shape[0])[None]
-    return {"signs": negative.astype(jnp.uint8), "scales": scales}, state
+    return {"signs": negative.astype(jnp.uint8), "scales": scales}, {"v": v, "scales": scales}
 
   def decompress(self, fields, n):
     del n
-    negative, scales = fields["signs"] == 1, fields["scales"]
-    if self.scale_mode == "two_means":
-      return jnp.where(negative, scales[0], scales[1])
-    return jnp.where(negative, -scales[0], scales[0])
-
-  def feedback(self, v, payload):
-    # The sign bits are v < 0, so this is v - decompress without unpacking them.
-    return v - self.decompress({"signs": (v < 0).astype(jnp.uint8), "scales": payload["scales"]},
-                               v.shape[0])
+    return self._levels(fields["signs"] == 1, fields["scales"])
 
 
 def _terngrad_bitwidth(compressor: "TernGrad", n: int) -> int:
@@ -165,9 +187,16 @@ class TernGrad(Compressor):
   """HiPress's TernGrad: a b-bit uniform quantiser between the tensor's min and max (hipress.md
   §1.2; not Wen et al.'s ternary {-s, 0, s}). No error feedback, no state.
 
-  All in float32: mn, mx = min(x), max(x); gap = (mx - mn) / (2^b - 1); inv = 1 / (gap + 1e-8);
+  All in float32: mn, mx = min(x), max(x); gap = (mx - mn) / (2^b - 1); inv = 1 / gap where gap
+  is a normal float32 (>= 2^-126), else 0 (every code 0, decoding to min: exact for a constant
+  tensor);
   code = round-half-even((x - mn) * inv) (stochastic=False, HiPress's `random=0` default, biased)
-  or floor((x - mn) * inv + u) (stochastic=True, unbiased), clamped to [0, 2^b - 1].
+  or floor((x - mn) * inv + u) (stochastic=True, unbiased), clamped to [0, 2^b - 1]. The error
+  is then at most gap/2 (deterministic) or below gap (stochastic), plus a few float32 ulps of
+  max|x|, at any scale. compat="hipress" takes HiPress's inv = 1 / (gap + 1e-8) instead, bit for
+  bit: its absolute epsilon scales every code by gap / (gap + 1e-8), so that where gap is not
+  far above 1e-8 the codes collapse towards 0 (N(0, 1e-9) values: errors of 6x gap/2 at b = 2,
+  500x at b = 8).
   Decode: code * gap + mn (two float32 roundings), except that the top code decodes to mx
   itself (HiPress computes (2^b - 1) * gap + mn, which misses mx by an ulp for about one tensor
   in five; jlp keeps every decode within [min, max]).
@@ -181,7 +210,8 @@ class TernGrad(Compressor):
 
   bitwidth: int = 2
   stochastic: bool = False
-  impl: str = "xla"
+  impl: str = "auto"
+  compat: str | None = None
 
   def __post_init__(self):
     if isinstance(self.bitwidth, bool) or self.bitwidth not in (1, 2, 4, 8):
@@ -189,6 +219,8 @@ class TernGrad(Compressor):
     if not isinstance(self.stochastic, bool):
       raise invalid("TernGrad.stochastic", self.stochastic, "a bool")
     check_impl("TernGrad", self.impl)
+    if not (self.compat is None or (isinstance(self.compat, str) and self.compat == "hipress")):
+      raise invalid("TernGrad.compat", self.compat, "None or 'hipress'")
 
   @property
   def layout(self):
@@ -209,9 +241,13 @@ class TernGrad(Compressor):
     return (-n) % per_byte
 
   def compress(self, x, state, key):
-    mn, mx = jnp.min(x), jnp.max(x)
+    mn, mx = _min_max(x)
     gap = _divide(mx - mn, self.top_code)
-    inv = jnp.float32(1.0) / (gap + jnp.float32(1e-8))
+    if self.compat == "hipress":
+      inv = jnp.float32(1.0) / (gap + jnp.float32(1e-8))
+    else:
+      normal = gap >= jnp.finfo(jnp.float32).tiny
+      inv = jnp.where(normal, jnp.float32(1.0) / jnp.where(normal, gap, 1.0), 0.0)
     scaled = (x - mn) * inv
     if self.stochastic:
       codes = jnp.floor(scaled + ops.uniform(key, x.shape))
@@ -231,6 +267,25 @@ class TernGrad(Compressor):
     return _lookup(levels, fields["codes"], self.bitwidth)
 
 
+def _min_max(x: jax.Array, row: int = 1024) -> tuple[jax.Array, jax.Array]:
+  """(min(x), max(x)) of flat float32 x in one pass: a variadic reduce over rows of `row` (the
+  rows split between threads; XLA:CPU runs jnp.min and jnp.max as two passes, and one 1-D
+  reduce on one thread), then over the row results and the ragged tail. min and max are exact
+  in any order; a zero extreme present with both signs comes out with the sign XLA's order
+  gives (as jnp.min's does), and a NaN makes both NaN (XLA:CPU's one-thread jnp.min skipped it
+  above a few thousand elements)."""
+  def both(a, b):
+    return jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])
+
+  init = (jnp.float32(jnp.inf), jnp.float32(-jnp.inf))
+  whole = x.shape[0] // row * row
+  rows = x[:whole].reshape(-1, row)
+  lo, hi = lax.reduce((rows, rows), init, both, (1,))
+  tail = x[whole:]
+  lo, hi = jnp.concatenate([lo, tail]), jnp.concatenate([hi, tail])
+  return lax.reduce((lo, hi), init, both, (0,))
+
+
 def _lookup(levels: jax.Array, codes: jax.Array, bits: int) -> jax.Array:
   """levels[codes]: for b <= 2 a tree of selects on the code's bits (XLA:CPU's gather is half as
   fast), else a gather."""
@@ -244,12 +299,18 @@ def _lookup(levels: jax.Array, codes: jax.Array, bits: int) -> jax.Array:
 
 
 def _sparsify(acc: jax.Array, key: jax.Array, sample_rate: float, density: float | Fraction,
-              capacity: int, impl: str) -> tuple[dict[str, jax.Array], jax.Array]:
+              capacity: int, impl: str) -> dict[str, jax.Array]:
   """HiPress's selection (§1.3, §1.4): the sampled threshold thr of |acc|, every i with
-  |acc_i| > thr, capped at `capacity` by |acc|. (sparse fields, indices: unused slots n)."""
-  threshold = ops.sampled_threshold(jnp.abs(acc), key, sample_rate, density)
+  |acc_i| > thr, capped at `capacity` by |acc|; where n*density < 1 (on decimal values), thr = 0
+  instead, so that the largest |acc| is sent (capacity 1; ties: the lower index). HiPress's
+  sample of one element would make itself the threshold: a 1-element partition would never
+  send, nor any partition whose magnitudes tie. Sparse fields (indices: unused slots n)."""
+  if acc.shape[0] * decimal(density) < 1:
+    threshold = jnp.float32(0.0)
+  else:
+    threshold = ops.sampled_threshold(jnp.abs(acc), key, sample_rate, density)
   indices, count = ops.capped_threshold_select(acc, threshold, capacity, impl=impl)
-  return _sparse_fields(acc, indices, count), indices
+  return _sparse_fields(acc, indices, count)
 
 
 def _sparse_fields(acc: jax.Array, indices: jax.Array, count: jax.Array) -> dict[str, jax.Array]:
@@ -264,7 +325,8 @@ def _zero_at(fields: dict[str, jax.Array], *arrays: jax.Array) -> tuple[jax.Arra
   return tuple(a.at[fields["indices"]].set(0.0, mode="drop") for a in arrays)
 
 
-def _dgc_capacity(compressor: "DGC", n: int) -> int:
+def _capacity(compressor: "DGC | GradDrop", n: int) -> int:
+  """DGC's and GradDrop's k = max(1, ceil(n * density)), on decimal values."""
   return fraction_count(n, compressor.density)
 
 
@@ -278,8 +340,12 @@ class DGC(Compressor):
   drawn uniformly with replacement (jax.random, from the key); thr = the element at position
   floor(S*density) of the sampled |v| in descending order; selected: every i with |v_i| > thr,
   capped at k = ceil(n*density) by the largest |v| (HiPress's truncation compares the already
-  zeroed gradient instead, keeping an arbitrary subset: not reproduced). Payload: v at the
-  selected indices; then v[idx] = u[idx] = 0. Invariant: v_before + u_new = decode + v_after.
+  zeroed gradient instead, keeping an arbitrary subset: not reproduced). No partition starves:
+  where n*density < 1 (less than one element expected, e.g. a 1-element partition) thr = 0, so
+  that the largest non-zero |v| is sent (k = 1; ties: the lower index); HiPress's one-element
+  sample would be its own threshold, and nothing would be sent while magnitudes tie. Payload: v
+  at the selected indices; then v[idx] = u[idx] = 0. Invariant: v_before + u_new = decode +
+  v_after.
   Sparse payload (layout.Sparse, capacity k); wire int32 M = 4 + 8*count, int32 idx[count],
   float32 val[count]. The aggregator re-encodes with `server(num_ranks)` (DGCServer).
   """
@@ -287,9 +353,9 @@ class DGC(Compressor):
   density: float = 0.001
   sample_rate: float = 0.001
   momentum: float = 0.9
-  impl: str = "xla"
+  impl: str = "auto"
 
-  layout = (Sparse(capacity=_dgc_capacity),)
+  layout = (Sparse(capacity=_capacity),)
   needs_key = True
 
   def __post_init__(self):
@@ -305,14 +371,14 @@ class DGC(Compressor):
   def compress(self, x, state, key):
     u = jnp.float32(self.momentum) * state["u"] + x
     v = state["v"] + u
-    fields, _ = _sparsify(v, key, self.sample_rate, self.density,
-                          _dgc_capacity(self, x.shape[0]), self.impl)
+    fields = _sparsify(v, key, self.sample_rate, self.density, _capacity(self, x.shape[0]),
+                       self.impl)
     u, v = _zero_at(fields, u, v)
     return fields, {"u": u, "v": v}
 
-  def server(self, num_ranks: int = 1) -> "DGCServer":
+  def server(self, num_ranks: int) -> "DGCServer":
     """HiPress's dgc_new_server: every non-zero of the aggregate of num_ranks payloads."""
-    check_num_ranks("DGC", num_ranks)
+    check_num_ranks("DGC.server num_ranks", num_ranks)
     return DGCServer(density=self.density, num_ranks=num_ranks, impl=self.impl)
 
 
@@ -333,14 +399,13 @@ class DGCServer(Compressor):
 
   density: float = 0.001
   num_ranks: int = 1
-  impl: str = "xla"
+  impl: str = "auto"
 
   layout = (Sparse(capacity=_dgc_server_capacity),)
 
   def __post_init__(self):
     _fraction("DGCServer", "density", self.density, closed_at=1)
-    if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 1:
-      raise invalid("DGCServer.num_ranks", self.num_ranks, "an int >= 1")
+    check_num_ranks("DGCServer.num_ranks", self.num_ranks)
     check_impl("DGCServer", self.impl)
 
   def compress(self, x, state, key):
@@ -350,10 +415,6 @@ class DGCServer(Compressor):
     return _sparse_fields(x, indices, count), state
 
 
-def _graddrop_capacity(compressor: "GradDrop", n: int) -> int:
-  return fraction_count(n, compressor.density)
-
-
 @register("graddrop")
 @dataclasses.dataclass(frozen=True)
 class GradDrop(Compressor):
@@ -361,17 +422,18 @@ class GradDrop(Compressor):
 
   r = r + x (r: the residual, state); the sampled threshold exactly as DGC's with density
   d = 1 - drop_ratio (on decimal values: drop_ratio=0.999 gives d = 0.001 and k = ceil(1000*d)
-  = 1 for n = 1000); selected: |r_i| > thr, capped at k = ceil(n*d) by the largest |r|; payload:
+  = 1 for n = 1000); selected: |r_i| > thr, capped at k = ceil(n*d) by the largest |r|; where
+  n*d < 1, thr = 0 as for DGC (no partition starves: the largest non-zero |r| is sent); payload:
   r at the selected indices; then r[idx] = 0. Invariant: x + r_before = decode + r_after.
   Same wire format as DGC. At a CaSync-PS root the aggregate is re-encoded with the same encoder
-  and the root's own residual (`server()` is self).
+  and the root's own residual (`server(num_ranks)` is self).
   """
 
   drop_ratio: float = 0.999
   sample_rate: float = 0.001
-  impl: str = "xla"
+  impl: str = "auto"
 
-  layout = (Sparse(capacity=_graddrop_capacity),)
+  layout = (Sparse(capacity=_capacity),)
   needs_key = True
 
   def __post_init__(self):
@@ -389,7 +451,7 @@ class GradDrop(Compressor):
 
   def compress(self, x, state, key):
     r = state["residual"] + x
-    fields, _ = _sparsify(r, key, self.sample_rate, self.density,
-                          _graddrop_capacity(self, x.shape[0]), self.impl)
+    fields = _sparsify(r, key, self.sample_rate, self.density, _capacity(self, x.shape[0]),
+                       self.impl)
     (r,) = _zero_at(fields, r)
     return fields, {"residual": r}

@@ -30,7 +30,7 @@ class EFSignSGD(Compressor):
   scale = ||v||_1 / n; decode +-scale; r = v - decode. Wire: ceil(n/8) bytes (element i at
   bit i mod 8 of byte i // 8), then float32 scale."""
 
-  impl: str = "xla"
+  impl: str = "auto"
 
   layout = (Packed("signs", bits=1), Scalars("scale"))
   error_feedback = True  # the base class adds the residual r to x and keeps r = v - decode
@@ -55,7 +55,7 @@ class QSGD(Compressor):
   norm, then one code l_i * sign(x_i) + s per element in the fewest of 2, 4, 8 bits."""
 
   levels: int = 7
-  impl: str = "xla"
+  impl: str = "auto"
 
   needs_key = True
 

@@ -31,16 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlp.numerics.packing import BITS, packed_size
+
 __all__ = ["BITS", "Header", "Packed", "Scalars", "Sparse", "decimal", "fraction_count",
            "packed_size"]
 
-BITS = (1, 2, 4, 8)
 _DTYPES = ("float32", "int32", "uint8")
-
-
-def packed_size(n: int, bits: int) -> int:
-  """Bytes of n packed b-bit codes: ceil(n*b/8)."""
-  return -(-n * bits // 8)
 
 
 @dataclasses.dataclass(frozen=True)

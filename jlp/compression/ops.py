@@ -28,7 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jlp.compression.layout import BITS, decimal, packed_size
+from jlp.compression.layout import decimal
+from jlp.numerics.packing import BITS, packed_size
+from pallas_kernels import pack_bits as pack_bits_kernel
+from pallas_kernels import threshold_select as threshold_select_kernel
 
 __all__ = ["IMPLS", "block_sums", "capacity_filter", "capped_select", "capped_threshold_select", "fold",
            "pack_bits", "sampled_threshold", "threshold_select", "top_k", "uniform",
@@ -58,8 +61,7 @@ def pack_bits(codes: jax.Array, bits: int, pad: int = 0, impl: str = "xla") -> j
   pad = int(pad)
   codes = jnp.asarray(codes).reshape(-1).astype(jnp.uint8)
   if use_pallas(impl):
-    from pallas_kernels import pack_bits as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.pack_bits(codes, bits, pad, interpret=jax.default_backend() != "gpu")
+    return pack_bits_kernel.pack_bits(codes, bits, pad, interpret=jax.default_backend() != "gpu")
   return pack_bits_xla(codes, bits, pad)
 
 
@@ -93,8 +95,7 @@ def unpack_bits(packed: jax.Array, bits: int, n: int, impl: str = "xla") -> jax.
     raise ValueError(f"packed has {packed.shape[0]} bytes; expected ceil({n}*{bits}/8) = "
                      f"{packed_size(n, bits)}.")
   if use_pallas(impl):
-    from pallas_kernels import pack_bits as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.unpack_bits(packed, bits, n, interpret=jax.default_backend() != "gpu")
+    return pack_bits_kernel.unpack_bits(packed, bits, n, interpret=jax.default_backend() != "gpu")
   return unpack_bits_xla(packed, bits, n)
 
 
@@ -200,8 +201,7 @@ def _threshold_select(values: jax.Array, threshold: jax.Array, capacity: int, im
                       ) -> tuple[jax.Array, jax.Array]:
   """(capacity_filter(|values| > threshold, capacity)'s indices, the uncapped count)."""
   if use_pallas(impl):
-    from pallas_kernels import threshold_select as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.threshold_select(values, threshold, capacity,
+    return threshold_select_kernel.threshold_select(values, threshold, capacity,
                                    interpret=jax.default_backend() != "gpu")
   return _compact_xla(values, lambda v: jnp.abs(v) > threshold, capacity, jnp.nan)
 
@@ -240,6 +240,11 @@ def capped_threshold_select(values: jax.Array, threshold: jax.Array | float, cap
   over capacity, stays XLA's top_k (over the first 2*capacity selected when that is all of them,
   else over all n)."""
   values, threshold = _float32_values(values, threshold)
+  # The threshold typed like the values (its value unchanged): under vmap inside shard_map, jax's
+  # varying-axes typing rejects the switch below when its branches close over axis-varying values
+  # and a constant threshold.
+  threshold = jnp.where(jnp.zeros(values.shape[:0], jnp.bool_) & (values[0] != values[0]),
+                        values[0], threshold)
   n = values.shape[0]
   capacity = min(capacity, n)
   # Up to 2*capacity candidates: a sampled threshold over-selects a little more often than not,

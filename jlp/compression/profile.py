@@ -17,7 +17,9 @@ different cluster", [S]); this is that profiler, as hipress.md §2.6 recommends.
 all collectives inside `jax.shard_map` over the mesh axis. Each primitive gets (w, b) from a
 least-squares line through its (x, ms) points (numpy.polyfit, degree 1; a negative slope, i.e.
 noise, becomes w = 0 with b = the mean) and o = the smallest measured time. The model's ratio r is
-the compressor's wire_bytes(x) / (4x) at the largest size (TBQ: 1/16, SeCoPa's constant).
+the compressor's wire_bytes(x) / (4x) at the largest size (TBQ: 1/16, SeCoPa's constant), the
+ratio a plan without a compressor uses; plan with the same compressor
+(`secopa_plan(..., cost_model=model, compressor=codec)`) to use its payload at every partition size.
 
 N: G and B are fitted for every node count in `node_counts` (default: the axis size) on the first
 N devices along the axis; E, D, A on the first device; R on the whole axis. On emulated CPU

@@ -8,9 +8,8 @@ primitive costs
     c(x) = max(o, w·x + b)   ms, x = float32 elements
 
 (HiPress's `SeCoPa.py` writes it as "o below (o − b)/w, linear above"; identical whenever
-o <= b, which holds for all of its coefficients). With r = the compression ratio (1/16, TBQ's and
-2-bit TernGrad's, for every algorithm in HiPress) and the op counts of §2.2 (CaSync-PS, co-located
-servers) and §2.3 (CaSync-Ring):
+o <= b, which holds for all of its coefficients). With r = the compression ratio and the op counts
+of §2.2 (CaSync-PS, co-located servers) and §2.3 (CaSync-Ring):
 
     PS_orig(K)   = G(S/K) + B(S/K) + (N−1)·A(S/K)
     PS_comp(K)   = G(rS/K) + B(rS/K) + min(K+1, N)·E(S/K) + min(N−1+K, 2(N−1))·D(rS/K)
@@ -19,16 +18,28 @@ servers) and §2.3 (CaSync-Ring):
     RING_comp(K) = 2(N−1)·R(rS/K) + N·E(S/K) + N·D(rS/K) + (N−1)·A(S/K)
 
 compress iff min_K comp < min_K orig; K = the first argmin of the chosen mode. Partitions count as
-perfectly parallel (one partition's cost), so an uncompressed gradient always gets K = N. The sums
-are evaluated in HiPress's order with Python floats, so `secopa_plan` with `CostModel.seed()`
-writes the lines HiPress's script writes for the same input, byte for byte (tests).
+perfectly parallel (one partition's cost), so an uncompressed gradient always gets K = N.
+
+The ratio. HiPress plans every algorithm with r = 1/16 (TBQ's and 2-bit TernGrad's), whatever it
+compresses with. Given the `compressor`, each gradient is planned with that codec's own payload:
+rS/K above becomes the float32 elements of one partition's payload on the wire,
+wire_bytes(c) / 4 with c = ceil(S/K) (`Compressor.wire_bytes`; sparse codecs at capacity), i.e. the
+ratio `compression_ratio(compressor, c)` = wire_bytes(c) / (4c) at that partition size: ~1/32 for
+onebit, 1/16 for TBQ, 2*density (+ its 4-byte header) for DGC and GradDrop, b/32 (+ 10 header
+bytes) for b-bit TernGrad. Without a compressor, r is `ratio` when given, else the cost model's
+`CostModel.ratio` (the seed's 1/16): HiPress's plan. The sums are evaluated in HiPress's order with
+Python floats, so `secopa_plan` with `CostModel.seed()` and no compressor writes the lines
+HiPress's script writes for the same input, byte for byte (tests). The encode / decode costs E, D
+are the model's (the seed's were fitted on HiPress's kernels); `jlp.compression.profile`
+fits them for one codec.
 
 `CostModel.seed()` holds HiPress's coefficients (fitted on the authors' local cluster, presumably
 56 Gbps; N ∈ {4, 8, 16} only); `jlp.compression.profile.fit_cost_model` fits one on the current
 devices. File formats (§2.5): `read_grads` reads HiPress's input.txt (`name,num_elements` lines),
 `write_plan` / `read_plan` its SeCoPaPlan.txt (`name,size,y|n,K` lines, what the script writes;
 HiPress's README shows 3 fields). `plan_for_tree` plans a pytree's leaves, keyed by
-`jax.tree_util.keystr` of their paths, as the CaSync sync (`jlp.compression.sync`) takes it.
+`jax.tree_util.keystr` of their paths, as the CaSync sync (`jlp.compression.sync`) takes it:
+pass the sync's compressor (`plan_for_tree(grads, num_nodes=8, compressor=sync.compression)`).
 `static_plan` is HiPress's other selection rule (§2.1, `--comp-threshold 262144`).
 """
 
@@ -38,20 +49,21 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 
+from jlp.compression import base
 from jlp.compression.base import invalid
+from jlp.compression.casync import DEFAULT_MIN_SIZE, TOPOLOGIES
 
 __all__ = ["COMP_THRESHOLD", "SEED_COEFFICIENTS", "CostModel", "LinearCost", "PlanEntry",
-           "SyncCosts", "TOPOLOGIES", "plan_for_tree", "read_grads", "read_plan", "secopa_plan",
-           "static_plan", "sync_costs", "write_plan"]
+           "SyncCosts", "TOPOLOGIES", "compression_ratio", "plan_for_tree", "read_grads",
+           "read_plan", "secopa_plan", "static_plan", "sync_costs", "write_plan"]
 
-TOPOLOGIES = ("ps", "ring")
-#: HiPress's static rule (§2.1): compress iff numel > 262144 floats (1 MiB).
-COMP_THRESHOLD = 262144
+#: HiPress's static rule (§2.1): compress iff numel > 262144 floats (1 MiB), as `sync`'s default.
+COMP_THRESHOLD = DEFAULT_MIN_SIZE
 
 
 def _finite(field: str, value: Any, *, nonnegative: bool = False) -> float:
@@ -114,7 +126,8 @@ def _per_nodes(field: str, value: Any) -> tuple[tuple[int, LinearCost], ...]:
 @dataclasses.dataclass(frozen=True)
 class CostModel:
   """SeCoPa's cost model: (w, b, o) per primitive (module docstring), gather and broadcast per
-  node count N, the compression ratio r, and where the numbers come from.
+  node count N, the compression ratio r used when no compressor is given (HiPress's 1/16 in the
+  seed; a fit's is its codec's at the largest size timed), and where the numbers come from.
 
   gather / broadcast: {N: LinearCost} (stored as sorted ((N, LinearCost), ...) pairs, hashable);
   both must cover the same N. `CostModel.seed()` is HiPress's (N ∈ {4, 8, 16}).
@@ -257,32 +270,84 @@ def _size(field: str, size: Any) -> int:
   return size
 
 
-def sync_costs(size: int, *, num_nodes: int, topology: str,
-               cost_model: CostModel | None = None) -> SyncCosts:
-  """The four formulas of the module docstring for one gradient of `size` elements, evaluated
-  in HiPress's order (Python floats)."""
+def _check_model(cost_model: Any) -> CostModel:
   model = SEED_COEFFICIENTS if cost_model is None else cost_model
   if not isinstance(model, CostModel):
     raise invalid("cost_model", model, "a jlp.compression.secopa.CostModel or None")
+  return model
+
+
+def _codec(compressor: Any) -> base.Compressor:
+  if isinstance(compressor, str) and compressor in base.COMPRESSORS:
+    return base.get(compressor)
+  if not isinstance(compressor, base.Compressor):
+    raise invalid("compressor", compressor, "None, a jlp.compression.Compressor or one of "
+                  f"{sorted(base.COMPRESSORS)}")
+  return compressor
+
+
+def compression_ratio(compressor: base.Compressor | str, size: int) -> float:
+  """wire_bytes(size) / (4·size): the bytes one payload of `size` float32 elements puts on the
+  wire over the bytes of the elements (sparse codecs at capacity); the ratio SeCoPa plans a
+  partition of `size` elements with (module docstring). May exceed 1 for tiny sizes."""
+  codec = _codec(compressor)
+  if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    raise invalid("size", size, "a positive int (float32 elements)")
+  return codec.wire_bytes(size) / (4 * size)
+
+
+def _payload(model: CostModel, compressor: Any, ratio: Any) -> Callable[[int, int], float]:
+  """payload(S, K): float32 elements of one compressed partition of a gradient of S elements cut
+  in K (rS/K in the module docstring's formulas)."""
+  if compressor is not None:
+    if ratio is not None:
+      raise invalid("ratio", ratio, "None when a compressor is given (the compressor's own ratio "
+                    "is used at each partition size)")
+    codec = _codec(compressor)
+    return lambda s, k: codec.wire_bytes(-(-s // k)) / 4 if s else 0.0
+  if ratio is None:
+    r = model.ratio
+  else:
+    r = _finite("ratio", ratio)
+    if not 0 < r <= 1:
+      raise invalid("ratio", ratio, "None or a float in (0, 1]")
+  return lambda s, k: s * r / k  # HiPress's order of operations
+
+
+def sync_costs(size: int, *, num_nodes: int, topology: str,
+               cost_model: CostModel | None = None,
+               compressor: base.Compressor | str | None = None,
+               ratio: float | None = None) -> SyncCosts:
+  """The four formulas of the module docstring for one gradient of `size` elements, evaluated
+  in HiPress's order (Python floats). The compressed payload: `compressor`'s at each partition
+  size, else the ratio `ratio`, else `cost_model.ratio` (module docstring)."""
+  model = _check_model(cost_model)
   topology = _topology(topology)
   n = model.check_nodes(num_nodes)
   s = _size("size", size)
-  r = model.ratio
+  payload = _payload(model, compressor, ratio)
+  return _costs(s, n, topology, model, payload)
+
+
+def _costs(s: int, n: int, topology: str, model: CostModel,
+           payload: Callable[[int, int], float]) -> SyncCosts:
   enc, dec, agg = model.encode, model.decode, model.aggregate
   orig, comp = [], []
   if topology == "ps":
     gather, bcast = model.gather_at(n), model.broadcast_at(n)
     for k in range(1, n + 1):
       aggr = (n - 1) * agg(s / k)
+      small = payload(s, k)
       orig.append(gather(s / k) + bcast(s / k) + aggr)
-      comp.append(gather(s * r / k) + bcast(s * r / k) + min(k + 1, n) * enc(s / k)
-                  + min(n - 1 + k, 2 * (n - 1)) * dec(s * r / k) + aggr)
+      comp.append(gather(small) + bcast(small) + min(k + 1, n) * enc(s / k)
+                  + min(n - 1 + k, 2 * (n - 1)) * dec(small) + aggr)
   else:
     send = model.ring_send
     for k in range(1, n + 1):
       aggr = (n - 1) * agg(s / k)
+      small = payload(s, k)
       orig.append(2 * (n - 1) * send(s / k) + aggr)
-      comp.append(2 * (n - 1) * send(s * r / k) + n * enc(s / k) + n * dec(s * r / k) + aggr)
+      comp.append(2 * (n - 1) * send(small) + n * enc(s / k) + n * dec(small) + aggr)
   return SyncCosts(tuple(orig), tuple(comp))
 
 
@@ -298,18 +363,24 @@ def _grads(grads: Any) -> list[tuple[str, int]]:
 
 
 def secopa_plan(grads: Iterable[tuple[str, int]], *, num_nodes: int, topology: str,
-                cost_model: CostModel | None = None) -> list[PlanEntry]:
+                cost_model: CostModel | None = None,
+                compressor: base.Compressor | str | None = None,
+                ratio: float | None = None) -> list[PlanEntry]:
   """SeCoPa's plan for gradients [(name, float32 elements), ...] on `num_nodes` nodes with
   CaSync-PS (topology "ps") or CaSync-Ring ("ring"): [(name, size, compress, K), ...] in input
-  order. cost_model: None = HiPress's (`CostModel.seed()`, N ∈ {4, 8, 16})."""
-  model = SEED_COEFFICIENTS if cost_model is None else cost_model
-  if not isinstance(model, CostModel):
-    raise invalid("cost_model", model, "a jlp.compression.secopa.CostModel or None")
+  order. cost_model: None = HiPress's (`CostModel.seed()`, N ∈ {4, 8, 16}).
+
+  compressor: the codec the sync compresses with (an instance or a registered name): each
+  gradient is planned with its payload at each partition size (module docstring). Without it,
+  every gradient is planned with the ratio `ratio`, or with None `cost_model.ratio` (HiPress's
+  1/16 in the seed: HiPress's plan). At most one of compressor and ratio."""
+  model = _check_model(cost_model)
   topology = _topology(topology)
-  model.check_nodes(num_nodes)
+  n = model.check_nodes(num_nodes)
+  payload = _payload(model, compressor, ratio)
   plan = []
   for name, size in _grads(grads):
-    costs = sync_costs(size, num_nodes=num_nodes, topology=topology, cost_model=model)
+    costs = _costs(size, n, topology, model, payload)
     best_orig, best_comp = min(costs.orig), min(costs.comp)
     if best_orig > best_comp:
       plan.append(PlanEntry(name, size, True, costs.comp.index(best_comp) + 1))
@@ -329,11 +400,14 @@ def static_plan(grads: Iterable[tuple[str, int]], *, num_nodes: int,
 
 
 def plan_for_tree(tree: Any, *, num_nodes: int, topology: str = "ps",
-                  cost_model: CostModel | None = None, comp_threshold: int | None = None
-                  ) -> dict[str, tuple[bool, int]]:
+                  cost_model: CostModel | None = None, comp_threshold: int | None = None,
+                  compressor: base.Compressor | str | None = None,
+                  ratio: float | None = None) -> dict[str, tuple[bool, int]]:
   """{jax.tree_util.keystr(path): (compress, K)} for every leaf of `tree` (arrays or
-  jax.ShapeDtypeStruct; size = number of elements): SeCoPa's plan, or with `comp_threshold` the
-  static rule (`static_plan`). This dict is what `jlp.compression.sync` takes as its plan."""
+  jax.ShapeDtypeStruct; size = number of elements): SeCoPa's plan (`secopa_plan`: pass the sync's
+  `compressor` to plan with its own ratio; without it, `ratio` or the cost model's, HiPress's
+  1/16), or with `comp_threshold` the static rule (`static_plan`, which needs no ratio). This
+  dict is what `jlp.compression.sync` takes as its plan."""
   grads = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     shape = getattr(leaf, "shape", None)
@@ -341,9 +415,11 @@ def plan_for_tree(tree: Any, *, num_nodes: int, topology: str = "ps",
       raise invalid(f"tree{jax.tree_util.keystr(path)}", leaf, "an array or jax.ShapeDtypeStruct")
     grads.append((jax.tree_util.keystr(path), math.prod(shape)))
   if comp_threshold is None:
-    plan = secopa_plan(grads, num_nodes=num_nodes, topology=topology, cost_model=cost_model)
+    plan = secopa_plan(grads, num_nodes=num_nodes, topology=topology, cost_model=cost_model,
+                       compressor=compressor, ratio=ratio)
   else:
     _topology(topology)
+    _payload(_check_model(cost_model), compressor, ratio)  # validated, not used
     plan = static_plan(grads, num_nodes=num_nodes, comp_threshold=comp_threshold)
   return {e.name: (e.compress, e.partitions) for e in plan}
 

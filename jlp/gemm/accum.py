@@ -70,6 +70,7 @@ from jax import lax
 
 from jlp.formats import FloatFormat, as_format
 from jlp.numerics.float_cast import float_cast
+from jlp.numerics.opaque import opaque_zero, rounded_product
 from jlp.numerics.sums import kahan_step
 
 IMPLS = ("auto", "xla", "pallas")
@@ -88,22 +89,6 @@ _B_ROW_PAD = 16
 
 def _invalid(field: str, given: Any, allowed: str) -> ValueError:
   return ValueError(f"{field}={given!r} is not allowed; expected {allowed}.")
-
-
-def opaque_zero() -> jax.Array:
-  """A uint32 zero that the compiler cannot constant-fold (blocks FMA contraction)."""
-  return lax.optimization_barrier(jnp.zeros((), jnp.uint32))
-
-
-def rounded_product(x: jax.Array, y: jax.Array, zero: jax.Array) -> jax.Array:
-  """fl32(x * y), forced to be rounded to float32 before any later addition.
-
-  `zero` is an opaque uint32 zero (`opaque_zero()`, or one loaded from memory
-  inside a kernel): OR-ing it into the product's bits keeps the compiler from
-  fusing the multiply into a following add (an FMA rounds only once).
-  """
-  p = lax.bitcast_convert_type(x * y, jnp.uint32) | zero
-  return lax.bitcast_convert_type(p, jnp.float32)
 
 
 def cast(x: jax.Array, fmt: FloatFormat) -> jax.Array:

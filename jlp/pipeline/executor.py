@@ -33,7 +33,7 @@ Schedules:
 
 Synchronisation across the N pipelines, per stage, at every update:
   "allreduce"  the update uses the sum over pipelines of gradient / N, summed by
-               `jlp.train.sync.reduce_gradients` with `grad_sync` (default: float32, sequential in
+               `jlp.sync.reduce_gradients` with `grad_sync` (default: float32, sequential in
                pipeline order; a custom format, Kahan, APS or a HiPress compressor work too, on the
                stage's gradient as one flat buffer). SD-PIPE's AllReduce baseline (§1.3).
   "none"       every pipeline trains alone.
@@ -78,10 +78,11 @@ import optax
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jlp._checks import is_int
 from jlp.pipeline import schedules as sched
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce, SyncPlan, simulate
-from jlp.train.sync import GradSync, reduce_gradients
+from jlp.sync import GradSync, reduce_gradients
 
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
 
@@ -151,8 +152,8 @@ def _write_slot(buffers: Any, slot: jax.Array, values: Any, when: jax.Array) -> 
   return jax.tree.map(lambda b, v: b.at[slot].set(jnp.where(when, v, b[slot])), buffers, values)
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+#: What sync="allreduce" reports per mini-batch (`jlp.sync.reduce_gradients`).
+_SYNC_REPORT = {"wire_bytes": jnp.float32, "payload_bytes": jnp.float32, "nonfinite": jnp.int32}
 
 
 class Pipeline:
@@ -171,7 +172,7 @@ class Pipeline:
     num_microbatches: GPipe's M (micro-batches per mini-batch); 1 for "1f1b".
     sync: "allreduce", "none", "preduce", "adpsgd" or "hetpipe".
     stateful: stages take and return a state (see above).
-    grad_sync: how sync="allreduce" sums (a jlp.train.GradSync over axis "data"; default float32
+    grad_sync: how sync="allreduce" sums (a jlp.sync.GradSync over axis "data"; default float32
       sequential).
     hetero, preduce, hetpipe: the virtual-time cost model, the partial-reduce scheduler's knobs
       and HetPipe's (jlp.pipeline.simulator).
@@ -206,7 +207,7 @@ class Pipeline:
                        f"{STAGE!r} axis size {mesh.shape[STAGE]}.")
     if schedule not in sched.SCHEDULES:
       raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {sched.SCHEDULES}.")
-    if not _is_int(num_microbatches) or num_microbatches < 1:
+    if not is_int(num_microbatches) or num_microbatches < 1:
       raise ValueError(f"num_microbatches={num_microbatches!r} is not allowed; expected an "
                        "integer >= 1.")
     if schedule == "1f1b" and num_microbatches != 1:
@@ -224,7 +225,7 @@ class Pipeline:
     grad_sync = GradSync() if grad_sync is None else grad_sync
     if not isinstance(grad_sync, GradSync) or grad_sync.axis_name != DATA or \
         grad_sync.uses_emulation:
-      raise ValueError(f"grad_sync={grad_sync!r} is not allowed; expected a jlp.train.GradSync "
+      raise ValueError(f"grad_sync={grad_sync!r} is not allowed; expected a jlp.sync.GradSync "
                        f"over axis {DATA!r} without emulated nodes.")
     if grad_sync != GradSync() and sync != "allreduce":
       raise ValueError(f"grad_sync={grad_sync!r} is not allowed with sync={sync!r}; expected the "
@@ -234,7 +235,7 @@ class Pipeline:
       if not isinstance(value, kind):
         raise ValueError(f"{name}={value!r} is not allowed; expected a "
                          f"jlp.pipeline.{kind.__name__}.")
-    if not _is_int(seed):
+    if not is_int(seed):
       raise ValueError(f"seed={seed!r} is not allowed; expected an integer.")
     self.stages = stages
     self.loss_fn = loss_fn
@@ -478,8 +479,10 @@ class Pipeline:
     """Trains on the B mini-batches of xs, ys ([B, N*b, ...]; pipeline i takes rows [i*b, (i+1)*b)
     of each). Returns the new state and metrics: "loss" [B] (mean over pipelines of each
     mini-batch's loss; likewise every entry of loss_fn's aux), "bubble_fraction" (the schedule
-    table's idle share), "virtual_time" [B] (float64: virtual seconds at which each mini-batch's
-    update finished, counted from the first run).
+    table's idle share), with sync="allreduce" the gradient sync's report per mini-batch
+    ("wire_bytes" and "payload_bytes" [B]: per device, averaged over all devices; "nonfinite"
+    [B]: summed over the stages; `jlp.sync.reduce_gradients`), "virtual_time" [B] (float64:
+    virtual seconds at which each mini-batch's update finished, counted from the first run).
     `plan` (default: `self.plan(state, B)`) may be any object with the SyncPlan fields `mix`
     [B, S, N, N], `times` [B] and `finish` [B, N, S], on the clock of the state's
     `virtual_clocks`."""
@@ -534,7 +537,9 @@ class Pipeline:
     carry = dict(params=params, opt=opt, model_state=model_state, global_params=global_params,
                  sync_state=sync_state,
                  metrics={name: jnp.zeros((layout.num_batches,), jnp.float32)
-                          for name in layout.metric_names})
+                          for name in layout.metric_names},
+                 sync_report={name: jnp.zeros((layout.num_batches,), dtype) for name, dtype in
+                              _SYNC_REPORT.items()} if self.sync == "allreduce" else {})
     if self.schedule == "1f1b":
       carry = self._run_1f1b(layout, carry, stage, state.step, xs, ys, mix)
     else:
@@ -542,6 +547,12 @@ class Pipeline:
     last = stage == self.num_stages - 1
     means = {name: lax.psum(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA) / self.num_pipelines
              for name, v in carry["metrics"].items()}
+    # The sync's bytes per device, averaged over all N*S devices (each stage's devices sync their
+    # own stage's gradient); non-finite elements summed over the stages.
+    for name, v in carry["sync_report"].items():
+      total = lax.psum(lax.psum(v, STAGE), DATA)
+      means[name] = total // self.num_pipelines if name == "nonfinite" else total / (
+          self.num_pipelines * self.num_stages)
     expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
     new_state = PipelineState(state.step + layout.num_batches, expand(carry["params"]),
                               expand(carry["opt"]), expand(carry["model_state"]),
@@ -666,8 +677,13 @@ class Pipeline:
     if self.sync == "allreduce":
       scaled = {"stage": grads["float32"] * np.float32(1.0 / N)}
       own = carry["sync_state"]
-      summed, new_sync_state, _ = reduce_gradients(scaled, self.grad_sync, own, global_batch)
+      # The stage index is folded into the sync's random stream: every stage draws its own.
+      summed, new_sync_state, report = reduce_gradients(scaled, self.grad_sync, own, global_batch,
+                                                        stream=stage)
       grads = {"float32": summed["stage"]}
+      carry["sync_report"] = {
+          name: v.at[batch_index].set(jnp.where(do_update, report[name], v[batch_index]))
+          for name, v in carry["sync_report"].items()}
       if own is not None:
         carry["sync_state"] = jax.tree.map(lambda new, old: jnp.where(do_update, new, old),
                                            new_sync_state, own)

@@ -82,6 +82,7 @@ import random
 
 import numpy as np
 
+from jlp._checks import invalid, is_int
 from jlp.pipeline import schedules
 
 __all__ = ["COMPAT", "FORCED", "ORDINARY", "PERIOD_END", "SYNC_MODES", "HetPipe", "Hetero",
@@ -95,18 +96,10 @@ COMPAT = (None, "sdpipe")
 ORDINARY, PERIOD_END, FORCED = 0, 1, 2
 
 
-def _invalid(field: str, given, allowed: str) -> ValueError:
-  return ValueError(f"{field}={given!r} is not allowed; expected {allowed}.")
-
-
-def _is_int(value) -> bool:
-  return not isinstance(value, bool) and isinstance(value, (int, np.integer))
-
-
 def _check_int(field: str, value, low: int, high: int | None = None) -> None:
-  if not _is_int(value) or value < low or (high is not None and value > high):
+  if not is_int(value) or value < low or (high is not None and value > high):
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    raise _invalid(field, value, allowed)
+    raise invalid(field, value, allowed)
 
 
 def _check_float(field: str, value, low: float, high: float | None = None, *,
@@ -117,7 +110,7 @@ def _check_float(field: str, value, low: float, high: float | None = None, *,
   if not ok:
     bound = f"> {low}" if low_open else f">= {low}"
     allowed = f"a finite number {bound}" + ("" if high is None else f" and <= {high}")
-    raise _invalid(field, value, allowed)
+    raise invalid(field, value, allowed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +144,10 @@ class Hetero:
       try:
         rows = tuple(tuple(float(v) for v in row) for row in self.slowdown)
       except (TypeError, ValueError):
-        raise _invalid("Hetero.slowdown", self.slowdown, allowed) from None
+        raise invalid("Hetero.slowdown", self.slowdown, allowed) from None
       if (not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows)
           or not all(math.isfinite(v) and v > 0 for row in rows for v in row)):
-        raise _invalid("Hetero.slowdown", self.slowdown, allowed)
+        raise invalid("Hetero.slowdown", self.slowdown, allowed)
       object.__setattr__(self, "slowdown", rows)
 
 
@@ -198,7 +191,7 @@ class PReduce:
     if self.epoch_updates is not None:
       _check_int("PReduce.epoch_updates", self.epoch_updates, 1)
     if self.compat not in COMPAT:
-      raise _invalid("PReduce.compat", self.compat, f"one of {COMPAT}")
+      raise invalid("PReduce.compat", self.compat, f"one of {COMPAT}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +204,7 @@ class HetPipe:
   def __post_init__(self):
     _check_int("HetPipe.pull_every", self.pull_every, 1)
     if not isinstance(self.barrier, bool):
-      raise _invalid("HetPipe.barrier", self.barrier, "True or False")
+      raise invalid("HetPipe.barrier", self.barrier, "True or False")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -256,10 +249,10 @@ def adpsgd_matchings(num_pipelines: int, num_rounds: int, *, seed: int = 0) -> n
   pairs positions (0, 1), (2, 3), ... N must be even."""
   _check_int("num_pipelines", num_pipelines, 1)
   if num_pipelines % 2:
-    raise _invalid("num_pipelines", num_pipelines, "an even number (AD-PSGD pairs pipelines)")
+    raise invalid("num_pipelines", num_pipelines, "an even number (AD-PSGD pairs pipelines)")
   _check_int("num_rounds", num_rounds, 1)
-  if not _is_int(seed):
-    raise _invalid("seed", seed, "an integer")
+  if not is_int(seed):
+    raise invalid("seed", seed, "an integer")
   rng = random.Random(int(seed))
   out = np.empty((num_rounds, num_pipelines), np.int32)
   for r in range(num_rounds):
@@ -309,7 +302,7 @@ def simulate(schedule: str, sync: str, num_pipelines: int, num_stages: int, num_
   start = np.zeros((num_pipelines, num_stages)) if start is None else np.asarray(start, np.float64)
   if start.shape != (num_pipelines, num_stages) or not np.all(np.isfinite(start)) or \
       np.any(start < 0):
-    raise _invalid("start", start, f"finite times >= 0 of shape ({num_pipelines}, {num_stages})")
+    raise invalid("start", start, f"finite times >= 0 of shape ({num_pipelines}, {num_stages})")
   engine = _Engine(schedule, sync, num_pipelines, num_stages, num_batches, num_microbatches,
                    seed=seed, hetero=hetero, preduce=preduce, hetpipe=hetpipe,
                    first_batch=first_batch, start=start)
@@ -367,14 +360,14 @@ class _Engine:
     self.first_batch = first_batch
     self.start = start
     if sync not in SYNC_MODES:
-      raise _invalid("sync", sync, f"one of {SYNC_MODES}")
+      raise invalid("sync", sync, f"one of {SYNC_MODES}")
     _check_int("num_pipelines", num_pipelines, 1)
     for name, value, kind in (("hetero", hetero, Hetero), ("preduce", preduce, PReduce),
                               ("hetpipe", hetpipe, HetPipe)):
       if not isinstance(value, kind):
-        raise _invalid(name, value, f"a jlp.pipeline.{kind.__name__}")
-    if not _is_int(seed):
-      raise _invalid("seed", seed, "an integer")
+        raise invalid(name, value, f"a jlp.pipeline.{kind.__name__}")
+    if not is_int(seed):
+      raise invalid("seed", seed, "an integer")
     if schedule == "gpipe":
       base = schedules.stage_order("gpipe", num_stages, 1, num_microbatches)
       _check_int("num_batches", num_batches, 1)
@@ -387,13 +380,13 @@ class _Engine:
       updates = [[(b if kind == schedules.BWD else -1) for kind, b, _ in o] for o in orders]
     N, S, B = int(num_pipelines), int(num_stages), int(num_batches)
     if sync == "adpsgd" and N % 2:
-      raise _invalid("num_pipelines", N, "an even number with sync='adpsgd'")
+      raise invalid("num_pipelines", N, "an even number with sync='adpsgd'")
     if sync == "preduce" and preduce.max_group is not None and preduce.max_group > N:
-      raise _invalid("PReduce.max_group", preduce.max_group,
+      raise invalid("PReduce.max_group", preduce.max_group,
                      f"an integer in [1, num_pipelines={N}]")
     slowdown = np.ones((N, S)) if hetero.slowdown is None else np.asarray(hetero.slowdown)
     if slowdown.shape != (N, S):
-      raise _invalid("Hetero.slowdown", hetero.slowdown,
+      raise invalid("Hetero.slowdown", hetero.slowdown,
                      f"a [num_pipelines={N}][num_stages={S}] table")
     self.N, self.S, self.B = N, S, B
     self.sync, self.hetero, self.config, self.hetpipe = sync, hetero, preduce, hetpipe

@@ -15,7 +15,7 @@ multi-process start-up.
     graphdef, state = jlp.train.init_train_state(model, optimizer, mesh, sync)  # + sync_state
     step = jlp.train.TrainStep(graphdef, optimizer, mesh, sync)   # metrics["wire_bytes"]
 
-Modules: `mesh` (data_mesh, shardings, shard_batch, replicate), `sync` (GradSync), `step`
+Modules: `mesh` (data_mesh, shardings, shard_batch, replicate), `step`
 (TrainState, TrainStep), `optim` (SGD / LARS / schedules / weight-decay masks), `distributed`
 (jax.distributed start-up, SLURM).
 """
@@ -26,7 +26,7 @@ from jlp.train.optim import (cpd_lars, cpd_resnet18_lr, decay_mask, is_bn_or_bia
                              path_contains, step_schedule, torch_sgd, warmup_step_schedule)
 from jlp.train.step import (TrainState, TrainStep, cross_entropy_loss, init_sync_state,
                             init_train_state, merge_model, split_model)
-from jlp.train.sync import GradSync
+from jlp.sync import GradSync
 
 __all__ = [
     "GradSync",

@@ -114,7 +114,7 @@ from typing import Any
 import ml_collections
 
 from jlp.formats import FloatFormat, as_format
-from jlp.train.sync import ALGORITHMS, DEFAULT_MIN_SIZE, FORMS, NODE_MAPS, TOPOLOGIES
+from jlp.sync import ALGORITHMS, DEFAULT_MIN_SIZE, FORMS, NODE_MAPS, TOPOLOGIES
 
 TASKS = ("classification", "segmentation")
 OPTIMIZERS = ("sgd", "adamw")

@@ -336,6 +336,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "throughput": (step - last_step) * config.batch_size / max(now - last_time, 1e-9),
                  "epoch": step / spe,
                  "wire_bytes": float(metrics["wire_bytes"]),
+                 "payload_bytes": float(metrics["payload_bytes"]),
+                 "nonfinite": int(metrics["nonfinite"]),
                  **_bfp_metrics(run, zse)}
           if run.quant.schedule is not None:
             row["bfp_preset"] = run.preset

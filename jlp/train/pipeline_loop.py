@@ -22,7 +22,8 @@ Rows of metrics.jsonl, every log_every mini-batches (from the call's per-mini-ba
 train_loss and train_accuracy (means over pipelines), learning_rate, throughput (examples per wall-clock second over
 the call), epoch, virtual_time (virtual seconds at which the mini-batch's update finished),
 virtual_throughput (examples per virtual second over the call), bubble_fraction (the schedule
-table's idle share). Evaluation (every eval_every steps and at the end, between calls): every
+table's idle share), and with pipeline.sync="allreduce" the gradient sync's wire_bytes,
+payload_bytes (per device, averaged over all devices) and nonfinite. Evaluation (every eval_every steps and at the end, between calls): every
 pipeline's model (its stages merged, eval mode) is evaluated on the whole eval split with
 `recipe.eval_sums` (data-parallel on every device) and eval_loss / eval_accuracy are the means
 over the N pipelines (the seed reduces validation over its pipelines, sdpipe.md §5).
@@ -217,6 +218,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "virtual_time": float(times[k]),
                  "virtual_throughput": virtual_throughput,
                  "bubble_fraction": float(metrics["bubble_fraction"])}
+          for name in ("wire_bytes", "payload_bytes", "nonfinite"):  # sync="allreduce" only
+            if name in metrics:
+              row[name] = metrics[name][k].item()
           if evaluated:
             assert step == end, "evaluation inside a call (validate checks eval_every)"
             row.update(run.evaluate(state))

@@ -36,7 +36,7 @@ from jlp.compression import secopa
 from jlp.train import optim
 from jlp.train.config import SECOPA, compressor, grad_format
 from jlp.train.step import cross_entropy_loss
-from jlp.train.sync import GradSync
+from jlp.sync import GradSync
 
 SCHEDULES = ("constant", "cosine", "cosine_epochs", "cpd_resnet18", "piecewise_linear",
              "warmup_step", "poly")
@@ -188,11 +188,13 @@ def grad_sync(config: ml_collections.ConfigDict, num_devices: int | None = None)
 def plan_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any,
               num_devices: int) -> GradSync:
   """`sync` with SeCoPa's plan for gradients shaped like `params` on `num_devices` devices
-  (HiPress's seed cost model, `jlp.compression.plan_for_tree`) when config.compression.plan is
-  "secopa"; `sync` itself otherwise."""
+  (HiPress's seed cost model, `jlp.compression.plan_for_tree`, each partition priced with the
+  compressor's own payload size) when config.compression.plan is "secopa"; `sync` itself
+  otherwise."""
   if sync.compression is None or config.compression.plan != SECOPA:
     return sync
-  plan = secopa.plan_for_tree(params, num_nodes=num_devices, topology=sync.topology)
+  plan = secopa.plan_for_tree(params, num_nodes=num_devices, topology=sync.topology,
+                              compressor=sync.compression)
   return dataclasses.replace(sync, plan=plan)
 
 

@@ -28,7 +28,7 @@ per device (cpd.md §3.2, §6.1):
      "Bit-identical" compares runs with the same node_map (8 devices x 1 node under "scan" run
      the loop too); "unroll" and "scan" differ from each other in the last bits.
   3. The gradients are summed over all nodes with `jlp.collectives` as `GradSync` says (module
-     `jlp.train.sync`), the same sum on every device, then divided by loss_scale in float32
+     `jlp.sync`), the same sum on every device, then divided by loss_scale in float32
      (skipped when loss_scale == 1, or with unscale_grads=False: CPD's DavidNet never divides
      its static loss scale out, so the optimizer sees loss_scale times the gradient while the
      weight decay it adds is not scaled; cpd.md §4).
@@ -52,8 +52,9 @@ The state after a step is a deterministic function of the state and the global b
     not change. Other non-parameter state (RNG counters, BFP widths, ...) is taken from node 0;
     it evolves identically on every node.
   * Metrics: `loss` (the mean of the node losses, without loss_scale) and the mean over the nodes
-    of every entry of `aux` (float32 scalars), each summed in node order as above; and
-    `wire_bytes` (below).
+    of every entry of `aux` (float32 scalars), each summed in node order as above; and the
+    gradient sync's report (`jlp.sync.reduce_gradients`): `wire_bytes` (below), `payload_bytes`
+    and `nonfinite`.
 
 Wire bytes: metrics["wire_bytes"] (float32) is the number of bytes one device sends for the
 gradient sync of the step, counted from what the program exchanges between devices (the BatchNorm
@@ -69,9 +70,12 @@ statistics and metrics exchanged beside it are not counted):
                   (the node reduction then runs locally); form "cpd": the local fold sends
                   nothing, then sequential / ring over the W devices as above;
       W = 1: 0. APS's exponent agreement (one pmax of a scalar per leaf) is not counted.
-  * compressed: `jlp.compression.sync_with_bytes`: HiPress's wire size of every payload a device
-    sends (sparse payloads at their real count), averaged over the devices; uncompressed leaves
-    count as a float32 ring all-reduce, 2 * (W-1)/W * 4 * n.
+  * compressed: `jlp.compression.sync_with_bytes`: the bytes the sync's collectives move per
+    device, averaged over the devices: every payload at its in-jit size (HiPress's wire size,
+    sparse payloads at capacity), uncompressed leaves as a float32 ring all-reduce,
+    2 * (W-1)/W * 4 * n, and the sync's small bookkeeping psum. metrics["payload_bytes"] is what
+    HiPress's wire would carry instead (sparse payloads at their real count, no bookkeeping);
+    uncompressed, it equals wire_bytes.
 
 `TrainState` is a NamedTuple of replicated arrays and `nnx.State`s (a plain pytree: orbax saves it
 once typed PRNG keys are turned into key data) plus `sync_state`, the compression state of every
@@ -97,7 +101,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jlp.nn.rules import ZSEProbe, bfp_zse_metrics
 from jlp.numerics.sums import sequential_sum
 from jlp.train.mesh import batch_sharding, replicate, replicated
-from jlp.train.sync import GradSync, reduce_gradients
+from jlp.sync import GradSync, reduce_gradients
 
 __all__ = [
     "LossFn",
@@ -422,14 +426,14 @@ class TrainStep:
     if not sync.uses_emulation:
       grads = jax.tree.map(lambda g: g[0], grads)
     own_state = jax.tree.map(lambda x: x[0], sync_state)  # this rank's row
-    grads, own_state, wire_bytes = reduce_gradients(grads, sync, own_state, step)
+    grads, own_state, report = reduce_gradients(grads, sync, own_state, step)
     sync_state = jax.tree.map(lambda x: x[None], own_state)
     # The metrics' all_gather after the gradient sync's collectives: XLA:CPU runs independent
     # collectives of one program in any order on each device, and devices waiting in different
     # collectives deadlock (seen: a ring's ppermute against this all_gather).
-    per_node, _ = lax.optimization_barrier(((loss, aux, stats, probe_grads), (grads, wire_bytes)))
+    per_node, _ = lax.optimization_barrier(((loss, aux, stats, probe_grads), (grads, report)))
     loss, aux, stats, probe_grads = self._node_means(per_node)
-    metrics = {"loss": loss, **aux, "wire_bytes": wire_bytes}
+    metrics = {"loss": loss, **aux, **report}
     if self.zse_report is not None:
       model = nnx.merge(self.graphdef, params, batch_stats, rng_keys, model_state, copy=True)
       metrics["zse"] = bfp_zse_metrics(model, nnx.merge_state(grads, probe_grads), self.zse_report)

@@ -88,7 +88,14 @@ def decode_add(comp, payload, acc):
 
 
 def message_bytes(comp, payload):
+  """HiPress's wire bytes of one message (sparse payloads at their real count)."""
   return len(comp.to_bytes(payload))
+
+
+def capacity_bytes(comp, n):
+  """The bytes one message of n elements moves: its wire size with sparse payloads at capacity
+  (the in-jit payload travels whole)."""
+  return comp.wire_bytes(n)
 
 
 def fold(key, *ids):
@@ -129,7 +136,7 @@ def ps_leaf(xs, comp, states, key, leaf, k):
   parts = [partitions(x, k)[0] for x in xs]
   c = parts[0][0].size
   server = comp.server(w)
-  sent = [0] * w
+  sent, moved = [0] * w, [0] * w
   new = list(states)
   payloads = [[None] * k for _ in range(w)]
   for r in range(w):
@@ -139,6 +146,7 @@ def ps_leaf(xs, comp, states, key, leaf, k):
       new[r] = set_slot(new[r], j, slots[j])
       if r != j:
         sent[r] += message_bytes(comp, payloads[r][j])
+        moved[r] += capacity_bytes(comp, c)
   merged = []
   for j in range(k):
     if server == comp or has_state(server, c):
@@ -154,9 +162,10 @@ def ps_leaf(xs, comp, states, key, leaf, k):
         acc = decode_add(comp, payloads[r][j], acc)
       payload, _ = encode(server, acc, None, fold(key, leaf, j, j, 1))
     sent[j] += (w - 1) * message_bytes(server, payload)
+    moved[j] += (w - 1) * capacity_bytes(server, c)
     merged.append(payload)
   result = [np.concatenate([decode(server, merged[j], c) for j in range(k)]) for _ in range(w)]
-  return result, new, sent
+  return result, new, sent, moved
 
 
 def ring_leaf(xs, comp, states, key, leaf, k):
@@ -165,7 +174,7 @@ def ring_leaf(xs, comp, states, key, leaf, k):
   parts = [partitions(x, k)[0] for x in xs]
   c = parts[0][0].size
   coder = [comp] + [comp.server(m) for m in range(2, w + 1)]
-  sent = [0] * w
+  sent, moved = [0] * w, [0] * w
   new = list(states)
   finals = []
   for chunk in range(k):
@@ -174,6 +183,7 @@ def ring_leaf(xs, comp, states, key, leaf, k):
     new[r] = set_slot(new[r], chunk, st)
     for t in range(w - 1):
       sent[r] += message_bytes(coder[t], payload)
+      moved[r] += capacity_bytes(coder[t], c)
       r = (chunk + 2 + t) % w
       own = parts[r][chunk]
       if coder[t + 1] != comp and not has_state(coder[t + 1], c):  # DGC's union: own chunk encoded
@@ -190,29 +200,66 @@ def ring_leaf(xs, comp, states, key, leaf, k):
     assert r == chunk
     for t in range(w - 1):  # forwarding: rank chunk, chunk+1, ..., chunk+W-2 send it on
       sent[(chunk + t) % w] += message_bytes(coder[w - 1], payload)
+      moved[(chunk + t) % w] += capacity_bytes(coder[w - 1], c)
     finals.append(payload)
   result = [np.concatenate([decode(coder[w - 1], finals[j], c) for j in range(k)])
             for _ in range(w)]
-  return result, new, sent
+  return result, new, sent, moved
+
+
+def ring_sum(vectors):
+  """The float32 ring all-reduce of one vector per rank (jlp.collectives, algorithm="ring"), from
+  its definition: chunk k of C = ceil(n/W) elements is summed in float32 as s = 0, s = s + x_r
+  for r = k+1, k+2, ..., k+W (mod W). Returns the sum (every rank gets the same)."""
+  w, n = len(vectors), vectors[0].size
+  c = -(-n // w)
+  out = np.zeros(n, F32)
+  for k in range(w):
+    part = slice(k * c, min((k + 1) * c, n))
+    s = np.zeros(out[part].shape, F32)
+    for j in range(1, w + 1):
+      s = (s + np.asarray(vectors[(k + j) % w], F32)[part]).astype(F32)
+    out[part] = s
+  return out
 
 
 def simulate(ranks, comp, states, key, routes, topology):
   """ranks[r]: rank r's leaves (list, flattening order); states[r]: {path: slots};
-  routes: [(path, size, compress, K)]. Returns (per leaf [W, ...] results of the compressed
-  leaves (None for the others), per rank new states, the wire bytes averaged over the ranks)."""
+  routes: [(path, size, compress, K)]. Returns (per leaf the [W, ...] results, per rank new
+  states, the bytes of HiPress's wire (sparse messages at their real count) and the bytes moved
+  (at capacity, plus the sync's bookkeeping psum of one int32 per compressed leaf and two more),
+  each averaged over the ranks). The non-empty uncompressed leaves are packed into one vector
+  (flattening order) and summed by `ring_sum`, which moves W-1 hops and an all_gather of a chunk
+  of ceil(n/W) float32 per rank."""
   w = len(ranks)
   results = [None] * len(routes)
   new_states = [dict(s) for s in states]
   sent = np.zeros(w, np.float64)
+  moved = np.zeros(w, np.float64)
+  compressed = 0
+  plain = [i for i, (_, size, compress, _) in enumerate(routes) if size and not compress]
+  if plain:
+    total = ring_sum([np.concatenate([np.ravel(r[i]) for i in plain]) for r in ranks])
+    sent += 2 * (w - 1) * 4 * -(-total.size // w)
+    moved += 2 * (w - 1) * 4 * -(-total.size // w)
+    offset = 0
+    for i in plain:
+      size, shape = routes[i][1], np.shape(ranks[0][i])
+      results[i] = np.stack([total[offset:offset + size].reshape(shape)] * w)
+      offset += size
   for i, (path, size, compress, k) in enumerate(routes):
     if not compress:
-      sent += 2 * (w - 1) / w * 4 * size
       continue
+    compressed += 1
     fn = ps_leaf if topology == "ps" else ring_leaf
-    out, new, bytes_ = fn([r[i] for r in ranks], comp, [s[path] for s in states], key, i, k)
+    out, new, bytes_, moved_ = fn([r[i] for r in ranks], comp, [s[path] for s in states], key,
+                                  i, k)
     shape = np.shape(ranks[0][i])
     results[i] = np.stack([o[:size].reshape(shape) for o in out])
     for r in range(w):
       new_states[r][path] = new[r]
     sent += bytes_
-  return results, new_states, float(np.mean(sent))
+    moved += moved_
+  if any(size for _, size, _, _ in routes):
+    moved += 2 * (w - 1) / w * 4 * (compressed + 2)
+  return results, new_states, float(np.mean(sent)), float(np.mean(moved))

@@ -12,6 +12,7 @@ import re
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))  # casync_refs (--import-mode=importlib)
 import casync_refs  # noqa: E402
+from draw_recorder import DrawRecorder  # noqa: E402
+import hlo_bytes  # noqa: E402
 import references as ref  # noqa: E402
 import jlp.compression as jc  # noqa: E402
 
@@ -36,7 +39,7 @@ MIN_SIZE = 34
 SHAPES = {"a": (5, 7), "b": (), "e": (2, 17), "u": (40,), "v": (3000,)}
 PLAN = {"['u']": (False, 8), "['v']": (True, 3)}
 # How the tree is routed (path, size, compress, K), by hand from the rules above.
-ROUTES = [("['a']", 35, True, 8), ("['b']", 1, False, 8), ("['e']", 34, False, 8),
+ROUTES = [("['a']", 35, True, 8), ("['b']", 1, False, 1), ("['e']", 34, False, 8),
           ("['u']", 40, False, 8), ("['v']", 3000, True, 3)]
 # Parameters under which the sparse compressors keep several values of these partitions, and
 # TernGrad draws random numbers.
@@ -78,11 +81,11 @@ def compiled(name, topology):
     tree = jax.tree.map(lambda x: x[0], tree)
     if topology == "ps":
       state = jax.tree.map(lambda s: s[0], state)
-    out, new, wire = jc.sync_with_bytes(tree, "r", comp, state, topology=topology,
-                                        min_size=MIN_SIZE, plan=PLAN, key=key)
+    out, new, report = jc.sync_with_bytes(tree, "r", comp, state, topology=topology,
+                                          min_size=MIN_SIZE, plan=PLAN, key=key)
     if topology == "ps":
       new = jax.tree.map(lambda s: s[None], new)
-    return (jax.tree.map(lambda x: x[None], out), new, wire[None],
+    return (jax.tree.map(lambda x: x[None], out), new, jax.tree.map(lambda b: b[None], report),
             jax.tree.map(lambda x: x[None], lax.psum(tree, "r")))
   return jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P("r"), P("r"), P()),
                                out_specs=P("r")))
@@ -130,8 +133,9 @@ SLOW_PAIRS = {("dgc", "ring"), ("graddrop", "ps"), ("terngrad", "ring")}
     for n in sorted(jc.COMPRESSORS) for t in TOPOLOGIES])
 def test_matches_simulation_two_steps(name, topology):
   """Two successive calls (state carried) against casync_refs.simulate, bit for bit on every rank:
-  the compressed leaves (K = W for "a", K = 3 for "v"), every rank's new state and the wire
-  bytes; the uncompressed leaves equal lax.psum; the same call again gives the same bits."""
+  the compressed leaves (K = W for "a", K = 3 for "v"), the uncompressed ones (the float32 ring
+  of casync_refs.ring_sum, close to lax.psum), every rank's new state and the wire bytes; the
+  same call again gives the same bits."""
   comp = compressor(name)
   fn = compiled(name, topology)
   state = stacked_state(comp, topology)
@@ -142,48 +146,55 @@ def test_matches_simulation_two_steps(name, topology):
     before = state
     out, state, wire, psum = fn(tree, state, key)
     ranks = [[tree[k][r] for k in sorted(SHAPES)] for r in range(W)]
-    want, sim_states, want_wire = casync_refs.simulate(ranks, comp, sim_states, key, ROUTES,
-                                                     topology)
+    want, sim_states, want_payload, want_moved = casync_refs.simulate(ranks, comp, sim_states,
+                                                                      key, ROUTES, topology)
     for i, (path, _, compress, _) in enumerate(ROUTES):
       leaf = path[2:-2]
       got = np.asarray(out[leaf])
+      ref.assert_same_bits(got, want[i], msg=f"step {step} {path}")
       if compress:
-        ref.assert_same_bits(got, want[i], msg=f"step {step} {path}")
         assert not np.array_equal(got[0], np.asarray(psum[leaf])[0])
       else:
-        ref.assert_same_bits(got, np.asarray(psum[leaf]), msg=f"step {step} {path} psum")
+        np.testing.assert_allclose(got, np.asarray(psum[leaf]), rtol=1e-5, atol=1e-6)
     for r, (got, want_state) in enumerate(zip(per_rank(state), sim_states, strict=True)):
       assert_tree_bits(got, want_state, f"step {step} rank {r} state")
-    assert np.all(np.asarray(wire) == F32(want_wire)), (np.asarray(wire), want_wire)
+    assert np.all(np.asarray(wire["payload_bytes"]) == F32(want_payload)), (wire, want_payload)
+    assert np.all(np.asarray(wire["wire_bytes"]) == F32(want_moved)), (wire, want_moved)
+    assert np.all(np.asarray(wire["nonfinite"]) == 0)
   again = fn(tree, before, key)
   assert_tree_bits(again[:3], (out, state, wire), "the same call again")
 
 
 def one_call(comp, topology, tree, min_size, plan=None, key=None):
-  """sync_with_bytes over the 8 devices of per-rank leaves tree[k][r]: (sums, wire bytes)."""
+  """sync_with_bytes over the 8 devices of per-rank leaves tree[k][r]: (sums, the report with
+  each entry checked equal on every rank)."""
   def body(tree, key):
-    out, _, wire = jc.sync_with_bytes(jax.tree.map(lambda x: x[0], tree), "r", comp,
-                                      topology=topology, min_size=min_size, plan=plan, key=key)
-    return jax.tree.map(lambda x: x[None], out), wire[None]
+    out, _, report = jc.sync_with_bytes(jax.tree.map(lambda x: x[0], tree), "r", comp,
+                                        topology=topology, min_size=min_size, plan=plan, key=key)
+    return jax.tree.map(lambda x: x[None], out), jax.tree.map(lambda b: b[None], report)
   fn = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P("r"), P()), out_specs=P("r")))
-  out, wire = fn(tree, key)
-  wire = np.asarray(wire)
-  assert (wire == wire[0]).all()
-  return out, float(wire[0])
+  out, report = fn(tree, key)
+  report = {k: np.asarray(v) for k, v in report.items()}
+  assert all((v == v[0]).all() for v in report.values())
+  return out, {k: v[0].item() for k, v in report.items()}
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_wire_bytes_dense_by_hand(topology):
   """TBQ (2 bits per element, no header): "a" 35 elements in 8 partitions of 5 (2 bytes each),
-  "c" 100 elements in 3 of 34 (9 bytes), "b" 3 elements by psum (2 * 7/8 * 4 * 3 = 21 bytes).
+  "c" 100 elements in 3 of 34 (9 bytes), "b" 3 elements by the float32 ring (7 hops and an
+  all_gather of a chunk of ceil(3/8) = 1 float32: 2 * 7 * 4 = 56 bytes).
   PS: K(W-1) worker and K(W-1) server messages; ring: K per reduce hop (7 hops) and K(W-1)
-  forwarded; either way 2K(W-1) messages over W devices."""
+  forwarded; either way 2K(W-1) messages over W devices. A dense payload moves as it is on the
+  wire, so wire_bytes = payload_bytes + the bookkeeping psum of 2 + 2 int32 (2 * 7/8 * 16)."""
   tree = {"a": np.ones((W, 5, 7), F32), "b": np.ones((W, 3), F32), "c": np.ones((W, 100), F32)}
-  _, wire = one_call(jc.get("tbq"), topology, tree, min_size=10, plan={"['c']": (True, 3)})
-  assert wire == 2 * 8 * 7 * 2 / 8 + 2 * 3 * 7 * 9 / 8 + 21  # 28 + 47.25 + 21 = 96.25
+  _, report = one_call(jc.get("tbq"), topology, tree, min_size=10, plan={"['c']": (True, 3)})
+  assert report["payload_bytes"] == 2 * 8 * 7 * 2 / 8 + 2 * 3 * 7 * 9 / 8 + 56  # 131.25
+  assert report["wire_bytes"] == 131.25 + 28
+  assert report["nonfinite"] == 0
 
 
-@pytest.mark.parametrize("topology, want", [("ps", 560 + 21), ("ring", 728 + 21)])
+@pytest.mark.parametrize("topology, want", [("ps", 560 + 56), ("ring", 728 + 56)])
 def test_wire_bytes_sparse_by_hand(topology, want):
   """DGC with density 1 (capacity 16 of a 16-element partition) and sample_rate 1: the threshold
   is the smallest of 16 sampled magnitudes. Rank r's every partition holds a 10 at position r and
@@ -196,14 +207,18 @@ def test_wire_bytes_sparse_by_hand(topology, want):
     ring: per chunk, the first reduce hop sends a worker payload (12 B), the next 6 server
       payloads of m = 2..7 contributions (6*4 + 8*27 = 240 B); the last encode (m = 8, 68 B) is
       forwarded 7 times (476 B): 728 B per chunk, 8 chunks over 8 devices.
-  Plus 21 bytes for a 3-element psum leaf (2 * 7/8 * 4 * 3)."""
+  Plus 56 bytes for a 3-element leaf by the float32 ring (2 * 7 * 4 * ceil(3/8)). That is
+  payload_bytes; wire_bytes moves every payload at capacity (16 pairs: 132 B; 2K(W-1)/W = 14
+  messages per device, either topology), the ring leaf, and the bookkeeping psum of 3 int32
+  (2 * 7/8 * 12 = 21 B)."""
   flat = np.ones((W, 8, 16), F32)
   for r in range(W):
     flat[r, :, r] = 10.0
   tree = {"g": flat.reshape(W, 128), "s": np.ones((W, 3), F32)}
   comp = jc.get("dgc", density=1.0, sample_rate=1.0)
-  out, wire = one_call(comp, topology, tree, min_size=3, key=jax.random.key(3))
-  assert wire == want
+  out, report = one_call(comp, topology, tree, min_size=3, key=jax.random.key(3))
+  assert report["payload_bytes"] == want
+  assert report["wire_bytes"] == 14 * 132 + 56 + 21
   assert np.isfinite(np.asarray(out["g"])).all()
 
 
@@ -282,18 +297,184 @@ def test_matches_simulation_three_ranks(name, topology):
   key = jax.random.key(5)
 
   def body(tree, state, key):
-    out, new, wire = jc.sync_with_bytes(jax.tree.map(lambda x: x[0], tree), "r", comp, state,
-                                        topology=topology, min_size=4, key=key)
-    return jax.tree.map(lambda x: x[None], out), new, wire[None]
+    out, new, report = jc.sync_with_bytes(jax.tree.map(lambda x: x[0], tree), "r", comp, state,
+                                          topology=topology, min_size=4, key=key)
+    return jax.tree.map(lambda x: x[None], out), new, report["wire_bytes"][None]
   fn = jax.jit(jax.shard_map(body, mesh=Mesh(np.array(jax.devices()[:w]), ("r",)),
                              in_specs=(P("r"), P("r"), P()), out_specs=P("r")))
   out, new, wire = fn(tree, state, key)
   ranks = [[tree[k][r] for k in sorted(shapes)] for r in range(w)]
   sim_states = [jax.tree.map(lambda s, r=r: np.asarray(s)[r], state) for r in range(w)]
-  want, want_states, want_wire = casync_refs.simulate(ranks, comp, sim_states, key, routes,
-                                                    topology)
+  want, want_states, _, want_wire = casync_refs.simulate(ranks, comp, sim_states, key, routes,
+                                                       topology)
   ref.assert_same_bits(np.asarray(out["a"]), want[0], msg="a")
   for r in range(w):
     assert_tree_bits(jax.tree.map(lambda s, r=r: np.asarray(s)[r], new), want_states[r],
                      f"rank {r} state")
   assert np.all(np.asarray(wire) == F32(want_wire)), (np.asarray(wire), want_wire)
+
+
+# -- invariants (issue 19) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,topology", [
+    pytest.param(n, t, id=f"{n}-{t}", marks=[pytest.mark.slow] if (n, t) in SLOW_PAIRS else [])
+    for n in sorted(jc.COMPRESSORS) for t in TOPOLOGIES])
+def test_nonfinite_gradient_leaves_no_trace(name, topology):
+  """A NaN or an infinity in one rank's leaf (compressed "a" with K = W, compressed "v" with
+  K = 3, or the psum leaf "e"): that leaf's sum is non-finite on every rank, every rank's state
+  comes back bit for bit as it went in, `nonfinite` counts the bad element, and the next call
+  with finite gradients gives the bits it gives without the bad call."""
+  comp = compressor(name)
+  fn = compiled(name, topology)
+  state = fn(random_tree(seed=0), stacked_state(comp, topology), jax.random.key(0))[1]
+  good, key = random_tree(seed=1), jax.random.key(1)
+  want = fn(good, state, key)
+  for leaf, rank, where, value in (("a", 3, (2, 4), np.nan), ("v", 5, (1234,), np.inf),
+                                   ("e", 0, (1, 16), -np.inf)):
+    bad = random_tree(seed=2)
+    bad[leaf][(rank,) + where] = value
+    out, new, report, _ = fn(bad, state, jax.random.key(2))
+    got = np.asarray(out[leaf])
+    assert all(not np.isfinite(got[r]).all() for r in range(W)), (leaf, name, topology)
+    assert_tree_bits(new, state, f"{leaf}: the state after the bad call")
+    assert (np.asarray(report["nonfinite"]) == 1).all()
+    after = fn(good, new, key)
+    assert_tree_bits(after[:3], want[:3], f"{leaf}: the next call")
+
+
+def one_leaf_program(comp, topology, n, k, key=None):
+  """(the compiled HLO text, wire_bytes, payload_bytes) of one sync over 8 devices of a leaf of n
+  elements in K partitions beside a 3-element psum leaf."""
+  def body(tree, key):
+    out, _, report = jc.sync_with_bytes(jax.tree.map(lambda x: x[0], tree), "r", comp,
+                                        topology=topology, min_size=3,
+                                        plan={"['g']": (True, k)}, key=key)
+    return jax.tree.map(lambda x: x[None], out), jax.tree.map(lambda b: b[None], report)
+  fn = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P("r"), P()), out_specs=P("r")))
+  tree = {"g": np.random.default_rng(k).standard_normal((W, n)).astype(F32),
+          "s": np.ones((W, 3), F32)}
+  hlo = fn.lower(tree, key).compile().as_text()
+  _, report = fn(tree, key)
+  return hlo, float(np.asarray(report["wire_bytes"])[0]), float(
+      np.asarray(report["payload_bytes"])[0])
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("name", ["tbq", "dgc"])
+def test_a_plan_never_adds_traffic(name, topology):
+  """A leaf of 4096 elements in K = 8, 4, 2, 1 partitions: the bytes per device (averaged) that
+  the compiled program's collectives move, read from its HLO (hlo_bytes), do not grow as K
+  shrinks (HiPress moves about 2(W-1)/W of a payload per device whatever K is), and
+  `wire_bytes` is exactly that number."""
+  comp = compressor(name, **({"density": 0.01} if name == "dgc" else {}))
+  key = jax.random.key(0) if comp.needs_key else None
+  moved = []
+  for k in (8, 4, 2, 1):
+    hlo, wire, payload = one_leaf_program(comp, topology, 4096, k, key)
+    hlo_total, found = hlo_bytes.collective_bytes(hlo, W)
+    assert wire == pytest.approx(hlo_total, rel=1e-6, abs=1e-3), (k, found)
+    assert payload <= wire
+    moved.append(hlo_total)
+  assert all(b <= a * (1 + 1e-6) for a, b in zip(moved, moved[1:])), moved
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("name", ["dgc", "graddrop"])
+def test_no_partition_starves(name, topology):
+  """1-, 5- and 7-element leaves, min_size=0 (partitions of one element: n * density < 1), the
+  same constant gradient on every rank: every element is applied (its sum is non-zero) within 50
+  steps. HiPress's sampled threshold (|v| > the sampled |v|) never selects a partition whose
+  magnitudes all tie."""
+  comp = jc.get(name)
+  shapes = {"one": (1,), "five": (5,), "seven": (7,)}
+  state = jax.tree.map(lambda s: jnp.stack([s] * W),
+                       jc.init_state(shapes_tree(shapes), comp, W, topology=topology, min_size=0))
+
+  def body(tree, state, key):
+    out, new = jc.sync(jax.tree.map(lambda x: x[0], tree), "r", comp, state, topology=topology,
+                       min_size=0, key=key)
+    return jax.tree.map(lambda x: x[None], out), new
+  fn = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P("r"), P("r"), P()),
+                             out_specs=P("r")), donate_argnums=1)
+  tree = {k: np.full((W,) + s, 0.01, F32) for k, s in shapes.items()}
+  applied = {k: np.zeros(s, bool) for k, s in shapes.items()}
+  for step in range(50):
+    out, state = fn(tree, state, jax.random.key(step))
+    for k in shapes:
+      applied[k] |= np.asarray(out[k])[0] != 0
+  assert all(a.all() for a in applied.values()), applied
+
+
+def _equations(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _equations(sub)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_empty_leaves_pass_through(topology):
+  """Empty leaves come back unchanged (shape and dtype) and reach no collective (XLA:CPU crashes
+  on a psum of an empty array beside another one); a tree of empty leaves alone compiles to no
+  collective at all. (The empty leaves are made inside the shard_map body: XLA:CPU also crashes
+  on empty shard_map operands.)"""
+  comp = jc.get("tbq", threshold=0.5)
+  g = np.random.default_rng(0).standard_normal((W, 64)).astype(F32)
+
+  def program(with_others):
+    def body(g):
+      g = g[0]
+      tree = {"e0": g[:0] * 2, "e1": jnp.zeros((3, 0), jnp.float32) + g[0]}
+      if with_others:
+        tree.update(g=g, p=g[:2] * 0 + 1)
+      out, _, report = jc.sync_with_bytes(tree, "r", comp, topology=topology, min_size=2)
+      assert out["e0"].shape == (0,) and out["e1"].shape == (3, 0)
+      assert out["e0"].dtype == out["e1"].dtype == jnp.float32
+      kept = [out["p"], out["g"]] if with_others else [g]
+      return jnp.concatenate(kept)[None], report["wire_bytes"][None]
+    mapped = jax.shard_map(body, mesh=mesh(), in_specs=P("r"), out_specs=P("r"))
+    # No collective of the traced program takes an empty operand (XLA may drop one later).
+    assert not [e for e in _equations(jax.make_jaxpr(mapped)(g).jaxpr)
+                if re.search("psum|gather|all_to_all|ppermute|pmax|pmin", str(e.primitive))
+                and any(0 in getattr(v.aval, "shape", (1,)) for v in e.invars)]
+    fn = jax.jit(mapped)
+    return fn(g), fn.lower(g).compile().as_text()
+
+  (out, wire), hlo = program(with_others=True)
+  ref.assert_same_bits(np.asarray(out)[:, :2], np.full((W, 2), W, F32))
+  assert np.isfinite(np.asarray(out)).all()
+  collectives = [l for l in hlo.splitlines()
+                 if re.search(r" (all-reduce|all-gather|all-to-all|collective-permute)\(", l)]
+  assert collectives
+  empty = re.compile(r"\b[a-z]+\d*\[(?:\d+,)*0(?:,\d+)*\]")
+  assert not [l for l in collectives if empty.search(l.split("(")[0])], collectives
+  assert float(np.asarray(wire)[0]) == pytest.approx(hlo_bytes.collective_bytes(hlo, W)[0])
+  (out, wire), hlo = program(with_others=False)
+  ref.assert_same_bits(np.asarray(out), g)
+  assert hlo_bytes.collective_bytes(hlo, W) == (0, [])
+  assert (np.asarray(wire) == 0).all()
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_every_draw_is_its_own(topology):
+  """Every (leaf, partition, rank, step) encode draws its own numbers: the draws each rank's
+  state slots keep after two calls with two keys are pairwise distinct."""
+  comp = DrawRecorder()
+  shapes = {"a": (40,), "b": (16,), "c": (9,)}
+  plan = {"['b']": (True, 3)}
+  state = jax.tree.map(lambda s: jnp.stack([s] * W),
+                       jc.init_state(shapes_tree(shapes), comp, W, topology=topology,
+                                     min_size=0, plan=plan))
+
+  def body(tree, state, key):
+    return jc.sync(jax.tree.map(lambda x: x[0], tree), "r", comp, state, topology=topology,
+                   min_size=0, plan=plan, key=key)[1]
+  fn = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P("r"), P("r"), P()),
+                             out_specs=P("r")))
+  tree = {k: np.ones((W,) + s, F32) for k, s in shapes.items()}
+  draws = []
+  for step in range(2):
+    draws += [np.asarray(d).reshape(-1) for d in jax.tree.leaves(
+        fn(tree, state, jax.random.fold_in(jax.random.key(0), step)))]
+  draws = np.concatenate(draws)
+  assert draws.size == 2 * W * (8 + 3 + 8) and np.unique(draws).size == draws.size

@@ -1,8 +1,10 @@
 """Plain-Python / numpy reference encoders of the compressors, written from hipress.md §1 and the
 papers (never jlp code): each returns (HiPress's wire bytes, the new state, the decoded float64
 values). Arithmetic is numpy float32 where the spec says float32, scalar by scalar; bits are
-packed by Python loops; sums of float32 values are exact in float64 for the inputs the tests
-use (dyadic values), so the reference computes them in float64 and rounds once.
+packed by Python loops; sums of float32 values are exact in float64 for most inputs the tests
+use (dyadic values), so the reference computes them in float64 and rounds once, except onebit's
+means, summed as jlp documents its blocked sums (`blocked_sum`), so that chains of steps on
+normal values can be compared bit for bit.
 
 Random draws are the key's (the compressors' documented sources): the sparse compressors'
 sample positions are `jax.random.randint(key, (S,), 0, n)`, the stochastic quantisers' u is
@@ -68,23 +70,62 @@ def tbq(x, residual, tau):
 
 
 # -- onebit (§1.5) ---------------------------------------------------------------------------------
-def onebit(x, residual, scale_mode):
+def blocked_sum(values, block: int = 1024):
+  """float32 sum in blocks of `block`: each block summed left to right (one float32 rounding per
+  add), then the block sums the same way until one value is left (jlp.compression.ops.block_sums
+  as XLA:CPU runs it; ints are summed exactly)."""
+  values = list(values)
+  if values and isinstance(values[0], (int, bool, np.integer, np.bool_)):
+    return int(sum(int(v) for v in values))
+
+  def row(chunk):
+    acc = f32(0)
+    for v in chunk:
+      acc = f32(acc + f32(v))
+    return acc
+
+  while len(values) > block:
+    values = [row(values[i:i + block]) for i in range(0, len(values), block)]
+  return row(values)
+
+
+def onebit_levels(v, scales, scale_mode):
+  """The decode of v's sign bits (bit 1: v < 0) with the given scales, float32."""
+  if scale_mode == "two_means":
+    return np.asarray([scales[0] if float(a) < 0 else scales[1] for a in v], f32)
+  return np.asarray([-scales[0] if float(a) < 0 else scales[0] for a in v], f32)
+
+
+def onebit_residual(state, scale_mode):
+  """The error-feedback residual r = v - decode(v's signs, scales) that onebit's state {"v": the
+  last encoded value, "scales": its scales} stands for (v = 0, scales = 0: r = +0)."""
+  v = np.asarray(state["v"], f32)
+  scales = [f32(s) for s in np.asarray(state["scales"], f32)]
+  return (v - onebit_levels(v, scales, scale_mode)).astype(f32)
+
+
+def onebit(x, residual, scale_mode, scales=None):
+  """Seide's onebit with error feedback as two passes: v = x + r; the sign bits and the scales of
+  v; r' = v - decode. Returns (bytes, the state {"v", "scales"} whose onebit_residual is r',
+  decoded). `scales` given: those instead of the blocked sums' (where the order of a sum is
+  not the reference's)."""
   v = np.asarray(x, f32) + np.asarray(residual, f32)          # float32 sums, elementwise
   negative = [float(a) < 0 for a in v]
-  if scale_mode == "two_means":
-    neg = [float(a) for a, s in zip(v, negative) if s]
-    pos = [float(a) for a, s in zip(v, negative) if not s]
-    mean_neg = f32(f32(sum(neg)) / f32(max(len(neg), 1)))      # exact sums (dyadic inputs)
-    mean_pos = f32(f32(sum(pos)) / f32(max(len(pos), 1)))
+  if scales is not None:
+    scales = [f32(s) for s in scales]
+  elif scale_mode == "two_means":
+    neg = [a for a, s in zip(v, negative) if s]
+    pos = [a for a, s in zip(v, negative) if not s]
+    mean_neg = f32(blocked_sum([a if s else f32(0) for a, s in zip(v, negative)])
+                   / f32(max(len(neg), 1)))
+    mean_pos = f32(blocked_sum([f32(0) if s else a for a, s in zip(v, negative)])
+                   / f32(max(len(pos), 1)))
     scales = [mean_neg, mean_pos]
-    levels = [mean_neg if s else mean_pos for s in negative]
   else:
-    scale = f32(f32(sum(abs(float(a)) for a in v)) / f32(len(v)))
-    scales = [scale]
-    levels = [-scale if s else scale for s in negative]
-  levels = np.asarray(levels, f32)
+    scales = [f32(blocked_sum([abs(a) for a in v]) / f32(len(v)))]
+  levels = onebit_levels(v, scales, scale_mode)
   data = pack([int(s) for s in negative], 1) + floats(*scales)
-  return data, {"residual": (v - levels).astype(f32)}, levels.astype(np.float64)
+  return data, {"v": v.astype(f32), "scales": np.asarray(scales, f32)}, levels.astype(np.float64)
 
 
 def efsignsgd(x, residual):
@@ -99,14 +140,18 @@ def efsignsgd(x, residual):
 
 
 # -- TernGrad, HiPress's min/max quantiser (§1.2) ----------------------------------------------------
-def terngrad(x, bits, stochastic, key=None):
-  """(bytes, {}, decoded, alt codes): float32 scalar arithmetic as §1.2."""
+def terngrad(x, bits, stochastic, key=None, compat=None):
+  """(bytes, {}, decoded, alt codes): float32 scalar arithmetic as §1.2. compat="hipress":
+  inv = 1/(gap + 1e-8) as HiPress; None: inv = 1/gap where gap is a normal float32, else 0."""
   x = np.asarray(x, f32)
   n = len(x)
   top = 2 ** bits - 1
   mn, mx = f32(min(x)), f32(max(x))
   gap = f32(f32(mx - mn) / f32(top))
-  inv = f32(f32(1.0) / f32(gap + f32(1e-8)))
+  if compat == "hipress":
+    inv = f32(f32(1.0) / f32(gap + f32(1e-8)))
+  else:
+    inv = f32(f32(1.0) / gap) if gap >= np.finfo(f32).tiny else f32(0)
   u = np.asarray(jax.random.uniform(key, (n,), np.float32)) if stochastic else None
   codes, alt = [], []
   for i in range(n):
@@ -155,13 +200,17 @@ def select(acc, key, sample_rate, density, k):
   """HiPress's sampled threshold and capped selection: S = ceil(n*sample_rate) positions drawn
   with replacement, thr = the sampled |acc| at position floor(S*density) of the descending
   order; every i with |acc_i| > thr (ascending); if more than k, the k largest |acc| (ties: the
-  lower index), ascending."""
+  lower index), ascending. Where n*density < 1 (less than one element expected), thr = 0: the
+  largest non-zero |acc| is sent (k = 1), so that no partition starves."""
   acc = np.asarray(acc, f32)
   n = len(acc)
-  s = max(1, math.ceil(n * Fraction(str(sample_rate))))
-  pos = min(s - 1, math.floor(s * Fraction(str(density))))
-  sample = np.asarray(jax.random.randint(key, (s,), 0, n))
-  thr = sorted((abs(float(acc[i])) for i in sample), reverse=True)[pos]
+  if n * Fraction(str(density)) < 1:
+    thr = 0.0
+  else:
+    s = max(1, math.ceil(n * Fraction(str(sample_rate))))
+    pos = min(s - 1, math.floor(s * Fraction(str(density))))
+    sample = np.asarray(jax.random.randint(key, (s,), 0, n))
+    thr = sorted((abs(float(acc[i])) for i in sample), reverse=True)[pos]
   chosen = [i for i in range(n) if abs(float(acc[i])) > thr]
   if len(chosen) > k:
     chosen = sorted(sorted(chosen, key=lambda i: (-abs(float(acc[i])), i))[:k])

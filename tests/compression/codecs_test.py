@@ -25,6 +25,7 @@ import codec_refs as ref  # noqa: E402
 from jlp import compression  # noqa: E402
 from jlp.compression import (DGC, QSGD, TBQ, DGCServer, EFSignSGD, GradDrop, OneBit,  # noqa: E402
                              TernGrad)
+from jlp.compression.base import is_sparse  # noqa: E402
 from jlp.compression.layout import Packed, Sparse, packed_size  # noqa: E402
 
 KEY = jax.random.key(20261125)
@@ -34,11 +35,12 @@ INSTANCES = {
     "onebit": OneBit(),
     "onebit-l1": OneBit(scale_mode="l1_mean"),
     "tbq": TBQ(threshold=0.5),
-    "terngrad-b1": TernGrad(bitwidth=1),
+    "terngrad-b1-hipress": TernGrad(bitwidth=1, compat="hipress"),
     "terngrad-b2": TernGrad(),
+    "terngrad-b2-hipress": TernGrad(compat="hipress"),
     "terngrad-b4": TernGrad(bitwidth=4),
-    "terngrad-b8": TernGrad(bitwidth=8),
-    "terngrad-b2-stochastic": TernGrad(stochastic=True),
+    "terngrad-b8-hipress": TernGrad(bitwidth=8, compat="hipress"),
+    "terngrad-b2-stochastic-hipress": TernGrad(stochastic=True, compat="hipress"),
     "terngrad-b4-stochastic": TernGrad(bitwidth=4, stochastic=True),
     "dgc": DGC(density=0.1, sample_rate=0.3, momentum=0.5),
     "dgc-default": DGC(),
@@ -53,11 +55,12 @@ INSTANCES = {
 NAMES = sorted(INSTANCES)
 # One instance per class and mode; the others run with -m slow where a test compiles a lot.
 MAIN = ["dgc", "dgc-server", "efsignsgd", "graddrop", "onebit", "onebit-l1", "qsgd", "tbq",
-        "terngrad-b2", "terngrad-b4-stochastic"]
+        "terngrad-b2", "terngrad-b2-hipress", "terngrad-b4-stochastic"]
 MAIN_FIRST = [n if n in MAIN else pytest.param(n, marks=pytest.mark.slow) for n in NAMES]
 EF = ["onebit", "onebit-l1", "tbq", "graddrop", "graddrop-default", "efsignsgd"]
 SPARSE = ["dgc", "dgc-default", "graddrop", "graddrop-default"]
-STOCHASTIC = ["terngrad-b2-stochastic", "terngrad-b4-stochastic", "qsgd", "qsgd-1", "qsgd-100"]
+STOCHASTIC = ["terngrad-b2-stochastic-hipress", "terngrad-b4-stochastic", "qsgd", "qsgd-1",
+              "qsgd-100"]
 
 
 def dyadic(n: int, seed: int, denominator: int = 8) -> np.ndarray:
@@ -72,8 +75,13 @@ def initial_state(c, n: int, seed: int) -> dict:
   state = {k: np.asarray(v) for k, v in c.init_flat(n).items()}
   for k in state:
     if k != "u" or c.momentum == 0.5:
-      state[k] = dyadic(n, seed + 7, 16)
+      state[k] = dyadic(state[k].size, seed + 7, 16)
   return state
+
+
+def residual(c, state) -> np.ndarray:
+  """The error-feedback residual a state stands for (onebit keeps v and its scales)."""
+  return np.asarray(c.residual(state) if isinstance(c, OneBit) else state["residual"])
 
 
 def key_for(c, step: int):
@@ -90,11 +98,11 @@ def reference(c, x, state, key):
   if isinstance(c, TBQ):
     return (*ref.tbq(x, state["residual"], c.threshold), None)
   if isinstance(c, OneBit):
-    return (*ref.onebit(x, state["residual"], c.scale_mode), None)
+    return (*ref.onebit(x, ref.onebit_residual(state, c.scale_mode), c.scale_mode), None)
   if isinstance(c, EFSignSGD):
     return (*ref.efsignsgd(x, state["residual"]), None)
   if isinstance(c, TernGrad):
-    return ref.terngrad(x, c.bitwidth, c.stochastic, key)
+    return ref.terngrad(x, c.bitwidth, c.stochastic, key, c.compat)
   if isinstance(c, QSGD):
     return ref.qsgd(x, c.levels, key)
   if isinstance(c, DGC):
@@ -124,7 +132,8 @@ def test_every_registered_compressor_is_tested():
 
 # -- wire bytes -------------------------------------------------------------------------------------
 GOLDEN = ([(name, N) for name in NAMES] + [(name, n) for name in MAIN for n in (1, 13)]
-          + [pytest.param(name, 13, marks=pytest.mark.slow) for name in NAMES if name not in MAIN])
+          + [pytest.param(name, 13, marks=pytest.mark.slow) for name in NAMES if name not in MAIN]
+          + [("terngrad-b2", 2500), ("terngrad-b4-stochastic", 2500)])  # min/max: rows + a tail
 
 
 @pytest.mark.parametrize("name,n", GOLDEN)
@@ -173,12 +182,13 @@ def test_hand_written_wire_bytes():
   payload, state = OneBit().encode(x)
   assert OneBit().to_bytes(payload).tobytes() == bytes([0b0100_1010, 0b1]) + struct.pack(
       "<ff", -2.0, 2.0)
-  np.testing.assert_array_equal(state["residual"], [-1, 0, 1, -2, -1.5, -2, 1.5, 3.5, 0.5])
+  np.testing.assert_array_equal(OneBit().residual(state), [-1, 0, 1, -2, -1.5, -2, 1.5, 3.5, 0.5])
   payload, _ = OneBit(scale_mode="l1_mean").encode(x)  # mean |x| = 18 / 9
   assert OneBit(scale_mode="l1_mean").to_bytes(payload).tobytes() == bytes(
       [0b0100_1010, 0b1]) + struct.pack("<f", 2.0)
-  # TernGrad b=2: min 0, max 3, gap 1, inv = 1/(1 + 1e-8) = 1 in float32; codes 0 1 2 3 | 1 2 2 0
-  # (1.4 -> 1, 2.5 -> 2 and 1.5 -> 2 half to even, 0.5 -> 0), then 1: n = 9, tail 3.
+  # TernGrad b=2: min 0, max 3, gap 1, inv = 1/gap = 1 (compat="hipress": 1/(1 + 1e-8), also 1 in
+  # float32); codes 0 1 2 3 | 1 2 2 0 (1.4 -> 1, 2.5 -> 2 and 1.5 -> 2 half to even, 0.5 -> 0),
+  # then 1: n = 9, tail 3.
   x = jnp.asarray([0, 1, 2, 3, 1.4, 2.5, 1.5, 0.5, 1.0], jnp.float32)
   payload, _ = TernGrad().encode(x)
   assert TernGrad().to_bytes(payload).tobytes() == (
@@ -217,7 +227,7 @@ def test_bytes_round_trip_and_rejections(name):
       bad[offset] = value
       with pytest.raises(ValueError, match=r"header (bitwidth|tail)="):
         c.from_bytes(bad, n)
-  if c._sparse():
+  if is_sparse(c):
     k = c.payload_spec(n)["indices"].shape[0]
     for m in (4 + 8 * (k + 1), 3, 4 + 8 * int(payload["count"]) + 1):
       bad = data.copy()
@@ -241,7 +251,7 @@ def test_payload_spec_wire_bytes_and_ratio(name):
   spec = c.payload_spec(n)
   assert {k: (v.shape, v.dtype) for k, v in spec.items()} == {
       k: (v.shape, v.dtype) for k, v in payload.items()}
-  if c._sparse():
+  if is_sparse(c):
     k = spec["indices"].shape[0]
     payload = {"count": np.int32(k), "indices": np.arange(k, dtype=np.int32),
                "values": np.ones(k, np.float32)}
@@ -347,13 +357,13 @@ def test_error_feedback_invariant(name):
     x = (np.random.default_rng(step).normal(size=n) * 2.0 ** (step - 2)).astype(np.float32)
     payload, new = _encode(c, jnp.asarray(x), state, key_for(c, step))
     decoded = np.asarray(_decode(c, payload, n), np.float64)
-    before = x.astype(np.float64) + np.asarray(state["residual"], np.float64)
-    after = decoded + np.asarray(new["residual"], np.float64)
-    tol = 2.0 ** -24 * (np.abs(before) + np.abs(np.asarray(new["residual"])))
+    before = x.astype(np.float64) + residual(c, state).astype(np.float64)
+    after = decoded + residual(c, new).astype(np.float64)
+    tol = 2.0 ** -24 * (np.abs(before) + np.abs(residual(c, new)))
     assert np.all(np.abs(before - after) <= tol), np.max(np.abs(before - after) - tol)
-    if c._sparse():
+    if is_sparse(c):
       kept = np.asarray(payload["indices"])[:int(payload["count"])]
-      assert np.all(np.asarray(new["residual"])[kept] == 0)
+      assert np.all(residual(c, new)[kept] == 0)
     state = new
 
 
@@ -445,6 +455,124 @@ def test_dgc_server_sends_the_union_of_the_ranks_payloads():
     DGC().server(0)
   with pytest.raises(ValueError, match="num_ranks=2.0 is not allowed"):
     TBQ().server(2.0)
+  for c in (TBQ(), DGC(), QSGD()):  # num_ranks is always given
+    with pytest.raises(TypeError, match="num_ranks"):
+      c.server()
+
+
+@pytest.mark.parametrize("n", [1, 5, 7])
+@pytest.mark.parametrize("name", ["dgc-default", "graddrop-default"])
+def test_no_partition_starves(name, n):
+  """A partition that expects less than one selected element (n * density < 1) still sends its
+  largest |v| every step: under a constant gradient (every magnitude ties) every element is sent
+  within 50 steps, a 1-element partition at every step, each step's payload as codec_refs'."""
+  c = INSTANCES[name]
+  assert n * float(c.density) < 1
+  x = np.full(n, 0.25, np.float32)
+  state = c.init_flat(n)
+  ref_state = jax.tree.map(np.asarray, state)
+  sent = np.zeros(n, bool)
+  for step in range(50):
+    key = key_for(c, step)
+    payload, state = _encode(c, jnp.asarray(x), state, key)
+    want, ref_state, _, _ = reference(c, x, ref_state, key)
+    assert c.to_bytes(payload).tobytes() == want, step
+    count = int(payload["count"])
+    assert count == 1, (step, count)
+    sent[np.asarray(payload["indices"])[:count]] = True
+  assert sent.all(), np.flatnonzero(~sent)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bits", [2, 8])
+def test_terngrad_error_is_bounded_at_every_scale(bits, stochastic):
+  """|decode - x| <= gap/2 (deterministic) or < gap (stochastic), plus a few float32 ulps of
+  max|x|, for gradients scaled by 1e-9 ... 1e3: inv = 1/gap is relative to the scale. HiPress's
+  inv = 1/(gap + 1e-8) (compat="hipress") breaks the bound at 1e-9, where gap << 1e-8."""
+  base = np.random.default_rng(11).normal(size=301)
+
+  def excess(c, scale, seed):
+    x = (base * scale).astype(np.float32)
+    payload, _ = c.encode(jnp.asarray(x), key=key_for(c, seed))
+    d = np.asarray(c.decode(payload, x.size), np.float64)
+    mn, mx = float(x.min()), float(x.max())
+    gap = (mx - mn) / (2 ** bits - 1)
+    bound = (1.0 if stochastic else 0.5) * gap + 8 * 2.0 ** -24 * max(abs(mn), abs(mx))
+    return np.max(np.abs(d - x)) / bound
+
+  c = TernGrad(bitwidth=bits, stochastic=stochastic)
+  for seed, scale in enumerate((1e-9, 1e-6, 1e-3, 1.0, 1e3)):
+    assert excess(c, scale, seed) <= 1, (scale, excess(c, scale, seed))
+  assert excess(TernGrad(bitwidth=bits, stochastic=stochastic, compat="hipress"), 1e-9, 0) > 2
+  # gap = 0 (a constant tensor) or below the smallest normal float32 (denormal inputs): inv = 0,
+  # every code 0, decoded to min, finite.
+  for x in (np.full(9, 3.5), np.full(9, -1e-30), np.asarray([0.0, 1e-45, 2e-45, 0.0])):
+    x = x.astype(np.float32)
+    payload, _ = c.encode(jnp.asarray(x), key=key_for(c, 0))
+    np.testing.assert_array_equal(c.decode(payload, x.size), np.full(x.size, x.min()))
+
+
+def test_terngrad_min_max_propagate_nan():
+  """A NaN anywhere makes min and max NaN at every size (so the whole decode is NaN, as CaSync's
+  non-finite check expects); XLA:CPU's jnp.min skipped it in tensors of thousands of elements."""
+  for n in (10, 5000, 70000):
+    x = np.arange(n, dtype=np.float32)
+    x[n // 3] = np.nan
+    payload, _ = TernGrad().encode(jnp.asarray(x))
+    assert np.isnan(payload["min"]).all() and np.isnan(payload["max"]).all(), n
+
+
+@pytest.mark.parametrize("scale_mode", ["two_means", "l1_mean"])
+def test_onebit_state_is_the_last_value_and_its_scales(scale_mode):
+  """onebit keeps v (the last encoded x + r) and its scales; r = v - decode(signs of v, scales)
+  is applied at the next encode. Six chained steps on normal values give the two-pass
+  algorithm's payloads and residuals bit for bit (codec_refs.onebit); two_means' sums are the
+  blocked left-to-right float32 sums (XLA:CPU's variadic reduce), l1_mean's one sum is XLA's
+  vectorised order: the reference takes its scale, checked against float64 to 2^-20. A fresh
+  state (v = 0, scales = 0) stands for r = +0."""
+  c = OneBit(scale_mode=scale_mode)
+  n = 2500  # three blocks of the sums, a ragged byte
+  state = c.init_flat(n)
+  count = 2 if scale_mode == "two_means" else 1
+  assert {k: (v.shape, v.dtype) for k, v in state.items()} == {
+      "v": ((n,), jnp.float32), "scales": ((count,), jnp.float32)}
+  r = np.asarray(c.residual(state))
+  assert np.all(r == 0) and not np.signbit(r).any()
+  rng = np.random.default_rng(12)
+  for step in range(6):
+    x = (rng.normal(size=n) * 2.0 ** (step - 3) + 0.1).astype(np.float32)
+    payload, state = _encode(c, jnp.asarray(x), state, None)
+    scales = None
+    if scale_mode == "l1_mean":
+      scales = np.asarray(payload["scales"])
+      v = x.astype(np.float64) + r
+      np.testing.assert_allclose(scales, [np.abs(v).mean()], rtol=2.0 ** -20)
+    want, ref_state, _ = ref.onebit(x, r, scale_mode, scales)
+    assert c.to_bytes(payload).tobytes() == want, step
+    r = ref.onebit_residual(ref_state, scale_mode)
+    np.testing.assert_array_equal(np.asarray(c.residual(state)).view(np.uint32), r.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(state["v"]), ref_state["v"])
+  # Donated, the state is written over the old one (aliased), with no temporary of n floats (no
+  # copy of it, no materialised residual).
+  n = 1 << 20
+  spec = jax.eval_shape(lambda: c.init_flat(n))
+  stats = jax.jit(lambda x, state: c.encode(x, state), donate_argnums=1).lower(
+      jax.ShapeDtypeStruct((n,), jnp.float32), spec).compile().memory_analysis()
+  assert stats.alias_size_in_bytes == 4 * (n + count)
+  assert stats.temp_size_in_bytes < n, stats
+
+
+def test_impl_defaults_to_auto():
+  """Every compressor with an `impl` field defaults to "auto" (Pallas on GPU, XLA elsewhere)."""
+  classes = [TBQ, OneBit, TernGrad, DGC, DGCServer, GradDrop, EFSignSGD, QSGD]
+  for cls in classes:
+    assert cls().impl == "auto", cls
+  assert DGC().server(2).impl == "auto" and DGC(impl="xla").server(2).impl == "xla"
+
+
+def test_is_sparse():
+  assert [is_sparse(INSTANCES[n]) for n in ("dgc", "dgc-server", "graddrop", "onebit", "tbq",
+                                            "terngrad-b2", "qsgd")] == [True] * 3 + [False] * 4
 
 
 # -- per-algorithm properties -----------------------------------------------------------------------
@@ -464,9 +592,12 @@ def test_tbq_codes():
 def test_terngrad_levels(bits, stochastic):
   """Decodes lie in [min, max], on the grid min + code*gap, min and max exact; deterministic
   codes are within half a step."""
-  c = TernGrad(bitwidth=bits, stochastic=stochastic)
+  c = TernGrad(bitwidth=bits, stochastic=stochastic, compat="hipress")
   for seed in range(3):
-    x = (np.random.default_rng(seed).normal(size=301) * 10.0 ** (seed - 1)).astype(np.float32)
+    x = (np.random.default_rng(seed).normal(size=2500) * 10.0 ** (seed - 1)).astype(np.float32)
+    # The extremes in the ragged tail past the rows of 1024, in a row, at the ends.
+    lo, hi = [(2400, 2499), (1500, 3), (0, 2047)][seed]
+    x[lo], x[hi] = x.min() - 1, x.max() + 1
     payload, _ = c.encode(jnp.asarray(x), key=key_for(c, seed))
     d = np.asarray(c.decode(payload, x.size))
     mn, mx = float(x.min()), float(x.max())
@@ -485,7 +616,8 @@ def test_onebit_two_means():
   c = OneBit()
   x = np.random.default_rng(1).normal(size=1001).astype(np.float32) + 0.3
   residual = np.random.default_rng(2).normal(size=1001).astype(np.float32) * 0.1
-  payload, _ = c.encode(jnp.asarray(x), {"residual": jnp.asarray(residual)})
+  # State v = residual, scales 0: the residual is v - 0.
+  payload, _ = c.encode(jnp.asarray(x), {"v": jnp.asarray(residual), "scales": jnp.zeros(2)})
   v = x + residual
   d = np.asarray(c.decode(payload, v.size))
   np.testing.assert_allclose(d[v < 0], v[v < 0].astype(np.float64).mean(), rtol=1e-6)
@@ -496,8 +628,8 @@ def test_onebit_two_means():
   assert float(payload["scales"][1]) == 0.0
 
 
-@pytest.mark.parametrize("name", ["terngrad-b2-stochastic", "terngrad-b4-stochastic", "qsgd",
-                                  "qsgd-1"])
+@pytest.mark.parametrize("name", ["terngrad-b2-stochastic-hipress", "terngrad-b4-stochastic",
+                                  "qsgd", "qsgd-1"])
 def test_stochastic_quantisers_are_unbiased(name):
   """The mean of decodes over K keys is within 6 standard errors of x; each decode takes one of
   the two levels around x, so its standard deviation is at most half a step."""
@@ -531,6 +663,8 @@ BAD = [
     (TernGrad, {"bitwidth": True}, "TernGrad.bitwidth"),
     (TernGrad, {"stochastic": 1}, "TernGrad.stochastic"),
     (TernGrad, {"impl": "gpu"}, "TernGrad.impl"),
+    (TernGrad, {"compat": "HiPress"}, "TernGrad.compat"),
+    (TernGrad, {"compat": ""}, "TernGrad.compat"),
     (DGC, {"density": 0.0}, "DGC.density"),
     (DGC, {"density": 1.5}, "DGC.density"),
     (DGC, {"density": "0.1"}, "DGC.density"),
@@ -543,6 +677,7 @@ BAD = [
     (GradDrop, {"sample_rate": 2}, "GradDrop.sample_rate"),
     (GradDrop, {"impl": ""}, "GradDrop.impl"),
     (DGCServer, {"num_ranks": 0}, "DGCServer.num_ranks"),
+    (DGCServer, {"num_ranks": True}, "DGCServer.num_ranks"),
     (DGCServer, {"density": 0}, "DGCServer.density"),
     (EFSignSGD, {"impl": "tpu"}, "EFSignSGD.impl"),
     (QSGD, {"levels": 0}, "QSGD.levels"),

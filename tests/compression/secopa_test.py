@@ -2,7 +2,10 @@
 profiler (jlp.compression.profile).
 
 References: `ref_costs` below, a plain-Python evaluation of hipress.md §2.5's four formulas with
-the coefficient table typed from the spec; the VGG19 input (the 38 ImageNet VGG19 tensors of
+the coefficient table typed from the spec (the compressed payload rS/K with HiPress's r = 1/16,
+or a codec's wire bytes of one partition / 4, computed here from hipress.md §1's wire formats:
+onebit ceil(c/8) + 8 bytes, DGC 4 + 8*ceil(c*density), b-bit TernGrad 10 + ceil(c*b/8)); the
+VGG19 input (the 38 ImageNet VGG19 tensors of
 HiPress's input.txt, sizes computed here from the architecture) and the plan lines HiPress's
 SeCoPaPlan.txt holds for it at N=4 PS (its last line corrected to the input's size, §2.5); the
 spec's break-even sizes and chosen K values (§2.5).
@@ -20,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 
+import jlp.compression as jc
 from jlp.compression import leaf_routes, profile, secopa
 from jlp.compression.secopa import CostModel, LinearCost
 
@@ -38,8 +42,10 @@ SPEC = {
 }
 
 
-def ref_costs(size: int, n: int, topology: str) -> tuple[list[float], list[float]]:
-  """(orig, comp) for K = 1..N from §2.5's formulas, c(x) = max(o, w x + b), r = 1/16."""
+def ref_costs(size: int, n: int, topology: str, wire=None) -> tuple[list[float], list[float]]:
+  """(orig, comp) for K = 1..N from §2.5's formulas, c(x) = max(o, w x + b); the compressed
+  partition: r = 1/16 of S/K, or with `wire` (bytes of one payload of c elements) wire(c) / 4
+  float32 elements, c = ceil(S/K)."""
   def c(name, x):
     w, b, o = SPEC[name][n] if name in ("G", "B") else SPEC[name]
     return max(o, w * x + b)
@@ -47,6 +53,8 @@ def ref_costs(size: int, n: int, topology: str) -> tuple[list[float], list[float
   orig, comp = [], []
   for k in range(1, n + 1):
     part, small = size / k, size * r / k
+    if wire is not None:
+      small = wire(math.ceil(size / k)) / 4
     if topology == "ps":
       orig.append(c("G", part) + c("B", part) + (n - 1) * c("A", part))
       comp.append(c("G", small) + c("B", small) + min(k + 1, n) * c("E", part)
@@ -58,8 +66,8 @@ def ref_costs(size: int, n: int, topology: str) -> tuple[list[float], list[float
   return orig, comp
 
 
-def ref_decision(size: int, n: int, topology: str) -> tuple[bool, int]:
-  orig, comp = ref_costs(size, n, topology)
+def ref_decision(size: int, n: int, topology: str, wire=None) -> tuple[bool, int]:
+  orig, comp = ref_costs(size, n, topology, wire)
   if min(comp) < min(orig):
     return True, 1 + comp.index(min(comp))
   return False, 1 + orig.index(min(orig))
@@ -100,6 +108,9 @@ def test_sample_plan_n4_ps(tmp_path):
   assert (tmp_path / "plan.txt").read_bytes() == shipped_plan_text().encode()
   assert secopa.read_plan(tmp_path / "plan.txt") == plan
   assert plan[16] == ("vgg0_conv8_weight", 1179648, True, 2)
+  # HiPress's ratio given explicitly, and TBQ's own (exactly 1/16 at these partition sizes).
+  for kwargs in (dict(ratio=1 / 16), dict(compressor="tbq")):
+    assert secopa.secopa_plan(vgg19_imagenet(), num_nodes=4, topology="ps", **kwargs) == plan
 
 
 def test_chosen_k_n16_ps():
@@ -156,6 +167,98 @@ def test_seed_model():
   assert scaled.ring_send.w == pytest.approx(8.5005e-6, rel=1e-15)
   assert (scaled.ring_send.b, scaled.ring_send.o) == SPEC["R"][1:]
   assert scaled.gather_at(16).w == pytest.approx(1.2937e-4) and scaled.broadcast_at(4).b == 0.22156
+
+
+# hipress.md §1: wire bytes of one payload of c elements.
+WIRE = {"onebit": lambda c: math.ceil(c / 8) + 8,  # sign bits + two float32 means
+        "dgc": lambda c: 4 + 8 * math.ceil(c * 0.001),  # M, then (idx, val) pairs at capacity
+        "dgc5": lambda c: 4 + 8 * math.ceil(c * 0.05),
+        "terngrad8": lambda c: 10 + c}  # 10-byte header, 8 bits per element
+CODECS = {"onebit": jc.get("onebit"), "dgc": jc.get("dgc"), "dgc5": jc.get("dgc", density=0.05),
+          "terngrad8": jc.get("terngrad", bitwidth=8)}
+
+
+def test_codec_ratios():
+  c = 2 ** 20
+  assert secopa.compression_ratio("onebit", c) == (c / 8 + 8) / (4 * c)
+  assert secopa.compression_ratio("onebit", c) == pytest.approx(1 / 32, rel=1e-4)
+  assert secopa.compression_ratio(CODECS["dgc"], c) == pytest.approx(2 * 0.001, rel=1e-3)
+  assert secopa.compression_ratio(CODECS["dgc5"], c) == pytest.approx(2 * 0.05, rel=1e-4)
+  assert secopa.compression_ratio("tbq", c) == 1 / 16
+  assert secopa.compression_ratio(CODECS["terngrad8"], c) == pytest.approx(1 / 4, rel=1e-4)
+  assert secopa.compression_ratio(CODECS["terngrad8"], 1) == 11 / 4  # the header dominates
+  for name, wire in WIRE.items():
+    for size in (1, 7, 1000, 123457):
+      assert secopa.compression_ratio(CODECS[name], size) == wire(size) / (4 * size), (name, size)
+
+
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+@pytest.mark.parametrize("name", sorted(WIRE))
+def test_each_codec_is_planned_with_its_own_payload(name, topology):
+  """sync_costs / secopa_plan with a compressor: the codec's payload at each partition size."""
+  sizes = [1, 1000, 262144, 845190, 1088806, 1200000, 4000000, 16777216, 102760448]
+  plan = secopa.secopa_plan([(str(s), s) for s in sizes], num_nodes=8, topology=topology,
+                            compressor=CODECS[name])
+  for size, entry in zip(sizes, plan, strict=True):
+    got = secopa.sync_costs(size, num_nodes=8, topology=topology, compressor=CODECS[name])
+    want = ref_costs(size, 8, topology, WIRE[name])
+    np.testing.assert_allclose(got.orig + got.comp, want[0] + want[1], rtol=1e-13)
+    assert (entry.compress, entry.partitions) == ref_decision(size, 8, topology, WIRE[name])
+
+
+def test_codec_plans_differ_where_the_cost_model_says():
+  """N=8, CaSync-PS, seed coefficients. Break-even sizes (the reference's smallest compressed
+  size): DGC (density 0.001) 845190, onebit 1088806, HiPress's 1/16 1274800, 8-bit TernGrad
+  2146197. In between, and in the K of large gradients, the plans differ."""
+  def plan(size, **kwargs):
+    return tuple(secopa.secopa_plan([("g", size)], num_nodes=8, topology="ps", **kwargs)[0][2:])
+  for size, hipress, onebit, dgc, terngrad8 in [
+      (1000000, (False, 8), (False, 8), (True, 1), (False, 8)),
+      (1200000, (False, 8), (True, 2), (True, 1), (False, 8)),
+      (2000000, (True, 3), (True, 2), (True, 1), (False, 8)),
+      (4000000, (True, 4), (True, 3), (True, 1), (True, 8)),
+      (102760448, (True, 8), (True, 8), (True, 8), (True, 8))]:
+    assert plan(size) == plan(size, ratio=1 / 16) == hipress == ref_decision(size, 8, "ps")
+    assert plan(size, compressor="onebit") == onebit == ref_decision(size, 8, "ps", WIRE["onebit"])
+    assert plan(size, compressor="dgc") == dgc == ref_decision(size, 8, "ps", WIRE["dgc"])
+    assert plan(size, compressor=CODECS["terngrad8"]) == terngrad8 == \
+        ref_decision(size, 8, "ps", WIRE["terngrad8"])
+  # An explicit ratio of 1/32 plans like onebit (whose payload is 1/32 plus 8 bytes) at these sizes.
+  assert plan(1200000, ratio=1 / 32) == (True, 2) and plan(1000000, ratio=1 / 32) == (False, 8)
+
+
+def test_plan_for_tree_with_the_sync_compressor():
+  tree = {"w": jax.ShapeDtypeStruct((1200, 1000), np.float32),
+          "b": jax.ShapeDtypeStruct((1000,), np.float32)}
+  seed = secopa.plan_for_tree(tree, num_nodes=8, topology="ps")
+  onebit = secopa.plan_for_tree(tree, num_nodes=8, topology="ps", compressor=jc.get("onebit"))
+  terngrad8 = secopa.plan_for_tree(tree, num_nodes=8, compressor=CODECS["terngrad8"])
+  assert seed == terngrad8 == {"['b']": (False, 8), "['w']": (False, 8)}
+  assert onebit == {"['b']": (False, 8), "['w']": (True, 2)}
+  routes = leaf_routes(tree, 8, plan=onebit)
+  assert {r.path: (r.compress, r.K) for r in routes} == onebit
+  static = secopa.plan_for_tree(tree, num_nodes=8, comp_threshold=0, compressor="onebit")
+  assert static == {"['b']": (True, 8), "['w']": (True, 8)}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(compressor="zip"), "compressor='zip' is not allowed; expected None, a "
+     "jlp.compression.Compressor or one of \\[.*'onebit'"),
+    (dict(compressor=1 / 32), "compressor=0.03125 is not allowed"),
+    (dict(compressor="onebit", ratio=1 / 32), "ratio=0.03125 is not allowed; expected None when "
+     "a compressor is given"),
+    (dict(ratio=0.0), "ratio=0.0 is not allowed; expected None or a float in \\(0, 1\\]"),
+    (dict(ratio=2), "ratio=2 is not allowed"), (dict(ratio="1/16"), "ratio='1/16' is not allowed"),
+])
+def test_bad_compressor_or_ratio(kwargs, message):
+  for fn in (lambda: secopa.secopa_plan([("a", 10)], num_nodes=4, topology="ps", **kwargs),
+             lambda: secopa.sync_costs(10, num_nodes=4, topology="ps", **kwargs),
+             lambda: secopa.plan_for_tree({"a": np.zeros(3, np.float32)}, num_nodes=4,
+                                          comp_threshold=0, **kwargs)):
+    with pytest.raises(ValueError, match=message):
+      fn()
+  with pytest.raises(ValueError, match="size=0 is not allowed"):
+    secopa.compression_ratio("onebit", 0)
 
 
 def test_ties_stay_uncompressed():

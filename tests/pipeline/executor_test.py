@@ -20,7 +20,8 @@ import pytest
 import ml_dtypes
 
 from jlp.pipeline import HetPipe, Pipeline, pipeline_mesh
-from jlp.train.sync import GradSync
+from jlp.sync import GradSync
+from draw_recorder import DrawRecorder
 
 N, S = 2, 4
 DIMS = (6, 8, 5, 7, 3)  # stage s maps DIMS[s] -> DIMS[s + 1] features
@@ -396,3 +397,18 @@ def test_quantized_zoo_model_trains_in_a_gpipe_pipeline(mesh):
         if name.endswith(("mean", "var")):
           key = tuple(int(k) if k.isdigit() else k for k in name.split("/"))
           np.testing.assert_allclose(value[i], flat_stats[key][...], rtol=1e-5, atol=1e-6)
+
+
+def test_every_stage_draws_its_own_numbers(mesh):
+  """A compressor that draws (DrawRecorder keeps its last draw in its state) in every stage's
+  sync: the S stages' flat gradients have the same layout, so only the stage index folded into
+  the key tells their draws apart; every (pipeline, stage, partition) draw differs. The run
+  reports the sync's bytes and non-finite count per mini-batch."""
+  xs, ys = _data(2)
+  pipe = Pipeline(STAGES, loss_fn, optax.sgd(0.1), mesh, schedule="1f1b",
+                  grad_sync=GradSync(compression=DrawRecorder(), min_size=0))
+  state, metrics = pipe.run(pipe.init(_params()), xs, ys)
+  draws = np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree.leaves(state.sync_state)])
+  assert draws.size == N * S * N and np.unique(draws).size == draws.size
+  assert metrics["wire_bytes"].shape == (2,) and (metrics["wire_bytes"] > 0).all()
+  assert (metrics["nonfinite"] == 0).all()

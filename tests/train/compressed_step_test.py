@@ -33,7 +33,7 @@ from jlp.compression import secopa
 from jlp.compression.casync import sync as compressed_sync
 from jlp.train import loop, recipe
 from jlp.train.metrics import read_metrics
-from runs import final_checkpoint, stable
+from runs import assert_trees_equal, final_checkpoint, stable
 from tiny_models import build
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -98,14 +98,6 @@ def _direct_sync(mesh, stacked_grads, stacked_state, sync, step):
                                    stacked_grads, stacked_state)
 
 
-def _assert_trees_equal(got, want):
-  flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
-  flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
-  assert tree_got == tree_want
-  for (path, g), (_, w) in zip(flat_got, flat_want, strict=True):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
-
-
 @pytest.mark.parametrize("sync", [
     jt.GradSync(compression=jc.get("onebit"), min_size=0),
     jt.GradSync(compression=jc.get("terngrad", stochastic=True), topology="ring", min_size=20,
@@ -123,8 +115,8 @@ def test_compressed_step_equals_a_direct_sync(sync):
     state, _ = step(state, {"coeffs": coeffs})
     want_grads, want_state = _direct_sync(mesh, _device_grads(state.params, coeffs), want_state,
                                           sync, number)
-    _assert_trees_equal(state.opt_state, want_grads)  # the recorder holds the summed gradient
-    _assert_trees_equal(state.sync_state, want_state)
+    assert_trees_equal(state.opt_state, want_grads)  # the recorder holds the summed gradient
+    assert_trees_equal(state.sync_state, want_state)
     # The compressed sum is not the exact one (the test could not pass by summing in float32).
     exact = jax.tree.map(lambda g: np.sum(np.asarray(g, np.float64), 0),
                          _device_grads(state.params, coeffs))
@@ -132,8 +124,8 @@ def test_compressed_step_equals_a_direct_sync(sync):
                for g, e in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(exact),
                                strict=True))
   assert int(state.step) == 2
-  residuals = jax.tree.leaves(state.sync_state)
-  assert len(residuals) == (8 if sync.compression.name == "onebit" else 0)
+  residuals = jax.tree.leaves(state.sync_state)  # onebit: per leaf its last v and scales
+  assert len(residuals) == (16 if sync.compression.name == "onebit" else 0)
   if residuals:  # every device's error-feedback residuals are its own
     assert all(r.sharding.spec == P("data") and r.shape[0] == W for r in residuals)
     rows = np.concatenate([np.asarray(r).reshape(W, -1) for r in residuals], axis=1)
@@ -162,12 +154,13 @@ def _wire_bytes(sync, devices=W):
     # onebit (ceil(c/8) bytes of signs + 2 float32 means), PS, K = 8 partitions of c elements:
     # per device 7 worker partitions out and its own aggregated partition to 7 peers; conv2
     # c = 36 -> 5 + 8 bytes, linear kernel c = 10 -> 2 + 8 bytes; the other 70 floats by the
-    # float32 ring psum: 2 * 7/8 * 4 * 70 = 490.
-    (jt.GradSync(compression=jc.get("onebit"), min_size=50), 8, 2 * 7 * (13 + 10) + 490),
+    # float32 ring: 7 hops and an all_gather of ceil(70/8) = 9 floats, 2 * 7 * 4 * 9 = 504.
+    # Plus the sync's bookkeeping psum of 2 + 2 int32: 2 * 7/8 * 16 = 28.
+    (jt.GradSync(compression=jc.get("onebit"), min_size=50), 8, 2 * 7 * (13 + 10) + 504 + 28),
     # TBQ (ceil(c/4) bytes), ring: per chunk 7 reduce hops and 7 forwards, 8 chunks over 8
     # devices: 2 * 7 per device; conv2 c = 36 -> 9 bytes, linear kernel c = 10 -> 3 bytes.
     (jt.GradSync(compression=jc.get("tbq"), topology="ring", min_size=50), 8,
-     2 * 7 * (9 + 3) + 490),
+     2 * 7 * (9 + 3) + 504 + 28),
 ], ids=["sequential", "ring", "ring-kahan", "nodes-flat", "nodes-cpd", "one-device", "onebit-ps",
         "tbq-ring"])
 def test_wire_bytes(sync, devices, want):
@@ -203,8 +196,8 @@ def test_compressed_run_resumes_bit_exactly(tmp_path):
   assert all(r["wire_bytes"] > 0 for r in rows) and rows[-1]["train_loss"] < rows[0]["train_loss"]
   (_, ref_state), (_, state) = final_checkpoint(ref_dir), final_checkpoint(workdir)
   assert state.keys() == ref_state.keys()
-  residuals = [k for k in ref_state if "sync_state" in k and "kernel" in k]
-  assert len(residuals) == 3 and all(np.any(ref_state[k] != 0) for k in residuals)
+  residuals = [k for k in ref_state if "sync_state" in k and "kernel" in k]  # onebit's v, scales
+  assert len(residuals) == 6 and all(np.any(ref_state[k] != 0) for k in residuals)
   for k in ref_state:
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
 

@@ -1,11 +1,18 @@
 """Two processes x 4 CPU devices (jax.distributed on localhost, gloo) give exactly the results of
 one process with 8 devices: custom-precision all-reduces (float32 sequential, e4m3 ring + Kahan +
 APS, e5m2 sequential + CPD APS) and two data-parallel train steps (small CNN, e4m3 APS gradient
-sync, 2 emulated nodes per device, SGD with momentum and masked weight decay), and two with a
-compressed sync (onebit with error feedback, CaSync-PS, per-device state sharded over processes).
+sync, 2 emulated nodes per device, SGD with momentum and masked weight decay), and three with a
+compressed sync (onebit with error feedback, CaSync-PS, per-device state sharded over processes),
+where the two processes checkpoint the state (orbax, both writing their devices' rows of the
+compression state) after step two, restore it into a fresh state and take the third step from it;
+and compressed syncs run directly (`jlp.compression.sync_with_bytes`, two calls with the state
+carried): CaSync-Ring with onebit and with stochastic TernGrad (keyed), CaSync-PS with DGC (keyed,
+sparse), each with a SeCoPa plan of K = 3 < W partitions for one leaf: sums, every device's new
+state and the wire bytes.
 
 Reference: the same code (`multiprocess_driver.all_cases`) run in this single 8-device process;
-the comparison is bitwise.
+the comparison is bitwise, the leaves the syncs send uncompressed included (CaSync sums them with
+a ring all-reduce of a fixed order; `lax.psum`'s float32 order differs between the two layouts).
 """
 
 import os
@@ -33,6 +40,8 @@ def _start_processes(out_dir, num_processes=2):
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
   env["JAX_PLATFORMS"] = "cpu"
+  # The processes compile the same programs at once: no shared persistent cache (conftest.py).
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   # The same compiler settings as this process (the fast_compile fixture), so the same programs.
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = str(jax.config.read("jax_disable_most_optimizations"))
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,3 +103,48 @@ def test_two_processes_equal_one_process(tmp_path):
   # The steps did something: the loss changed, and not to NaN.
   losses = [float(expected[f"train/loss{i}"]) for i in range(driver.STEPS)]
   assert all(np.isfinite(losses)) and losses[0] != losses[-1]
+  # The two processes resumed from a checkpoint holding non-zero residuals, every device's own.
+  assert os.path.isdir(tmp_path / "ckpt" / "checkpoints" / str(driver.STEPS))
+  residuals = [v for k, v in expected.items() if k.startswith("resumed/sync_state")]
+  assert residuals and all(r.shape[0] == driver.GLOBAL_DEVICES for r in residuals)
+  rows = np.concatenate([r.reshape(driver.GLOBAL_DEVICES, -1) for r in residuals], axis=1)
+  assert np.all(np.any(rows != 0, axis=1)) and len({r.tobytes() for r in rows}) == 8
+  _check_compressed_syncs(expected)
+
+
+def _check_compressed_syncs(expected):
+  """The direct compressed syncs are not trivial: lossy sums of the compressed leaves, the others
+  exact; states that differ per device and change from call to call (where the compressor has
+  state), a planned leaf in 3 slots."""
+  calls = driver.sync_data()
+  for name, (codec, _, _, plan) in driver.SYNC_CASES.items():
+    compressed = [leaf for leaf in driver.SYNC_SHAPES if leaf not in driver.psum_leaves(name)]
+    assert "a" in compressed and "c" not in compressed
+    for i, grads in enumerate(calls):
+      prefix = f"sync/{name}/{i}/"
+      for leaf, g in grads.items():
+        got = expected[f"{prefix}sum['{leaf}']"]
+        if leaf not in compressed:  # the float32 ring all-reduce
+          np.testing.assert_allclose(got, np.sum(g, axis=0), rtol=1e-6, atol=1e-5,
+                                     err_msg=f"{prefix}{leaf}")
+          continue
+        exact = np.sum(g.astype(np.float64), axis=0)
+        assert np.any(got != exact.astype(np.float32)), (prefix, leaf)
+        if i == 0:  # the first call's sum is an approximation of the exact one
+          assert np.corrcoef(got.ravel(), exact.ravel())[0, 1] > 0.5, (prefix, leaf)
+      assert float(expected[prefix + "wire_bytes"]) > 0
+      states = {k: v for k, v in expected.items() if k.startswith(prefix + "state")}
+      if codec == "terngrad":  # no state
+        assert not states
+        continue
+      # One entry per compressed leaf at least (onebit's residual, DGC's u and v), each with a
+      # row per device and a slot per partition.
+      assert {("a" if "['a']" in k else "b") for k in states} == set(compressed), sorted(states)
+      for k, v in states.items():
+        leaf = "a" if "['a']" in k else "b"
+        assert v.shape[:2] == (driver.GLOBAL_DEVICES, plan.get(f"['{leaf}']", (True, 8))[1]), k
+      rows = np.concatenate([v.reshape(driver.GLOBAL_DEVICES, -1) for v in states.values()], 1)
+      assert len({r.tobytes() for r in rows}) == driver.GLOBAL_DEVICES, prefix
+      if i:
+        before = [expected[k.replace(prefix, f"sync/{name}/0/")] for k in states]
+        assert any(np.any(v != b) for v, b in zip(states.values(), before)), prefix

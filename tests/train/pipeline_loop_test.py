@@ -63,7 +63,8 @@ def test_one_stage_pipelines_train_as_the_data_parallel_step(tmp_path, fast_comp
   """S = 1, N = 8 pipelines, GPipe, sync="allreduce": each pipeline is one device of the
   data-parallel step (its rows, its BatchNorm batch statistics, the mean gradient), so the train
   losses equal the data-parallel runner's to float32 rounding (the two sum the 8 gradients in
-  other orders). Reference: jlp.train.TrainStep through the same runner."""
+  other orders), and the logged sync bytes equal. Reference: jlp.train.TrainStep through the same
+  runner."""
   c = pipelined_config(stages=1)
   c.max_steps, c.log_every, c.eval_every = 10, 1, 10
   loop.train_and_evaluate(c, str(tmp_path / "pipelined"), progress=False)
@@ -75,6 +76,10 @@ def test_one_stage_pipelines_train_as_the_data_parallel_step(tmp_path, fast_comp
   np.testing.assert_allclose([r["train_loss"] for r in got], [r["train_loss"] for r in want],
                              rtol=2e-5)
   assert [r["learning_rate"] for r in got] == [r["learning_rate"] for r in want]
+  # The pipelined loop logs the gradient sync's report like the data-parallel one.
+  for name in ("wire_bytes", "payload_bytes", "nonfinite"):
+    assert [r[name] for r in got] == [r[name] for r in want], name
+  assert got[0]["wire_bytes"] > 0 and got[0]["nonfinite"] == 0
 
 
 def resume_config(kind):

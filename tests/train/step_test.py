@@ -29,6 +29,7 @@ import jlp.train as jt
 from jlp.formats import FloatFormat
 from jlp.gemm.config import GemmQuant
 from jlp.nn import QuantRule, quantize_model
+from runs import assert_trees_equal
 from tiny_models import build
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -85,18 +86,11 @@ def _run(devices, sync, seeds, *, quant=None, loss_scale=1.0, lr=0.1):
     state, m = step(state, _batch(seed))
     # The traffic depends on the device layout (1 device x 8 nodes sends nothing); it is checked
     # in compressed_step_test.test_wire_bytes.
-    assert m.pop("wire_bytes").shape == ()
+    assert m.pop("wire_bytes").shape == m.pop("payload_bytes").shape == ()
+    assert m.pop("nonfinite") == 0
     metrics.append(m)
   state = state._replace(rng_keys=jax.tree.map(jax.random.key_data, state.rng_keys))
   return jax.tree.map(np.asarray, (state, metrics))
-
-
-def _assert_trees_equal(got, want):
-  flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
-  flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
-  assert tree_got == tree_want
-  for (path, g), (_, w) in zip(flat_got, flat_want, strict=True):
-    np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -173,8 +167,8 @@ def test_emulated_nodes_equal_devices():
   compares 2 x 2 with 1 x 4 under e4m3 + APS.)"""
   seeds = (0, 1, 2)
   want = _run(8, jt.GradSync(), seeds)
-  _assert_trees_equal(_run(1, jt.GradSync(emulate_nodes=8), seeds), want)
-  _assert_trees_equal(_run(2, jt.GradSync(emulate_nodes=4), seeds, loss_scale=1024.0), want)
+  assert_trees_equal(_run(1, jt.GradSync(emulate_nodes=8), seeds), want)
+  assert_trees_equal(_run(2, jt.GradSync(emulate_nodes=4), seeds, loss_scale=1024.0), want)
   state, metrics = want
   assert state[0] == len(seeds)
   assert np.isfinite(metrics[-1]["loss"]) and metrics[0]["loss"] != metrics[-1]["loss"]
@@ -200,7 +194,7 @@ def test_unscale_grads_false_hands_the_optimizer_the_scaled_gradient():
 
   want = received()
   assert any(np.any(g != 0) for g in jax.tree.leaves(want))
-  _assert_trees_equal(received(loss_scale=4.0, unscale_grads=False),
+  assert_trees_equal(received(loss_scale=4.0, unscale_grads=False),
                       jax.tree.map(lambda g: g * np.float32(4), want))
 
 
@@ -209,7 +203,7 @@ def test_scanned_nodes_equal_devices():
   rounding of the default ("unroll") 8 x 1 run."""
   seeds = (0, 1, 2)
   want = _run(2, jt.GradSync(emulate_nodes=4, node_map="scan"), seeds)
-  _assert_trees_equal(_run(1, jt.GradSync(emulate_nodes=8, node_map="scan"), seeds), want)
+  assert_trees_equal(_run(1, jt.GradSync(emulate_nodes=8, node_map="scan"), seeds), want)
   unrolled_leaves = jax.tree.leaves(_run(8, jt.GradSync(), seeds))
   for got, unrolled in zip(jax.tree.leaves(want), unrolled_leaves, strict=True):
     np.testing.assert_allclose(got, unrolled, rtol=1e-5, atol=1e-7)
@@ -294,6 +288,6 @@ def test_quantized_model_trains():
   counts = jax.tree.leaves(q_state.model_state)
   assert len(jax.tree.leaves(q_state.rng_keys)) == 1 and len(counts) == 1
   assert all(int(c) == len(FIXED) for c in counts)
-  _assert_trees_equal(
+  assert_trees_equal(
       _run(1, dataclasses.replace(sync, emulate_nodes=4), FIXED, quant=quant, lr=0.5),
       (q_state, q_metrics))

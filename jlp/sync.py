@@ -1,4 +1,6 @@
-"""Gradient synchronisation settings of the data-parallel step (`GradSync`) and the reduction.
+"""One gradient synchronisation for both training loops: the settings (`GradSync`) and the
+reduction (`reduce_gradients`), used by the data-parallel step (`jlp.train`) and by the pipelines'
+sync="allreduce" (`jlp.pipeline`). A layer below both: it imports neither.
 
 `GradSync` says how the per-node gradients of one step are summed, either with CPD's custom-
 precision all-reduce (cpd.md §3, §4) or with a HiPress compressor (hipress.md §2):
@@ -63,6 +65,7 @@ import numpy as np
 from jax import lax
 
 from jlp import collectives
+from jlp._checks import invalid, is_int
 from jlp.collectives import ALGORITHMS, APS_MODES, FORMS
 from jlp.compression import COMPRESSORS, Compressor, get as get_compressor
 from jlp.compression.casync import DEFAULT_MIN_SIZE, TOPOLOGIES, sync_with_bytes
@@ -77,17 +80,9 @@ NODE_MAPS = ("unroll", "scan", "vmap")
 Plan = tuple[tuple[str, bool, int], ...]
 
 
-def _invalid(field: str, given: Any, allowed: str) -> ValueError:
-  return ValueError(f"{field}={given!r} is not allowed; expected {allowed}.")
-
-
 def _check_bool(field: str, value: Any) -> None:
   if not isinstance(value, bool):
-    raise _invalid(field, value, "True or False")
-
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    raise invalid(field, value, "True or False")
 
 
 def normalise_plan(plan: Any) -> Plan:
@@ -97,29 +92,29 @@ def normalise_plan(plan: Any) -> Plan:
     items = []
     for path, entry in plan.items():
       if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
-        raise _invalid(f"plan[{path!r}]", entry, "a pair (compress: bool, K: int >= 1)")
+        raise invalid(f"plan[{path!r}]", entry, "a pair (compress: bool, K: int >= 1)")
       items.append((path, *entry))
   elif isinstance(plan, (tuple, list)):
     items = list(plan)
   else:
-    raise _invalid("plan", plan, "None, a dict {keystr(path): (compress, K)} or a tuple of "
+    raise invalid("plan", plan, "None, a dict {keystr(path): (compress, K)} or a tuple of "
                    "(path, compress, K) triples")
   out = []
   for item in items:
     if not (isinstance(item, (tuple, list)) and len(item) == 3):
-      raise _invalid("plan entry", item, "a triple (path: str, compress: bool, K: int >= 1)")
+      raise invalid("plan entry", item, "a triple (path: str, compress: bool, K: int >= 1)")
     path, compress, k = item
     if not isinstance(path, str):
-      raise _invalid("plan path", path, "a jax.tree_util.keystr of a gradient leaf")
+      raise invalid("plan path", path, "a jax.tree_util.keystr of a gradient leaf")
     if not isinstance(compress, (bool, np.bool_)):
-      raise _invalid(f"plan[{path!r}] compress", compress, "True or False")
-    if not _is_int(k) or k < 1:
-      raise _invalid(f"plan[{path!r}] K", k, "an int >= 1 (the number of partitions)")
+      raise invalid(f"plan[{path!r}] compress", compress, "True or False")
+    if not is_int(k) or k < 1:
+      raise invalid(f"plan[{path!r}] K", k, "an int >= 1 (the number of partitions)")
     out.append((path, bool(compress), int(k)))
   paths = [p for p, _, _ in out]
   if len(set(paths)) != len(paths):
     repeated = sorted({p for p in paths if paths.count(p) > 1})
-    raise _invalid("plan paths", repeated, "each gradient path at most once")
+    raise invalid("plan paths", repeated, "each gradient path at most once")
   return tuple(sorted(out))
 
 
@@ -153,79 +148,79 @@ class GradSync:
       try:
         fmt = as_format(fmt)
       except ValueError as e:
-        raise _invalid("fmt", self.fmt,
+        raise invalid("fmt", self.fmt,
                        f"None, a FloatFormat or a float format name ({e})") from None
       if not isinstance(fmt, FloatFormat):
-        raise _invalid("fmt", self.fmt, "None or a FloatFormat (block formats cannot hold a sum)")
+        raise invalid("fmt", self.fmt, "None or a FloatFormat (block formats cannot hold a sum)")
       object.__setattr__(self, "fmt", fmt)
     if self.algorithm not in ALGORITHMS:
-      raise _invalid("algorithm", self.algorithm, f"one of {ALGORITHMS}")
+      raise invalid("algorithm", self.algorithm, f"one of {ALGORITHMS}")
     _check_bool("kahan", self.kahan)
     if not any(self.aps is m for m in APS_MODES) and self.aps != "cpd":
-      raise _invalid("aps", self.aps, "False, True or 'cpd'")
+      raise invalid("aps", self.aps, "False, True or 'cpd'")
     if self.aps is not False and fmt is None:
-      raise _invalid("aps", self.aps, "False when fmt=None (APS scales into a format's range)")
+      raise invalid("aps", self.aps, "False when fmt=None (APS scales into a format's range)")
     if (isinstance(self.emulate_nodes, bool) or not isinstance(self.emulate_nodes, int)
         or self.emulate_nodes < 1):
-      raise _invalid("emulate_nodes", self.emulate_nodes, "an int >= 1")
+      raise invalid("emulate_nodes", self.emulate_nodes, "an int >= 1")
     if self.form not in FORMS:
-      raise _invalid("form", self.form, f"one of {FORMS}")
+      raise invalid("form", self.form, f"one of {FORMS}")
     _check_bool("cast_single", self.cast_single)
     if self.node_map not in NODE_MAPS:
-      raise _invalid("node_map", self.node_map, f"one of {NODE_MAPS}")
+      raise invalid("node_map", self.node_map, f"one of {NODE_MAPS}")
     if not isinstance(self.axis_name, str) or not self.axis_name:
-      raise _invalid("axis_name", self.axis_name, "a mesh axis name such as 'data'")
+      raise invalid("axis_name", self.axis_name, "a mesh axis name such as 'data'")
     self._check_compression()
 
   def _check_compression(self) -> None:
     compressor = self.compression
     if isinstance(compressor, str):
       if compressor not in COMPRESSORS:
-        raise _invalid("compression", compressor,
+        raise invalid("compression", compressor,
                        f"None, a jlp.compression.Compressor or one of {sorted(COMPRESSORS)}")
       compressor = get_compressor(compressor)
       object.__setattr__(self, "compression", compressor)
     if compressor is not None and not isinstance(compressor, Compressor):
-      raise _invalid("compression", compressor,
+      raise invalid("compression", compressor,
                      "None, a jlp.compression.Compressor or a registered compressor name")
     if self.topology not in TOPOLOGIES:
-      raise _invalid("topology", self.topology, f"one of {TOPOLOGIES}")
-    if not _is_int(self.min_size) or self.min_size < 0:
-      raise _invalid("min_size", self.min_size, "an int >= 0 (elements; 0 compresses every leaf)")
+      raise invalid("topology", self.topology, f"one of {TOPOLOGIES}")
+    if not is_int(self.min_size) or self.min_size < 0:
+      raise invalid("min_size", self.min_size, "an int >= 0 (elements; 0 compresses every leaf)")
     object.__setattr__(self, "min_size", int(self.min_size))
     if self.plan is not None:
       object.__setattr__(self, "plan", normalise_plan(self.plan))
-    if not _is_int(self.seed):
-      raise _invalid("seed", self.seed, "an int")
+    if not is_int(self.seed):
+      raise invalid("seed", self.seed, "an int")
     object.__setattr__(self, "seed", int(self.seed))
     if compressor is None:
       for field, default in (("topology", "ps"), ("min_size", DEFAULT_MIN_SIZE), ("plan", None)):
         if getattr(self, field) != default:
-          raise _invalid(field, getattr(self, field),
+          raise invalid(field, getattr(self, field),
                          f"{default!r} without compression (it only applies to a compressed sync)")
       return
     why = "with compression (the compressed sync sums float32 gradients of real devices)"
     if self.fmt is not None:
-      raise _invalid("fmt", self.fmt, f"None {why}")
+      raise invalid("fmt", self.fmt, f"None {why}")
     if self.aps is not False:
-      raise _invalid("aps", self.aps, f"False {why}")
+      raise invalid("aps", self.aps, f"False {why}")
     if self.kahan:
-      raise _invalid("kahan", self.kahan, f"False {why}")
+      raise invalid("kahan", self.kahan, f"False {why}")
     if self.algorithm != "sequential":
-      raise _invalid("algorithm", self.algorithm,
+      raise invalid("algorithm", self.algorithm,
                      "'sequential' with compression (the compressed sync's topology is `topology`)")
     if self.emulate_nodes != 1:
-      raise _invalid("emulate_nodes", self.emulate_nodes,
+      raise invalid("emulate_nodes", self.emulate_nodes,
                      "1 with compression (CaSync exchanges payloads between the devices of the "
                      "mesh axis; emulated nodes are not compressed)")
     if self.uses_emulation:
-      raise _invalid("cast_single", self.cast_single,
+      raise invalid("cast_single", self.cast_single,
                      "False with compression (form='cpd' with cast_single emulates nodes)")
 
   def check_mesh(self, mesh: jax.sharding.Mesh) -> int:
     """The number of devices W along `axis_name`; ValueError if the mesh has no such axis."""
     if self.axis_name not in mesh.axis_names:
-      raise _invalid("axis_name", self.axis_name, f"an axis of the mesh, one of {mesh.axis_names}")
+      raise invalid("axis_name", self.axis_name, f"an axis of the mesh, one of {mesh.axis_names}")
     return int(mesh.shape[self.axis_name])
 
   @property
@@ -272,23 +267,32 @@ class GradSync:
 
 
 def reduce_gradients(grads: Any, sync: GradSync, sync_state: Any = None,
-                     step: jax.Array | None = None) -> tuple[Any, Any, jax.Array]:
-  """(summed gradient, new sync state, wire bytes) on every device; call inside `jax.shard_map`
-  over `sync.axis_name`.
+                     step: jax.Array | None = None, stream: jax.Array | int | None = None
+                     ) -> tuple[Any, Any, dict[str, jax.Array]]:
+  """(summed gradient, new sync state, report) on every device; call inside `jax.shard_map` over
+  `sync.axis_name`.
 
   `grads` holds one gradient per leaf when `sync.uses_emulation` is False, and leaves stacked on
   a leading axis of the device's nodes (in node order) otherwise. With compression,
-  `sync_state` is this rank's compression state (`GradSync.init_state`) and `step` the step
-  number that selects the random stream (compressors that draw); without, the state passes
-  through. Wire bytes: a float32 scalar, the bytes this device sends (`allreduce_wire_bytes`;
-  `jlp.compression.sync_with_bytes` with compression).
+  `sync_state` is this rank's compression state (`GradSync.init_state`), `step` the step number
+  that selects the random stream (compressors that draw) and `stream` one more id folded into
+  it where several syncs run in one step (a pipeline's stage index); without, the state passes
+  through. The report (the same on every device, the metrics of the step):
+    wire_bytes     float32, the bytes this device's collectives move (`allreduce_wire_bytes`;
+                   `jlp.compression.sync_with_bytes` with compression: payloads at capacity);
+    payload_bytes  float32, the bytes of the payloads on HiPress's wire (sparse ones at their
+                   real count; equal to wire_bytes without compression);
+    nonfinite      int32, the non-finite gradient elements: over every rank's gradient with
+                   compression (the state is then left as it was), in the sum without.
   """
   if sync.compression is not None:
     key = None
     if sync.compression.needs_key:
       if step is None:
-        raise _invalid("step", step, "the step number (the compressor draws random numbers)")
+        raise invalid("step", step, "the step number (the compressor draws random numbers)")
       key = jax.random.fold_in(jax.random.key(sync.seed), step)
+      if stream is not None:
+        key = jax.random.fold_in(key, stream)
     return sync_with_bytes(grads, sync.axis_name, sync.compression, sync_state,
                            topology=sync.topology, min_size=sync.min_size, plan=sync.plan_dict,
                            key=key)
@@ -314,4 +318,6 @@ def reduce_gradients(grads: Any, sync: GradSync, sync_state: Any = None,
                                    aps=sync.aps,
                                    mean=False)
   wire = jnp.float32(sync.allreduce_wire_bytes(sizes, num_devices))
-  return summed, sync_state, wire
+  nonfinite = sum((jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in jax.tree.leaves(summed)),
+                  jnp.zeros((), jnp.int32))
+  return summed, sync_state, {"wire_bytes": wire, "payload_bytes": wire, "nonfinite": nonfinite}
