@@ -31,9 +31,10 @@ writes acc, 8n; a sparse one scatters in place: P and acc's k touched elements, 
              v; the scales' sums over v (a sequential float32 reduce: its rounding is fixed); the
              packed signs from v (XLA:CPU does not write outputs of different shapes from one
              loop): 20n + P.
-  tbq        encode 12n + P: read x and r, write r and the codes. The code makes two passes
-             (codes, then r behind an optimisation barrier, so that the donated r is written in
-             place): 20n + P.
+  tbq        encode 12n + P: read x and r, write r and the codes. The code keeps v (as onebit)
+             and makes two passes: v from x and the last v, written in place, then the packed
+             codes from v (XLA:CPU does not write outputs of different shapes from one loop):
+             16n + P.
   terngrad   encode 8n + P: x read twice (min and max, then the codes), what the code does.
   dgc        encode 20n + P: read x, u and v, write u and v, and compare |v| with the threshold
              in that pass (the threshold comes from a sample of v, a gather); zeroing k entries

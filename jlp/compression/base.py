@@ -15,11 +15,12 @@ r (state {"residual"}): compress sees v = x + r, and the new residual is v - dec
 computed after the payload is packed (a second pass over x and r, so that a donated residual is
 updated in place: XLA would otherwise copy it); `feedback(v, payload)`, where a compressor
 defines it, gives the same bits from v without unpacking the payload. A compressor may instead
-keep its own state and apply its feedback lazily in one pass (onebit keeps v and its scales, and
-derives r at the next encode). The base class turns these into the protocol the synchronisation
-(`jlp.compression.sync`), the train step and the wire use:
+keep its own state and apply its feedback lazily in one pass (onebit keeps v and its scales, TBQ
+v; each derives r at the next encode). The base class turns these into the protocol the
+synchronisation (`jlp.compression.sync`), the train step and the wire use:
 
-  init(x) -> state                      error-feedback residual (onebit: its last v and scales),
+  init(x) -> state                      error-feedback residual (onebit: its last v and scales;
+                                        tbq: its last v),
                                         DGC's U and V; {} if none
   encode(x, state, key=None) -> (payload, state)
                                         x of any shape, taken flat in C order; payload: fixed-

@@ -61,8 +61,15 @@ def _fraction(owner: str, field: str, value: Any, closed_at: int) -> None:
 class TBQ(Compressor):
   """Threshold binary quantisation with fused error feedback (hipress.md §1.1).
 
-  Per element, on the residual r (state) in place:  r += x;  r >= τ: send +τ (code 2), r -= τ;
+  Per element, on the residual r in place:  r += x;  r >= τ: send +τ (code 2), r -= τ;
   r <= -τ: send -τ (code 0), r += τ;  else send 0 (code 1). Decode: (code - 1) * τ.
+  State {"v": float32[n]}: the last encoded v = x + r (fresh: zeros). r' = v - decode is
+  applied lazily, as onebit's: the next encode computes r = v -+ τ or v elementwise
+  (`residual(state)`; +0 for a fresh state) and the new v = x + r in one pass that reads x and
+  the old v and writes the new v (in place when donated); the packed codes read the new v
+  (XLA:CPU runs them as a second loop: its outputs have another shape). Keeping r instead took
+  a second pass over x and r once the payload existed (20n bytes against 16n). The codes and r
+  are those of HiPress's in-place loop, bit for bit.
   Wire: ceil(n/4) bytes, no header, element 4i+k at bits 2k..2k+1 of byte i; unused tail slots
   hold code 1 (HiPress starts every byte at 0x55). τ is known to both sides.
   """
@@ -71,27 +78,36 @@ class TBQ(Compressor):
   impl: str = "auto"
 
   layout = (Packed("codes", bits=2, pad=1),)
-  error_feedback = True  # the base class: v = r + x; r = v - decode = v -+ τ or v
 
   def __post_init__(self):
     _positive_finite("TBQ", "threshold", self.threshold)
     check_impl("TBQ", self.impl)
 
-  def compress(self, v, state, key):
+  def init(self, x):
+    """{"v": zeros like flat x}: the state of r = +0."""
+    return {"v": jnp.zeros((jnp.size(x),), jnp.float32)}
+
+  def residual(self, state: dict[str, jax.Array]) -> jax.Array:
+    """The error-feedback residual r = v - decode(v's codes) the state stands for: what the
+    next encode adds to its x (x + r_before = decode(payload) + r_after). Exactly: the decoded
+    value is +τ, -τ or +0 (v - +0 = v, also for v = -0)."""
+    if not isinstance(state, dict) or set(state) != {"v"}:
+      given = sorted(state) if isinstance(state, dict) else type(state).__name__
+      raise invalid("TBQ state", given, "a dict with keys ['v'] (TBQ.init)")
+    v = jnp.asarray(state["v"], jnp.float32)
+    tau = jnp.float32(self.threshold)
+    return jnp.where(v >= tau, v - tau, jnp.where(v <= -tau, v + tau, v))
+
+  def compress(self, x, state, key):
     del key
+    v = x + self.residual(state)
     tau = jnp.float32(self.threshold)
     codes = jnp.where(v >= tau, 2, jnp.where(v <= -tau, 0, 1)).astype(jnp.uint8)
-    return {"codes": codes}, state
+    return {"codes": codes}, {"v": v}
 
   def decompress(self, fields, n):
     del n
     return (fields["codes"].astype(jnp.float32) - 1.0) * jnp.float32(self.threshold)
-
-  def feedback(self, v, payload):
-    # v - decode exactly: the decoded value is +τ, -τ or +0 (v - +0 = v, also for v = -0).
-    del payload
-    tau = jnp.float32(self.threshold)
-    return jnp.where(v >= tau, v - tau, jnp.where(v <= -tau, v + tau, v))
 
 
 @register("onebit")

@@ -272,7 +272,7 @@ def test_bad_inputs_rejected():
     trace({"h": jax.ShapeDtypeStruct((W, 64), jnp.bfloat16)}, jc.get("tbq"))
   with pytest.raises(ValueError, match="compressor='tbq' is not allowed"):
     trace(tree, "tbq")
-  wrong = {"['w']": {"residual": jnp.zeros((8, 9), jnp.float32)}}
+  wrong = {"['w']": {"v": jnp.zeros((8, 9), jnp.float32)}}
   with pytest.raises(ValueError, match="state="):
     trace(tree, jc.get("tbq"), state=wrong, min_size=0)
   with pytest.raises(ValueError, match="axis_name='r'"):

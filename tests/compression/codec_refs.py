@@ -49,14 +49,18 @@ def floats(*values) -> bytes:
 
 # -- TBQ (§1.1) ------------------------------------------------------------------------------------
 def tbq(x, residual, tau):
-  """HiPress's zgc: bytes start at 0x55 (all codes 1); code 2 by XOR 3<<2k, code 0 by XOR 1<<2k."""
+  """HiPress's zgc: bytes start at 0x55 (all codes 1); code 2 by XOR 3<<2k, code 0 by XOR 1<<2k;
+  the residual r updated in place (r += x, then -= τ or += τ where sent). Returns (bytes, the
+  state {"v": x + r before the update} whose tbq_residual is r', decoded, r')."""
   tau = f32(tau)
   n = len(x)
   out = bytearray([0x55] * (-(-n // 4)))
   r = np.array(residual, f32)
+  v = np.zeros(n, f32)
   decoded = np.zeros(n)
   for i in range(n):
     r[i] = f32(r[i] + f32(x[i]))
+    v[i] = r[i]
     k = i % 4
     if r[i] >= tau:
       out[i // 4] ^= 3 << (2 * k)
@@ -66,7 +70,20 @@ def tbq(x, residual, tau):
       out[i // 4] ^= 1 << (2 * k)
       r[i] = f32(r[i] + tau)
       decoded[i] = -float(tau)
-  return bytes(out), {"residual": r}, decoded
+  return bytes(out), {"v": v}, decoded, r
+
+
+def tbq_residual(state, tau):
+  """The error-feedback residual r = v - decode(v's code) that TBQ's state {"v": the last
+  encoded value} stands for (v = 0: r = +0), element by element in float32."""
+  tau = f32(tau)
+  r = np.array(state["v"], f32)
+  for i in range(r.size):
+    if r[i] >= tau:
+      r[i] = f32(r[i] - tau)
+    elif r[i] <= -tau:
+      r[i] = f32(r[i] + tau)
+  return r
 
 
 # -- onebit (§1.5) ---------------------------------------------------------------------------------

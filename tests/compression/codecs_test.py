@@ -80,8 +80,8 @@ def initial_state(c, n: int, seed: int) -> dict:
 
 
 def residual(c, state) -> np.ndarray:
-  """The error-feedback residual a state stands for (onebit keeps v and its scales)."""
-  return np.asarray(c.residual(state) if isinstance(c, OneBit) else state["residual"])
+  """The error-feedback residual a state stands for (onebit keeps v and its scales, TBQ v)."""
+  return np.asarray(c.residual(state) if isinstance(c, (OneBit, TBQ)) else state["residual"])
 
 
 def key_for(c, step: int):
@@ -96,7 +96,7 @@ _decode_add = jax.jit(lambda c, payload, acc: c.decode_add(payload, acc), static
 def reference(c, x, state, key):
   """(wire bytes, state, decoded, alternative codes or None) from codec_refs."""
   if isinstance(c, TBQ):
-    return (*ref.tbq(x, state["residual"], c.threshold), None)
+    return (*ref.tbq(x, ref.tbq_residual(state, c.threshold), c.threshold)[:3], None)
   if isinstance(c, OneBit):
     return (*ref.onebit(x, ref.onebit_residual(state, c.scale_mode), c.scale_mode), None)
   if isinstance(c, EFSignSGD):
@@ -559,6 +559,41 @@ def test_onebit_state_is_the_last_value_and_its_scales(scale_mode):
   stats = jax.jit(lambda x, state: c.encode(x, state), donate_argnums=1).lower(
       jax.ShapeDtypeStruct((n,), jnp.float32), spec).compile().memory_analysis()
   assert stats.alias_size_in_bytes == 4 * (n + count)
+  assert stats.temp_size_in_bytes < n, stats
+
+
+def test_tbq_state_is_the_last_value():
+  """TBQ keeps v (the last encoded x + r); r = v -+ τ or v is applied at the next encode. Six
+  chained steps, values on and around ±τ and ±0 included, give HiPress's in-place loop's
+  payloads and residuals bit for bit (codec_refs.tbq, tbq_residual). A fresh state (v = 0)
+  stands for r = +0."""
+  c = TBQ(threshold=0.5)
+  n = 2503  # a ragged byte
+  state = c.init_flat(n)
+  assert {k: (v.shape, v.dtype) for k, v in state.items()} == {"v": ((n,), jnp.float32)}
+  r = np.asarray(c.residual(state))
+  assert np.all(r == 0) and not np.signbit(r).any()
+  rng = np.random.default_rng(13)
+  for step in range(6):
+    x = (rng.normal(size=n) * 2.0 ** (step - 3)).astype(np.float32)
+    x[:8] = [0.5, -0.5, 0.0, -0.0, 1.0, -1.0, np.nextafter(0.5, 0), -np.nextafter(0.5, 0)]
+    payload, state = _encode(c, jnp.asarray(x), state, None)
+    want, ref_state, _, r = ref.tbq(x, r, c.threshold)
+    assert c.to_bytes(payload).tobytes() == want, step
+    np.testing.assert_array_equal(np.asarray(state["v"]).view(np.uint32),
+                                  ref_state["v"].view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(c.residual(state)).view(np.uint32), r.view(np.uint32))
+    np.testing.assert_array_equal(ref.tbq_residual(ref_state, c.threshold).view(np.uint32),
+                                  r.view(np.uint32))
+  with pytest.raises(ValueError, match="TBQ state"):
+    c.encode(jnp.zeros(n), {"residual": jnp.zeros(n)})
+  # Donated, the state is written over the old one (aliased), with no temporary of n floats (no
+  # copy of it, no materialised residual).
+  n = 1 << 20
+  spec = jax.eval_shape(lambda: c.init_flat(n))
+  stats = jax.jit(lambda x, state: c.encode(x, state), donate_argnums=1).lower(
+      jax.ShapeDtypeStruct((n,), jnp.float32), spec).compile().memory_analysis()
+  assert stats.alias_size_in_bytes == 4 * n
   assert stats.temp_size_in_bytes < n, stats
 
 
