@@ -32,8 +32,9 @@ Compressed synchronisation (HiPress's CaSync, `jlp.compression.sync`):
                `jlp.compression.sync_with_bytes`: leaves of more than `min_size` elements (or as
                `plan` says) are encoded, exchanged and decoded, each device with its own state
                (error-feedback residuals, ...: `TrainState.sync_state`), the others summed by
-               one float32 psum.
-  topology     "ps" (CaSync-PS: co-located aggregators, all_to_all + all_gather) or "ring"
+               one float32 ring all-reduce.
+  topology     "ps" (CaSync-PS: co-located aggregators, partitions to their owners and back) or
+               "ring"
                (CaSync-Ring: decode-merge-encode at every reduce hop), hipress.md §2.2-§2.3.
   min_size     compress a leaf iff it has more than min_size elements (HiPress's
                --comp-threshold, default 262144 floats = 1 MiB); leaves named in `plan` follow it.
@@ -72,10 +73,12 @@ from jlp.compression.casync import DEFAULT_MIN_SIZE, TOPOLOGIES, sync_with_bytes
 from jlp.compression.casync import init_state as init_compression_state
 from jlp.formats import FloatFormat, as_format
 
-__all__ = ["DEFAULT_MIN_SIZE", "GradSync", "NODE_MAPS", "Plan", "TOPOLOGIES", "normalise_plan",
-           "reduce_gradients"]
+__all__ = ["DEFAULT_MIN_SIZE", "GradSync", "NODE_MAPS", "Plan", "SYNC_REPORT", "TOPOLOGIES",
+           "normalise_plan", "reduce_gradients"]
 
 NODE_MAPS = ("unroll", "scan", "vmap")
+#: What `reduce_gradients` reports (the metrics of a step), with its dtypes.
+SYNC_REPORT = {"wire_bytes": jnp.float32, "payload_bytes": jnp.float32, "nonfinite": jnp.int32}
 #: A SeCoPa plan as GradSync stores it: ((keystr(path), compress, K), ...) sorted by path.
 Plan = tuple[tuple[str, bool, int], ...]
 

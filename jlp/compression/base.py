@@ -13,10 +13,9 @@ over unpacked fields:
 and, when it has state, `init`. With `error_feedback = True` the base class keeps the residual
 r (state {"residual"}): compress sees v = x + r, and the new residual is v - decode(payload),
 computed after the payload is packed (a second pass over x and r, so that a donated residual is
-updated in place: XLA would otherwise copy it); `feedback(v, payload)`, where a compressor
-defines it, gives the same bits from v without unpacking the payload. A compressor may instead
-keep its own state and apply its feedback lazily in one pass (onebit keeps v and its scales, TBQ
-v; each derives r at the next encode). The base class turns these into the protocol the
+updated in place: XLA would otherwise copy it). A compressor may instead keep its own state and
+apply its feedback lazily in one pass (onebit keeps v and its scales, TBQ v; each derives r at
+the next encode, `check_state` validating the state it is given). The base class turns these into the protocol the
 synchronisation (`jlp.compression.sync`), the train step and the wire use:
 
   init(x) -> state                      error-feedback residual (onebit: its last v and scales;
@@ -119,6 +118,13 @@ def check_num_ranks(field: str, num_ranks: Any) -> None:
     raise invalid(field, num_ranks, "an int >= 1")
 
 
+def check_state(owner: str, state: Any, keys: set[str]) -> None:
+  """ValueError unless state is a dict with exactly `keys` (a compressor's own state)."""
+  if not isinstance(state, dict) or set(state) != keys:
+    given = sorted(state) if isinstance(state, dict) else type(state).__name__
+    raise invalid(f"{owner} state", given, f"a dict with keys {sorted(keys)} ({owner}.init)")
+
+
 def is_sparse(compressor: "Compressor") -> bool:
   """Whether the compressor's payload is a Sparse field (count, indices, values)."""
   return any(isinstance(f, layout_lib.Sparse) for f in compressor.layout)
@@ -166,13 +172,6 @@ class Compressor:
     if is_sparse(self):
       return _scatter(fields, acc, add=True)
     return acc + self.decompress(fields, acc.shape[0])
-
-  def feedback(self, v: jax.Array, payload: dict[str, jax.Array]) -> jax.Array | None:
-    """v - decode(payload) with error feedback, computed elementwise from v (bit for bit the
-    same: the codes are v's), so that the residual pass does not unpack the payload; None: the
-    base class decodes the payload instead."""
-    del v, payload
-    return None
 
   def server(self, num_ranks: int) -> "Compressor":
     """The compressor an aggregator re-encodes the sum of `num_ranks` payloads with (CaSync-PS
@@ -273,9 +272,7 @@ def _encode(compressor: Compressor, x: jax.Array, state: Any, key: jax.Array | N
   # payload, the next the residual, written over a donated r with no copy of it.
   payload, x, residual = lax.optimization_barrier((payload, x, state["residual"]))
   v = x + residual
-  new_residual = compressor.feedback(v, payload)
-  if new_residual is None:
-    new_residual = v - compressor.decompress(compressor._unpack(payload, n), n)
+  new_residual = v - compressor.decompress(compressor._unpack(payload, n), n)
   return payload, {**state, "residual": new_residual}
 
 

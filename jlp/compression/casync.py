@@ -350,6 +350,14 @@ def _unpartition(rows: jax.Array, leaf: _Leaf) -> jax.Array:
   return rows.reshape(-1)[:leaf.route.size].reshape(leaf.shape)
 
 
+def _real_and_slot(index: jax.Array, k: int, w: int) -> tuple[jax.Array | bool, jax.Array]:
+  """Whether partition / chunk `index` (0 <= index < W, traced) is one of the K real ones, and the
+  state slot its encode uses (clamped into [0, K) for the ranks that have none)."""
+  if k == w:
+    return True, index
+  return index < k, jnp.minimum(index, k - 1)
+
+
 class _Exchange(NamedTuple):
   """What `_ps` / `_ring` return for one group of leaves: the sums, the new states, this device's
   sparse wire bytes (int32, 8*count of the messages it sent) and, static and averaged per
@@ -368,8 +376,7 @@ def _ps(xs: list[jax.Array], leaves: list[_Leaf], k: int, compressor: Compressor
   """CaSync-PS of leaves of K partitions each (module docstring): one exchange to the owners and
   one back for all of them."""
   rank = lax.axis_index(axis_name)
-  owns = True if k == w else rank < k  # rank j owns partition j
-  slot = rank if k == w else jnp.minimum(rank, k - 1)
+  owns, slot = _real_and_slot(rank, k, w)  # rank j owns partition j
   sends, work = [], []
   for x, leaf, state in zip(xs, leaves, states, strict=True):
     c = leaf.width
@@ -435,19 +442,13 @@ def _ring(xs: list[jax.Array], leaves: list[_Leaf], k: int, compressor: Compress
   stateful = [[_server_stateful(compressor, comp, leaf.width) for comp in coders]
               for leaf in leaves]
 
-  def real_and_slot(chunk):
-    """Whether this rank holds a real chunk (chunk < K) and the state slot it would use."""
-    if k == w:
-      return True, chunk
-    return chunk < k, jnp.minimum(chunk, k - 1)
-
   def own_chunk(i, chunk):
-    return lax.dynamic_index_in_dim(chunks[i], real_and_slot(chunk)[1], keepdims=False)
+    return lax.dynamic_index_in_dim(chunks[i], _real_and_slot(chunk, k, w)[1], keepdims=False)
 
   def encode_step(s, step, chunk, accs, states):
     """Every leaf's chunk (accs) encoded by coders[s] at `step` (the key's step id: s, traced
     inside the loop) with this rank's slot; the bytes to send and their sparse wire bytes."""
-    real, slot = real_and_slot(chunk)
+    real, slot = _real_and_slot(chunk, k, w)
     datas, new_states, sparse = [], [], jnp.zeros((), jnp.int32)
     for leaf, acc, state, codec, full in zip(leaves, accs, states, codecs, stateful, strict=True):
       keys = _keys(key, leaf.index, chunk, rank, step)
@@ -480,7 +481,7 @@ def _ring(xs: list[jax.Array], leaves: list[_Leaf], k: int, compressor: Compress
       if not stateful[i][s]:
         # A stateless server (DGC's union) merges encoded contributions only: this rank's chunk
         # enters as its worker encode (slot k, key step W + t), not raw.
-        real, slot = real_and_slot(chunk)
+        real, slot = _real_and_slot(chunk, k, w)
         old = _slot(states[i], slot)
         mine, new = compressor.encode(own, old, _keys(key, leaf.index, chunk, rank, w + t))
         states[i] = _set_slot(states[i], _select(real, new, old), slot)
@@ -507,7 +508,7 @@ def _ring(xs: list[jax.Array], leaves: list[_Leaf], k: int, compressor: Compress
   # Gather phase: rank j holds chunk j. It does no arithmetic, so one exchange from the holders
   # gives the bits of the W-1 forwarding hops.
   gathered = transport.broadcast_from_owners(wire, k, w, axis_name)
-  holds = True if k == w else rank < k
+  holds, _ = _real_and_slot(rank, k, w)
   sums, offset, moved, fixed = [], 0, 0.0, 0.0
   for i, (leaf, codec) in enumerate(zip(leaves, codecs, strict=True)):
     last = codec[w - 1]

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jlp.compression import ops
-from jlp.compression.base import Compressor, check_impl, check_num_ranks, invalid, register
+from jlp.compression.base import (Compressor, check_impl, check_num_ranks, check_state, invalid,
+                                  register)
 from jlp.compression.layout import Header, Packed, Scalars, Sparse, decimal, fraction_count
 
 __all__ = ["DGC", "DGCServer", "GradDrop", "OneBit", "TBQ", "TernGrad"]
@@ -91,9 +92,7 @@ class TBQ(Compressor):
     """The error-feedback residual r = v - decode(v's codes) the state stands for: what the
     next encode adds to its x (x + r_before = decode(payload) + r_after). Exactly: the decoded
     value is +τ, -τ or +0 (v - +0 = v, also for v = -0)."""
-    if not isinstance(state, dict) or set(state) != {"v"}:
-      given = sorted(state) if isinstance(state, dict) else type(state).__name__
-      raise invalid("TBQ state", given, "a dict with keys ['v'] (TBQ.init)")
+    check_state("TBQ", state, {"v"})
     v = jnp.asarray(state["v"], jnp.float32)
     tau = jnp.float32(self.threshold)
     return jnp.where(v >= tau, v - tau, jnp.where(v <= -tau, v + tau, v))
@@ -157,9 +156,7 @@ class OneBit(Compressor):
   def residual(self, state: dict[str, jax.Array]) -> jax.Array:
     """The error-feedback residual r = v - decode(v's signs, scales) the state stands for: what
     the next encode adds to its x (x + r_before = decode(payload) + r_after)."""
-    if not isinstance(state, dict) or set(state) != {"v", "scales"}:
-      given = sorted(state) if isinstance(state, dict) else type(state).__name__
-      raise invalid("OneBit state", given, "a dict with keys ['scales', 'v'] (OneBit.init)")
+    check_state("OneBit", state, {"v", "scales"})
     v = jnp.asarray(state["v"], jnp.float32)
     return v - self._levels(v < 0, jnp.asarray(state["scales"], jnp.float32))
 

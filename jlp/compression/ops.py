@@ -243,8 +243,7 @@ def capped_threshold_select(values: jax.Array, threshold: jax.Array | float, cap
   # The threshold typed like the values (its value unchanged): under vmap inside shard_map, jax's
   # varying-axes typing rejects the switch below when its branches close over axis-varying values
   # and a constant threshold.
-  threshold = jnp.where(jnp.zeros(values.shape[:0], jnp.bool_) & (values[0] != values[0]),
-                        values[0], threshold)
+  threshold = jnp.where(values[0] != values[0], threshold, threshold)
   n = values.shape[0]
   capacity = min(capacity, n)
   # Up to 2*capacity candidates: a sampled threshold over-selects a little more often than not,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jlp.compression.base import Compressor
+from jlp.compression.base import Compressor, is_sparse
 
 __all__ = ["Codec", "broadcast_from_owners", "from_bytes", "gather_to_owners", "psum_bytes",
            "ring_allreduce_bytes", "to_bytes"]
@@ -81,7 +81,7 @@ class Codec(NamedTuple):
   @classmethod
   def of(cls, comp: Compressor, width: int) -> "Codec":
     spec = comp.payload_spec(width)
-    sparse = "indices" in spec
+    sparse = is_sparse(comp)
     fixed = comp.wire_bytes(width) - (8 * spec["indices"].shape[0] if sparse else 0)
     return cls(comp, spec, sum(_field_bytes(s) for s in spec.values()), fixed, sparse)
 

@@ -82,7 +82,7 @@ from jlp._checks import is_int
 from jlp.pipeline import schedules as sched
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce, SyncPlan, simulate
-from jlp.sync import GradSync, reduce_gradients
+from jlp.sync import SYNC_REPORT, GradSync, reduce_gradients
 
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
 
@@ -150,10 +150,6 @@ def _write_slot(buffers: Any, slot: jax.Array, values: Any, when: jax.Array) -> 
   """`buffers` (a pytree of [K, ...] ring buffers) with entry `slot` replaced by `values` where
   `when` holds, kept otherwise: one slot read and written, not the whole buffer."""
   return jax.tree.map(lambda b, v: b.at[slot].set(jnp.where(when, v, b[slot])), buffers, values)
-
-
-#: What sync="allreduce" reports per mini-batch (`jlp.sync.reduce_gradients`).
-_SYNC_REPORT = {"wire_bytes": jnp.float32, "payload_bytes": jnp.float32, "nonfinite": jnp.int32}
 
 
 class Pipeline:
@@ -539,7 +535,7 @@ class Pipeline:
                  metrics={name: jnp.zeros((layout.num_batches,), jnp.float32)
                           for name in layout.metric_names},
                  sync_report={name: jnp.zeros((layout.num_batches,), dtype) for name, dtype in
-                              _SYNC_REPORT.items()} if self.sync == "allreduce" else {})
+                              SYNC_REPORT.items()} if self.sync == "allreduce" else {})
     if self.schedule == "1f1b":
       carry = self._run_1f1b(layout, carry, stage, state.step, xs, ys, mix)
     else:

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from jlp.nn import bfpsim, controller as bfp_controller, rules as nn_rules
+from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import quant_rules, validate
@@ -335,9 +336,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "learning_rate": float(run.lr(step - 1)),
                  "throughput": (step - last_step) * config.batch_size / max(now - last_time, 1e-9),
                  "epoch": step / spe,
-                 "wire_bytes": float(metrics["wire_bytes"]),
-                 "payload_bytes": float(metrics["payload_bytes"]),
-                 "nonfinite": int(metrics["nonfinite"]),
+                 **{name: metrics[name].item() for name in SYNC_REPORT},
                  **_bfp_metrics(run, zse)}
           if run.quant.schedule is not None:
             row["bfp_preset"] = run.preset

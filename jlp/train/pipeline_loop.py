@@ -23,8 +23,8 @@ train_loss and train_accuracy (means over pipelines), learning_rate, throughput 
 the call), epoch, virtual_time (virtual seconds at which the mini-batch's update finished),
 virtual_throughput (examples per virtual second over the call), bubble_fraction (the schedule
 table's idle share), and with pipeline.sync="allreduce" the gradient sync's wire_bytes,
-payload_bytes (per device, averaged over all devices) and nonfinite. Evaluation (every eval_every steps and at the end, between calls): every
-pipeline's model (its stages merged, eval mode) is evaluated on the whole eval split with
+payload_bytes (per device, averaged over all devices) and nonfinite. Evaluation (every
+eval_every steps and at the end, between calls): every pipeline's model (its stages merged, eval mode) is evaluated on the whole eval split with
 `recipe.eval_sums` (data-parallel on every device) and eval_loss / eval_accuracy are the means
 over the N pipelines (the seed reduces validation over its pipelines, sdpipe.md §5).
 
@@ -50,6 +50,7 @@ import optax
 from jlp.data import Prefetcher
 from jlp.pipeline import (HetPipe, Hetero, Pipeline, PipelineState, PReduce, StageSplit,
                           pipeline_mesh, split_model)
+from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import pipeline_size, validate
@@ -218,7 +219,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "virtual_time": float(times[k]),
                  "virtual_throughput": virtual_throughput,
                  "bubble_fraction": float(metrics["bubble_fraction"])}
-          for name in ("wire_bytes", "payload_bytes", "nonfinite"):  # sync="allreduce" only
+          for name in SYNC_REPORT:  # sync="allreduce" only
             if name in metrics:
               row[name] = metrics[name][k].item()
           if evaluated:
