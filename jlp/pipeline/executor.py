@@ -35,7 +35,9 @@ Synchronisation across the N pipelines, per stage, at every update:
   "allreduce"  the update uses the sum over pipelines of gradient / N, summed by
                `jlp.sync.reduce_gradients` with `grad_sync` (default: float32, sequential in
                pipeline order; a custom format, Kahan, APS or a HiPress compressor work too, on the
-               stage's gradient as one flat buffer). SD-PIPE's AllReduce baseline (§1.3).
+               stage's own gradient as one flat leaf of its own length, never the padded buffer,
+               with a compression state per stage). It runs on the ticks that update only.
+               SD-PIPE's AllReduce baseline (§1.3).
   "none"       every pipeline trains alone.
   "preduce"    SD-PIPE's partial reduce (§2): the local update, then model averaging
                x_i <- sum_j mix[b, s, i, j] x_j with the mixing matrix the host-side group scheduler
@@ -57,6 +59,10 @@ reports metrics["virtual_time"], the virtual seconds at which each mini-batch's 
 The simulated scheduler's own state (adaptive windows, union-find, counts) restarts at every run,
 as the executor's pipeline fills and drains at every run.
 
+A backward recomputes its stage's forward from the stashed input and weights, except 1F1B's last
+stage, whose backward comes right after its forward with the same weights and state: there the
+forward tick does nothing and the backward runs the stage once (loss, gradients, new state).
+
 Stages: `stage(params, x) -> y`, or with `stateful=True` `stage(params, x, state) -> (y,
 new_state)` (BatchNorm statistics, RNG counters: `jlp.pipeline.split_model` builds such stages
 from a zoo model). A forward op replaces the stage's state by new_state (its pipeline's own copy,
@@ -68,6 +74,7 @@ stage 0 (xs) and the targets (ys) may be any arrays.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -112,7 +119,9 @@ class PipelineState(NamedTuple):
   opt_state: dict[str, jax.Array]  # {dtype: [N, S, L_dtype]}, one optax state per (pipeline, stage)
   model_state: dict[str, jax.Array]  # {dtype: [N, S, L_dtype]} stateful stages' state ({} if none)
   global_params: dict[str, jax.Array]  # sync="hetpipe": the parameter server's copy; else {}
-  sync_state: Any  # grad_sync's compression state [N, S, ...] (None without compression)
+  # grad_sync's compression state, each stage's own packed as {dtype: [N, S, L]} (None without
+  # compression).
+  sync_state: Any
   # float32 [N, S, 2]: the virtual second at which each (pipeline, stage) finished its last
   # update, as (whole seconds, fraction); the next run's simulation starts from it.
   virtual_time: jax.Array
@@ -248,6 +257,7 @@ class Pipeline:
     self.num_pipelines = mesh.shape[DATA]
     self.num_stages = len(stages)
     self._packers: tuple[Packer, Packer, Packer] | None = None
+    self._sync_packer: Packer | None = None
     self._compiled: dict[Any, Any] = {}
 
   # -- state -------------------------------------------------------------------------------------
@@ -303,15 +313,10 @@ class Pipeline:
     params = stacked(param_packer, stage_params)
     sync_state = None
     if self.grad_sync.compression is not None:
-      one = self.grad_sync.init_state(
-          {"stage": jax.ShapeDtypeStruct((param_packer.sizes["float32"],), jnp.float32)}, N)
-
-      def rows(x):
-        host = np.asarray(x)
-        full = np.broadcast_to(host, (N, S) + host.shape)
-        return jax.make_array_from_callback(full.shape, self.sharding, lambda i: full[i])
-
-      sync_state = jax.tree.map(rows, one)
+      # Each stage's own state, for its own gradient's length (no padding in any residual).
+      stage_states = [self.grad_sync.init_state(self._stage_grads(s), N) for s in range(S)]
+      self._sync_packer = Packer(stage_states)
+      sync_state = stacked(self._sync_packer, stage_states)
     replicated = NamedSharding(self.mesh, P())
     return PipelineState(
         step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
@@ -321,6 +326,13 @@ class Pipeline:
         global_params=stacked(param_packer, stage_params) if self.sync == "hetpipe" else {},
         sync_state=sync_state,
         virtual_time=jax.device_put(jnp.zeros((N, S, 2), jnp.float32), replicated))
+
+  def _stage_grads(self, s: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """What the gradient sync sees of stage s: its float32 parameters as one flat leaf of their
+    own length (the packed buffer's padding never reaches a sync)."""
+    length = sum(math.prod(shape) for dtype, _, shape in self._require_init()[0].layouts[s]
+                 if dtype == "float32")
+    return {"stage": jax.ShapeDtypeStruct((length,), jnp.float32)}
 
   def _require_init(self) -> tuple[Packer, Packer, Packer]:
     if self._packers is None:
@@ -340,6 +352,16 @@ class Pipeline:
     packer = self._require_init()[2]
     host = {d: np.asarray(v) for d, v in state.model_state.items()}
     return [packer.unpack(s, {d: v[:, s] for d, v in host.items()})
+            for s in range(self.num_stages)]
+
+  def stage_sync_state(self, state: PipelineState) -> list[Any] | None:
+    """The gradient sync's compression state of each stage (for its own gradient length): S
+    pytrees (host numpy) with a leading [N] pipeline axis; None without compression."""
+    if state.sync_state is None:
+      return None
+    self._require_init()
+    host = {d: np.asarray(v) for d, v in state.sync_state.items()}
+    return [self._sync_packer.unpack(s, {d: v[:, s] for d, v in host.items()})
             for s in range(self.num_stages)]
 
   @staticmethod
@@ -601,7 +623,14 @@ class Pipeline:
     def idle(s):
       return lambda: (zeros_act, zeros_act, zeros_grad, carry["model_state"], no_metrics)
 
+    # 1F1B runs the last stage's backward right after its forward, with the same weights and
+    # state: the forward is left to the backward, which runs the stage once and keeps its state.
+    fused_last = self.schedule == "1f1b"
+
     def forward(s):
+      if s == S - 1 and fused_last:
+        return idle(s)
+
       def op():
         x = x_in if s == 0 else self._unpack_act(layout, s - 1, recv_x)
         y, new_state = self._apply(s, param_packer.unpack(s, latest), x,
@@ -615,16 +644,19 @@ class Pipeline:
         w = param_packer.unpack(s, stashed_w)
         st = state_packer.unpack(s, stashed_state)
         x = x_in if s == 0 else self._unpack_act(layout, s - 1, recv_x)
+        new_state = carry["model_state"]
         if s == S - 1:
           def f(w, x):
-            y = self._apply(s, w, x, st)[0]
+            y, stage_state = self._apply(s, w, x, st)
             metrics = self._loss_metrics(y, y_in)
-            return metrics["loss"] * loss_scale, metrics
+            return metrics["loss"] * loss_scale, (metrics, stage_state)
           if s == 0:
-            gw, loss = jax.grad(lambda w: f(w, x), has_aux=True)(w)
+            gw, (loss, stage_state) = jax.grad(lambda w: f(w, x), has_aux=True)(w)
             gx = None
           else:
-            (gw, gx), loss = jax.grad(f, argnums=(0, 1), has_aux=True)(w, x)
+            (gw, gx), (loss, stage_state) = jax.grad(f, argnums=(0, 1), has_aux=True)(w, x)
+          if fused_last:
+            new_state = state_packer.pack(s, stage_state)
         else:
           ct = self._unpack_act(layout, s, recv_g)
           loss = no_metrics
@@ -638,7 +670,7 @@ class Pipeline:
         gw = param_packer.pack(s, gw)
         if grad_acc is not None:
           gw = jax.tree.map(jnp.add, grad_acc, gw)
-        return zeros_act, grad_out, gw, carry["model_state"], loss
+        return zeros_act, grad_out, gw, new_state, loss
       return op
 
     branches = []
@@ -671,18 +703,23 @@ class Pipeline:
     N, S = self.num_pipelines, self.num_stages
     carry = dict(carry)
     if self.sync == "allreduce":
-      scaled = {"stage": grads["float32"] * np.float32(1.0 / N)}
       own = carry["sync_state"]
-      # The stage index is folded into the sync's random stream: every stage draws its own.
-      summed, new_sync_state, report = reduce_gradients(scaled, self.grad_sync, own, global_batch,
-                                                        stream=stage)
-      grads = {"float32": summed["stage"]}
+      branches = [self._stage_sync(s, global_batch) for s in range(S)]
+
+      def synced(packed, own):
+        return lax.switch(stage, branches, packed, own)
+
+      def skipped(packed, own):
+        return packed, own, {name: jnp.zeros((), dtype) for name, dtype in SYNC_REPORT.items()}
+
+      # The sync's collectives run on the ticks that update only (the pipelines of a stage
+      # update at the same ticks, so its collectives over "data" meet).
+      summed, carry["sync_state"], report = lax.cond(do_update, synced, skipped,
+                                                     grads["float32"], own)
+      grads = {"float32": summed}
       carry["sync_report"] = {
           name: v.at[batch_index].set(jnp.where(do_update, report[name], v[batch_index]))
           for name, v in carry["sync_report"].items()}
-      if own is not None:
-        carry["sync_state"] = jax.tree.map(lambda new, old: jnp.where(do_update, new, old),
-                                           new_sync_state, own)
 
     def keep():
       return carry["params"], carry["opt"], jax.tree.map(jnp.zeros_like, carry["params"])
@@ -718,6 +755,29 @@ class Pipeline:
       params = {"float32": jnp.where(pull, server, params["float32"])}
     carry["params"] = params
     return carry
+
+  def _stage_sync(self, s: int, global_batch: jax.Array):
+    """Stage s's gradient sync as a `lax.switch` branch: (packed gradient [L], packed state) ->
+    (summed packed gradient, new packed state, report). The sync runs on the stage's own
+    gradient length and state (`_stage_grads`), so no padding enters a mean, count, k or
+    residual; the pipelines of one stage take the same branch, so its collectives over "data"
+    meet."""
+    N = self.num_pipelines
+
+    def branch(packed, state):
+      length = self._stage_grads(s)["stage"].shape[0]
+      scaled = {"stage": packed[:length] * np.float32(1.0 / N)}
+      own = None if state is None else self._sync_packer.unpack(s, state)
+      # The stage index is folded into the sync's random stream: every stage draws its own.
+      summed, new_state, report = reduce_gradients(scaled, self.grad_sync, own, global_batch,
+                                                   stream=s)
+      # A pad, not an update of a zero buffer: jax 0.11's Shardy crashes compiling an update
+      # that covers the whole buffer (the longest stage's).
+      summed = jnp.pad(summed["stage"], (0, packed.shape[0] - length))
+      new_state = None if state is None else self._sync_packer.pack(s, new_state)
+      return summed, new_state, {name: report[name].astype(dtype)
+                                 for name, dtype in SYNC_REPORT.items()}
+    return branch
 
   def _run_1f1b(self, layout: _Layout, carry, stage, step, xs, ys, mix):
     table = layout.table

@@ -427,14 +427,17 @@ def pipeline_size(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
   need the device count (ValueError naming the field); after `validate`."""
   p = config.pipeline
   S = p.stages
+  more = ("; on a CPU, emulate N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+          "set before jax starts")
   if p.pipelines:
     N = p.pipelines
     _check(N * S <= num_devices, "pipeline.pipelines", N,
-           f"at most {num_devices // S} pipelines of pipeline.stages={S} on {num_devices} devices")
+           f"at most {num_devices // S} pipelines of pipeline.stages={S} on {num_devices} "
+           f"devices{more}")
   else:
     _check(num_devices % S == 0, "pipeline.stages", S,
            f"a divisor of the {num_devices} devices (N = devices / S pipelines), or set "
-           "pipeline.pipelines")
+           f"pipeline.pipelines{more}")
     N = num_devices // S
   M = p.microbatches
   _check(config.batch_size % (N * M) == 0, "batch_size", config.batch_size,

@@ -10,7 +10,9 @@ Float32 throughout, so agreement is to float32 rounding (the pipeline sums the s
 another order).
 """
 
+import dataclasses
 import types
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +20,11 @@ import numpy as np
 import optax
 import pytest
 import ml_dtypes
+from jax.sharding import PartitionSpec as P
 
+import jlp.compression as jc
 from jlp.pipeline import HetPipe, Pipeline, pipeline_mesh
-from jlp.sync import GradSync
+from jlp.sync import GradSync, reduce_gradients
 from draw_recorder import DrawRecorder
 
 N, S = 2, 4
@@ -48,16 +52,16 @@ def _params(seed=0):
            "b": (rng.normal(size=(DIMS[s + 1],)) * 0.1).astype(np.float32)} for s in range(S)]
 
 
-def _data(batches, seed=1):
+def _data(batches, seed=1, n=N):
   rng = np.random.default_rng(seed)
-  xs = rng.normal(size=(batches, N * ROWS, DIMS[0])).astype(np.float32)
-  ys = rng.integers(0, DIMS[-1], size=(batches, N * ROWS)).astype(np.int32)
+  xs = rng.normal(size=(batches, n * ROWS, DIMS[0])).astype(np.float32)
+  ys = rng.integers(0, DIMS[-1], size=(batches, n * ROWS)).astype(np.int32)
   return xs, ys
 
 
-def _full_loss(stage_params, x, y):
-  for s in range(S):
-    x = STAGES[s](stage_params[s], x)
+def _full_loss(stage_params, x, y, stages=tuple(STAGES)):
+  for stage, p in zip(stages, stage_params, strict=True):
+    x = stage(p, x)
   return loss_fn(x, y)
 
 
@@ -72,8 +76,10 @@ def _rows(x, i):
   return x[i * ROWS:(i + 1) * ROWS]
 
 
-def _oracle_1f1b(params, xs, ys, optimizer, sync, mix=None, pull_every=10):
+def _oracle_1f1b(params, xs, ys, optimizer, sync, mix=None, pull_every=10, n=N,
+                 stages=tuple(STAGES)):
   """Per-pipeline version-mixed oracle; returns [pipeline][stage] params after all batches."""
+  N, S = n, len(stages)  # pylint: disable=redefined-outer-name
   hist = [[[params[s]] for s in range(S)] for _ in range(N)]  # [i][s] -> versions
   opt = [[optimizer.init(params[s]) for s in range(S)] for _ in range(N)]
   server = [params[s] for s in range(S)]
@@ -81,7 +87,8 @@ def _oracle_1f1b(params, xs, ys, optimizer, sync, mix=None, pull_every=10):
     grads = []
     for i in range(N):
       versions = [hist[i][s][max(0, b - (S - s))] for s in range(S)]
-      grads.append(jax.grad(_full_loss)(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i)))
+      grads.append(jax.grad(_full_loss)(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i),
+                                        stages))
     if sync == "allreduce":
       mean = jax.tree.map(lambda *g: sum(g) / N, *grads)
       grads = [mean] * N
@@ -197,6 +204,39 @@ def test_partial_reduce_averages_models_with_the_plans_matrices(mesh):
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "preduce", mix))
 
 
+def test_four_pipelines_mix_with_rows_not_columns():
+  """N = 4 pipelines x 2 stages with row-stochastic, asymmetric mixing matrices: pipeline i's
+  new weights are sum_j mix[b, s, i, j] x_j. The oracle with the transposed matrices disagrees,
+  so the test tells rows from columns (with N = 2 and group means, both are the same)."""
+  n, stages = 4, (_stage(0), _stage(S - 1))  # tanh(x W + b), then the logits: 6 -> 8 -> 3
+  rng = np.random.default_rng(5)
+  params = [{"w": (rng.normal(size=(DIMS[0], DIMS[1])) * 0.5).astype(np.float32),
+             "b": (rng.normal(size=(DIMS[1],)) * 0.1).astype(np.float32)},
+            {"w": (rng.normal(size=(DIMS[1], DIMS[-1])) * 0.5).astype(np.float32),
+             "b": (rng.normal(size=(DIMS[-1],)) * 0.1).astype(np.float32)}]
+  xs, ys = _data(4, n=n)
+  mix = rng.random((4, 2, n, n)) + np.eye(n)
+  mix = (mix / mix.sum(-1, keepdims=True)).astype(np.float32)
+  assert not np.allclose(mix, np.swapaxes(mix, -1, -2))
+  optimizer = optax.sgd(0.1)
+  pipe = Pipeline(list(stages), loss_fn, optimizer, pipeline_mesh(n, 2), schedule="1f1b",
+                  sync="preduce")
+  times = np.arange(1.0, 5.0)
+  plan = types.SimpleNamespace(mix=mix, times=times,
+                               finish=np.broadcast_to(times[:, None, None], (4, n, 2)))
+  state, _ = pipe.run(pipe.init(params), xs, ys, plan=plan)
+  got = pipe.stage_params(state)
+  expected = _oracle_1f1b(params, xs, ys, optimizer, "preduce", mix, n=n, stages=stages)
+  transposed = _oracle_1f1b(params, xs, ys, optimizer, "preduce", np.swapaxes(mix, -1, -2), n=n,
+                            stages=stages)
+  for i in range(n):
+    for s in range(2):
+      for k in ("w", "b"):
+        np.testing.assert_allclose(got[s][k][i], expected[i][s][k], rtol=2e-5, atol=2e-6)
+  assert max(np.abs(got[s][k][i] - transposed[i][s][k]).max()
+             for i in range(n) for s in range(2) for k in ("w", "b")) > 1e-3
+
+
 def test_preduce_with_whole_groups_equals_allreduce_with_sgd(mesh):
   """sdpipe.md §9 (b): averaging linear local updates is averaging gradients."""
   optimizer = optax.sgd(0.1, momentum=0.9)
@@ -279,6 +319,26 @@ def test_stateful_stages_recompute_with_the_stashed_state(mesh):
       np.testing.assert_allclose(got[s]["w"][i], hist[i][s][-1]["w"], rtol=2e-5, atol=2e-6)
 
 
+def test_1f1b_runs_the_last_stage_once_per_minibatch(mesh):
+  """Every stage but the last runs twice per mini-batch (its forward, then the backward's
+  recomputation from the stashed input); the last stage's backward follows its forward with the
+  same weights and state, so it runs once, in the backward. Counted at run time."""
+  calls = []
+
+  def counted(s):
+    def apply(p, x):
+      jax.debug.callback(lambda: calls.append(s))
+      return STAGES[s](p, x)
+    return apply
+
+  xs, ys = _data(3)
+  pipe = Pipeline([counted(s) for s in range(S)], loss_fn, optax.sgd(0.1), mesh,
+                  schedule="1f1b", sync="none")
+  jax.block_until_ready(pipe.run(pipe.init(_params()), xs, ys))
+  jax.effects_barrier()
+  assert [calls.count(s) for s in range(S)] == [2 * N * 3] * (S - 1) + [N * 3]
+
+
 # -- bad input, rejected before anything compiles ------------------------------------------------
 
 
@@ -346,22 +406,37 @@ def test_compressed_allreduce_inside_the_pipeline(mesh):
   np.testing.assert_array_equal(got[S - 1]["b"][0], got[S - 1]["b"][1])  # one sum for both
 
 
-def test_quantized_zoo_model_trains_in_a_gpipe_pipeline(mesh):
-  """The digits CNN with e4m3 weights (a jlp.nn rule), split into 4 stages (split_model), GPipe
-  with one micro-batch per pipeline: each pipeline's update and BatchNorm statistics equal the
-  unsplit quantized model's on the pipeline's rows (jax.grad through nnx, gradients averaged over
-  the pipelines as sync="allreduce" says), to float32 rounding."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("rule", ["e4m3", "e4m3_stochastic", "bfp"])
+def test_quantized_zoo_model_trains_in_a_pipeline(mesh, schedule, rule):
+  """The digits CNN with quantized layers (jlp.nn rules: e4m3 weights; e4m3 inputs and weights
+  with stochastic rounding, whose per-layer RNG counters live in the stage state; BFP inputs and
+  weights), split into 4 stages (split_model), one mini-batch, GPipe with one micro-batch or 1F1B:
+  each pipeline's update and BatchNorm statistics equal the unsplit quantized model's on the
+  pipeline's rows (jax.grad through nnx, gradients averaged over the pipelines as
+  sync="allreduce" says), to float32 rounding. With stochastic rounding a backward that drew
+  other bits than its forward (or than the unsplit model) would be off by whole quantization
+  steps; the counters advance once per forward, not per recomputation."""
   from flax import nnx
+  from jlp.formats import BFPFormat, FloatFormat
   from jlp.gemm import GemmQuant
   from jlp.models import get_model
   from jlp.nn import QuantRule, quantize_model
   from jlp.pipeline import split_model
 
   model = get_model("small_cnn", num_classes=10, width=4, rngs=nnx.Rngs(0))
-  quantize_model(model, [QuantRule(".*", GemmQuant(w="e4m3"))])
+  if rule == "e4m3":
+    cfg = GemmQuant(w="e4m3")
+  elif rule == "e4m3_stochastic":
+    fmt = FloatFormat.from_name("e4m3", rounding="stochastic")
+    cfg = GemmQuant(x=fmt, w=fmt)
+  else:  # blocks of 4 along the contracted (last) axis of the inputs, the input axis of kernels
+    cfg = {"conv": GemmQuant(x=BFPFormat(4, (1, 1, 1, 4)), w=BFPFormat(4, (1, 1, 4, 1))),
+           "linear": GemmQuant(x=BFPFormat(4, (1, 4)), w=BFPFormat(4, (4, 1)))}
+  quantize_model(model, [QuantRule(".*", cfg)], rngs=nnx.Rngs(quant=3))
   model.train()
   split = split_model(model, S)
-  pipe = Pipeline(split.stages, loss_fn, optax.sgd(0.1), mesh, schedule="gpipe", stateful=True)
+  pipe = Pipeline(split.stages, loss_fn, optax.sgd(0.1), mesh, schedule=schedule, stateful=True)
   rng = np.random.default_rng(0)
   xs = rng.normal(size=(1, N * ROWS, 8, 8, 1)).astype(np.float32)
   ys = rng.integers(0, 10, size=(1, N * ROWS)).astype(np.int32)
@@ -397,6 +472,8 @@ def test_quantized_zoo_model_trains_in_a_gpipe_pipeline(mesh):
         if name.endswith(("mean", "var")):
           key = tuple(int(k) if k.isdigit() else k for k in name.split("/"))
           np.testing.assert_allclose(value[i], flat_stats[key][...], rtol=1e-5, atol=1e-6)
+        if name.endswith("rng/count"):
+          assert value[i] == 1, (name, value[i])
 
 
 def test_every_stage_draws_its_own_numbers(mesh):
@@ -412,3 +489,69 @@ def test_every_stage_draws_its_own_numbers(mesh):
   assert draws.size == N * S * N and np.unique(draws).size == draws.size
   assert metrics["wire_bytes"].shape == (2,) and (metrics["wire_bytes"] > 0).all()
   assert (metrics["nonfinite"] == 0).all()
+
+
+
+def _gradient_recorder() -> optax.GradientTransformation:
+  """An optimizer that keeps the gradient it was given in its state and leaves the weights."""
+  return optax.GradientTransformation(
+      lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
+      lambda g, state, params=None: (jax.tree.map(jnp.zeros_like, g), {"g": g}))
+
+
+_STAGE_SYNCS = {
+    "onebit_ps": GradSync(compression="onebit", min_size=0),
+    "onebit_ring": GradSync(compression="onebit", min_size=0, topology="ring"),
+    "dgc_ps": GradSync(compression=jc.get("dgc", density=0.1), min_size=0),
+    "dgc_ring": GradSync(compression=jc.get("dgc", density=0.1), min_size=0, topology="ring"),
+    "terngrad_ps": GradSync(compression="terngrad", min_size=0),
+    "terngrad_ring": GradSync(compression="terngrad", min_size=0, topology="ring"),
+    "aps_e4m3": GradSync(fmt="e4m3", aps=True),
+    "kahan_e5m2_ring": GradSync(fmt="e5m2", kahan=True, algorithm="ring"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_STAGE_SYNCS))
+def test_syncs_see_each_stages_own_gradient(mesh, case):
+  """The stages hold 56, 45, 42 and 24 parameters, packed into buffers of 56. Each stage's sync
+  gets its own gradient: the update, the report and the compression state (shaped for the
+  stage's own length) are bit for bit a direct `reduce_gradients` over a 2-device mesh on the
+  gradient / N that an unsynchronised run of the same pipeline computes (recorded by its
+  optimizer); no padding in onebit's means, DGC's k, TernGrad's min and max or APS's shift."""
+  sync = _STAGE_SYNCS[case]
+  xs, ys = _data(1)
+  params = _params()
+  recorder = Pipeline(STAGES, loss_fn, _gradient_recorder(), mesh, schedule="1f1b", sync="none")
+  recorded, _ = recorder.run(recorder.init(params), xs, ys)
+  opt_packer = recorder._require_init()[1]  # pylint: disable=protected-access
+  host = {d: np.asarray(v) for d, v in recorded.opt_state.items()}
+  raw = [opt_packer.unpack(s, {d: v[:, s] for d, v in host.items()})["g"] for s in range(S)]
+
+  pipe = Pipeline(STAGES, loss_fn, optax.sgd(1.0), mesh, schedule="1f1b", grad_sync=sync)
+  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  got, kept = pipe.stage_params(state), pipe.stage_sync_state(state)
+  two = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("data",))
+  flat = lambda tree: np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)])
+  wire = 0.0
+  for s in range(S):
+    g = np.stack([flat(jax.tree.map(lambda v, i=i: v[i], raw[s])) for i in range(N)])
+    assert g.shape == (N, flat(params[s]).size)
+    fresh = sync.init_state({"stage": jax.ShapeDtypeStruct((g.shape[1],), jnp.float32)}, N)
+
+    def direct(x, s=s, fresh=fresh):
+      summed, new_state, report = reduce_gradients({"stage": x[0] * np.float32(1 / N)}, sync,
+                                                   fresh, jnp.int32(0), stream=s)
+      return summed["stage"][None], jax.tree.map(lambda a: a[None], new_state), report
+
+    summed, new_state, report = jax.jit(jax.shard_map(
+        direct, mesh=two, in_specs=P("data"), out_specs=(P("data"), P("data"), P()),
+        check_vma=False))(g)
+    wire += float(report["wire_bytes"])
+    for i in range(N):
+      np.testing.assert_array_equal(flat(jax.tree.map(lambda v, i=i: v[i], got[s])),
+                                    flat(params[s]) - np.asarray(summed[i]),
+                                    err_msg=f"stage {s} pipeline {i}")
+      if kept is not None:
+        jax.tree.map(lambda a, b, i=i: np.testing.assert_array_equal(a[i], np.asarray(b[i])),
+                     kept[s], new_state)
+  np.testing.assert_allclose(metrics["wire_bytes"][0], wire / S, rtol=1e-6)
