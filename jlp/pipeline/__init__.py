@@ -10,9 +10,12 @@
 
 Modules: `schedules` (GPipe / 1F1B tick tables, bubble fraction), `executor` (`Pipeline`: the
 schedules in one `jax.shard_map`, weight stashing, the syncs across pipelines), `simulator`
-(virtual time, SD-PIPE's partial-reduce group scheduler, AD-PSGD matchings: `simulate`,
-`preduce_schedule`), `stages` (`split_model`: ResNet, BERT, the digits CNN into S stages),
-`packing` (stages' pytrees as flat buffers).
+(virtual time: the event engine, AD-PSGD matchings, `simulate`, `preduce_schedule`; it re-exports
+the public names of the next three), `costs` (the simulator's configuration and cost model:
+`Hetero`, `PReduce`, `HetPipe`, op durations), `preduce` (SD-PIPE's partial-reduce group
+scheduler, apart from the event queue), `rounds` (groups onto the executor's rounds: the mixing
+matrices), `stages` (`split_model`: ResNet, BERT, the digits CNN, VGG into S stages), `packing`
+(stages' pytrees as flat buffers).
 """
 
 from jlp.pipeline.executor import Pipeline, PipelineState, pipeline_mesh

@@ -9,14 +9,12 @@ all-reduce, SD-PIPE's partial reduce, AD-PSGD or HetPipe (sdpipe.md §1-§3, §7
     params = pipe.stage_params(state)             # list of S pytrees, leading [N] pipeline axis
 
 Device (i, s) of the mesh is stage s of pipeline i. Pipeline i trains on rows [i*b, (i+1)*b) of
-each mini-batch. Every device runs the same program, a `lax.scan` over the ticks of the
-schedule's static table (`jlp.pipeline.schedules`); at each tick it runs its stage's op of that
-tick (a `lax.switch` over stage x {idle, forward, backward}), then the activations go one stage
-down and the input gradients one stage up with `lax.ppermute` over "stage" (the collectives sit
-after the switch, so every device issues the same ones, sdpipe.md §7.6). Stages may differ in
-their parameters and activation shapes: each is held as flat per-dtype buffers of a common
-length (`jlp.pipeline.packing`). A backward op recomputes its stage's forward from the stashed
-input and weights (`jax.vjp`; activation memory is one input per in-flight micro-batch).
+each mini-batch. Every device runs the same program (`jlp.pipeline.program`), a `lax.scan` over
+the ticks of the schedule's static table (`jlp.pipeline.schedules`) with ring buffers sized by
+`jlp.pipeline.buffers`. Stages may differ in their parameters and activation shapes: each is held
+as flat per-dtype buffers of a common length (`jlp.pipeline.packing`). This module holds the
+public object: checks, state, the virtual-time plan of a run, and the compiled programs by input
+shape.
 
 Schedules:
   "gpipe"  every mini-batch is split into M = num_microbatches micro-batches of b/M rows, filled
@@ -31,7 +29,7 @@ Schedules:
            weights after b - (S - s) updates of that stage (v = max(0, b - (S - s))); its backward
            uses the same stashed version, and its update is applied to the latest weights.
 
-Synchronisation across the N pipelines, per stage, at every update:
+Synchronisation across the N pipelines, per stage, at every update (`jlp.pipeline.sync_modes`):
   "allreduce"  the update uses the sum over pipelines of gradient / N, summed by
                `jlp.sync.reduce_gradients` with `grad_sync` (default: float32, sequential in
                pipeline order; a custom format, Kahan, APS or a HiPress compressor work too, on the
@@ -59,10 +57,6 @@ reports metrics["virtual_time"], the virtual seconds at which each mini-batch's 
 The simulated scheduler's own state (adaptive windows, union-find, counts) restarts at every run,
 as the executor's pipeline fills and drains at every run.
 
-A backward recomputes its stage's forward from the stashed input and weights, except 1F1B's last
-stage, whose backward comes right after its forward with the same weights and state: there the
-forward tick does nothing and the backward runs the stage once (loss, gradients, new state).
-
 Stages: `stage(params, x) -> y`, or with `stateful=True` `stage(params, x, state) -> (y,
 new_state)` (BatchNorm statistics, RNG counters: `jlp.pipeline.split_model` builds such stages
 from a zoo model). A forward op replaces the stage's state by new_state (its pipeline's own copy,
@@ -73,27 +67,27 @@ stage 0 (xs) and the targets (ys) may be any arrays.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jlp._checks import is_int
 from jlp.pipeline import schedules as sched
+from jlp.pipeline.buffers import Layout, make_layout
 from jlp.pipeline.packing import Packer
+from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce, SyncPlan, simulate
-from jlp.sync import SYNC_REPORT, GradSync, reduce_gradients
+from jlp.pipeline.sync_modes import sync_mode
+from jlp.sync import SYNC_REPORT, GradSync
 
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
 
-DATA, STAGE = "data", "stage"
 
 
 def pipeline_mesh(num_pipelines: int, num_stages: int,
@@ -110,55 +104,6 @@ def pipeline_mesh(num_pipelines: int, num_stages: int,
   grid = np.asarray(devices[:num_pipelines * num_stages], dtype=object)
   return Mesh(grid.reshape(num_pipelines, num_stages), (DATA, STAGE),
               axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-class PipelineState(NamedTuple):
-  """Every pipeline's training state, each buffer [N, S, ...] sharded over ("data", "stage")."""
-  step: jax.Array  # int32: mini-batches trained
-  params: dict[str, jax.Array]  # {"float32": [N, S, L]} latest weights (jlp.pipeline.packing)
-  opt_state: dict[str, jax.Array]  # {dtype: [N, S, L_dtype]}, one optax state per (pipeline, stage)
-  model_state: dict[str, jax.Array]  # {dtype: [N, S, L_dtype]} stateful stages' state ({} if none)
-  global_params: dict[str, jax.Array]  # sync="hetpipe": the parameter server's copy; else {}
-  # grad_sync's compression state, each stage's own packed as {dtype: [N, S, L]} (None without
-  # compression).
-  sync_state: Any
-  # float32 [N, S, 2]: the virtual second at which each (pipeline, stage) finished its last
-  # update, as (whole seconds, fraction); the next run's simulation starts from it.
-  virtual_time: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Everything static about one `run` input shape."""
-  num_batches: int
-  table: sched.Table
-  act: Packer  # the S - 1 inter-stage values, as float32 structs
-  act_dtypes: tuple  # per boundary: the original leaf dtypes
-  x_slots: int
-  w_slots: int
-  g_slots: int
-  metric_names: tuple[str, ...]  # "loss", then the names of loss_fn's aux
-
-
-def _slots(table: sched.Table, starts: dict, ends: dict) -> int:
-  """The smallest K such that no two items live at once on a stage share index mod K; an item
-  (stage, index) lives from tick starts[key] to ends[key] (both inclusive)."""
-  best = 1
-  for s in range(table.num_stages):
-    items = [(starts[k], ends[k], k[1]) for k in starts if k[0] == s]
-    for k in range(1, len(items) + 2):
-      ok = all(not (a[2] % k == b[2] % k and a[0] <= b[1] and b[0] <= a[1])
-               for n, a in enumerate(items) for b in items[n + 1:])
-      if ok:
-        best = max(best, k)
-        break
-  return best
-
-
-def _write_slot(buffers: Any, slot: jax.Array, values: Any, when: jax.Array) -> Any:
-  """`buffers` (a pytree of [K, ...] ring buffers) with entry `slot` replaced by `values` where
-  `when` holds, kept otherwise: one slot read and written, not the whole buffer."""
-  return jax.tree.map(lambda b, v: b.at[slot].set(jnp.where(when, v, b[slot])), buffers, values)
 
 
 class Pipeline:
@@ -258,6 +203,7 @@ class Pipeline:
     self.num_stages = len(stages)
     self._packers: tuple[Packer, Packer, Packer] | None = None
     self._sync_packer: Packer | None = None
+    self._metric_names: tuple[str, ...] | None = None
     self._compiled: dict[Any, Any] = {}
 
   # -- state -------------------------------------------------------------------------------------
@@ -277,8 +223,10 @@ class Pipeline:
     optimizer's fresh state, and `stage_state[s]` (stateful stages only)."""
     S, N = self.num_stages, self.num_pipelines
     if not isinstance(stage_params, (list, tuple)) or len(stage_params) != S:
-      raise ValueError(f"stage_params of length {len(stage_params) if isinstance(stage_params, (list, tuple)) else type(stage_params).__name__} "
-                       f"is not allowed; expected a list of {S} pytrees (one per stage).")
+      given = (len(stage_params) if isinstance(stage_params, (list, tuple))
+               else type(stage_params).__name__)
+      raise ValueError(f"stage_params of length {given} is not allowed; expected a list of {S} "
+                       "pytrees (one per stage).")
     for s, tree in enumerate(stage_params):
       for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if np.dtype(jnp.result_type(leaf)) != np.float32:
@@ -325,7 +273,9 @@ class Pipeline:
         model_state=stacked(state_packer, states),
         global_params=stacked(param_packer, stage_params) if self.sync == "hetpipe" else {},
         sync_state=sync_state,
-        virtual_time=jax.device_put(jnp.zeros((N, S, 2), jnp.float32), replicated))
+        virtual_time=jax.device_put(jnp.zeros((N, S, 2), jnp.float32), replicated),
+        fill_start=jax.device_put(jnp.zeros((), jnp.int32), replicated),
+        inflight={})
 
   def _stage_grads(self, s: int) -> dict[str, jax.ShapeDtypeStruct]:
     """What the gradient sync sees of stage s: its float32 parameters as one flat leaf of their
@@ -408,8 +358,13 @@ class Pipeline:
                        f"num_pipelines * num_microbatches = {N} * {M}.")
     return B, rows // N
 
-  def _layout(self, xs: Any, ys: Any) -> _Layout:
-    B, rows = self.check_batches(xs, ys)
+  def _layout(self, xs: Any, ys: Any, num_batches: int | None = None) -> Layout:
+    """The static layout of a run on xs, ys; `num_batches=0` for a flush, whose xs, ys are
+    [0, N*b, ...] (no new mini-batch)."""
+    if num_batches is None:
+      B, rows = self.check_batches(xs, ys)
+    else:
+      B, rows = num_batches, int(np.shape(jax.tree.leaves(xs)[0])[1]) // self.num_pipelines
     param_packer, _, state_packer = self._require_init()
     M, S = self.num_microbatches, self.num_stages
     micro = rows // M
@@ -436,33 +391,12 @@ class Pipeline:
           raise ValueError(f"loss_fn does not accept the last stage's output {y} and the "
                            f"targets {y_target}: {type(e).__name__}: {e}") from e
         metric_names = tuple(out)
+        self._metric_names = metric_names
       x = y
     act = Packer([jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), b)
                   for b in boundaries] or [{}])
     act_dtypes = tuple(tuple(a.dtype for a in jax.tree.leaves(b)) for b in boundaries)
-    if self.schedule == "gpipe":
-      table = sched.tick_table("gpipe", S, 1, M)
-    else:
-      table = sched.tick_table("1f1b", S, B, 1)
-    x_starts, x_ends, w_starts, w_ends, g_starts, g_ends = {}, {}, {}, {}, {}, {}
-    for t in range(table.num_ticks):
-      for s in range(S):
-        kind = table.kind[t, s]
-        index = table.micro[t, s] if self.schedule == "gpipe" else table.batch[t, s]
-        if kind == sched.FWD:
-          w_starts[(s, index)] = t
-          if s + 1 < S:
-            x_starts[(s + 1, index)] = t
-        elif kind == sched.BWD:
-          w_ends[(s, index)] = t
-          x_ends[(s, index)] = t
-          if s > 0:
-            g_starts[(s - 1, index)] = t
-          if s < S - 1:
-            g_ends[(s, index)] = t
-    return _Layout(B, table, act, act_dtypes, _slots(table, x_starts, x_ends),
-                   _slots(table, w_starts, w_ends), _slots(table, g_starts, g_ends),
-                   metric_names)
+    return make_layout(self.schedule, S, B, M, act, act_dtypes, metric_names)
 
   def _loss_metrics(self, y: Any, target: Any) -> dict[str, jax.Array]:
     """{"loss": loss_fn's loss, **its aux}, float32 scalars (ValueError otherwise)."""
@@ -494,355 +428,158 @@ class Pipeline:
 
   def run(self, state: PipelineState, xs: Any, ys: Any, plan: SyncPlan | None = None
           ) -> tuple[PipelineState, dict[str, Any]]:
-    """Trains on the B mini-batches of xs, ys ([B, N*b, ...]; pipeline i takes rows [i*b, (i+1)*b)
-    of each). Returns the new state and metrics: "loss" [B] (mean over pipelines of each
-    mini-batch's loss; likewise every entry of loss_fn's aux), "bubble_fraction" (the schedule
-    table's idle share), with sync="allreduce" the gradient sync's report per mini-batch
-    ("wire_bytes" and "payload_bytes" [B]: per device, averaged over all devices; "nonfinite"
-    [B]: summed over the stages; `jlp.sync.reduce_gradients`), "virtual_time" [B] (float64:
-    virtual seconds at which each mini-batch's update finished, counted from the first run).
-    `plan` (default: `self.plan(state, B)`) may be any object with the SyncPlan fields `mix`
-    [B, S, N, N], `times` [B] and `finish` [B, N, S], on the clock of the state's
-    `virtual_clocks`."""
+    """Feeds the B mini-batches of xs, ys ([B, N*b, ...]; pipeline i takes rows [i*b, (i+1)*b)
+    of each) to the pipelines. GPipe trains each of them to its update. 1F1B keeps flowing: the
+    run ends where the next mini-batch would enter stage 0, with the last mini-batches still in
+    flight (their inputs, activations, stashed weights and partial metrics in state.inflight),
+    so runs of any lengths do what one run does; `flush` completes them.
+
+    Returns the new state and the metrics of the mini-batches that completed in this run (their
+    last update, at stage 0, ran): "batch" [C] (their indices, counted over the whole training),
+    "loss" [C] (mean over pipelines of each one's loss; likewise every entry of loss_fn's aux),
+    with sync="allreduce" the gradient sync's report ("wire_bytes" and "payload_bytes" [C]: per
+    device, averaged over all devices; "nonfinite" [C]: summed over the stages;
+    `jlp.sync.reduce_gradients`), "virtual_time" [C] (float64: virtual seconds at which each
+    one's update finished, counted from the first run), "bubble_fraction" (the idle share of
+    the run's ticks) and "ticks" (how many). `plan` (default: `self.plan(state, B)`) may be any object with the SyncPlan
+    fields `mix` [B, S, N, N], `times` [B] and `finish` [B, N, S] of the B new mini-batches, on
+    the clock of the state's `virtual_clocks`."""
     self.check_state(state)
     layout = self._layout(xs, ys)
-    B = layout.num_batches
+    B, S, N = layout.num_batches, self.num_stages, self.num_pipelines
     if plan is None:
       plan = self.plan(state, B)
     mix = np.asarray(plan.mix, np.float32)
-    expected = (B, self.num_stages, self.num_pipelines, self.num_pipelines)
-    if mix.shape != expected:
-      raise ValueError(f"plan.mix shape={mix.shape} is not allowed; expected {expected}.")
-    key = (jax.tree.structure(xs), jax.tree.structure(ys),
-           tuple((np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves((xs, ys))))
-    if key not in self._compiled:
-      self._compiled[key] = self._build(layout)
+    if mix.shape != (B, S, N, N):
+      raise ValueError(f"plan.mix shape={mix.shape} is not allowed; expected {(B, S, N, N)}.")
+    times = np.asarray(plan.times, np.float64)
+    finish = np.asarray(plan.finish, np.float64)
+    if times.shape != (B,) or finish.shape != (B, N, S):
+      raise ValueError(f"plan.times shape={times.shape} / plan.finish shape={finish.shape} are "
+                       f"not allowed; expected ({B},) and {(B, N, S)}.")
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
     xs = jax.device_put(xs, batch_sharding)
     ys = jax.device_put(ys, batch_sharding)
-    times = np.asarray(plan.times, np.float64)
-    finish = np.asarray(plan.finish, np.float64)
-    if times.shape != (B,) or finish.shape != (B, self.num_pipelines, self.num_stages):
-      raise ValueError(f"plan.times shape={times.shape} / plan.finish shape={finish.shape} are "
-                       f"not allowed; expected ({B},) and {(B, self.num_pipelines, self.num_stages)}.")
-    new_state, means = self._compiled[key](state, xs, ys, jnp.asarray(mix))
+    new_state, metrics = self._execute(state, layout, xs, ys, mix, times)
     whole = np.floor(finish[-1])
     new_state = new_state._replace(virtual_time=jax.device_put(
         np.stack([whole, finish[-1] - whole], -1).astype(np.float32),
         NamedSharding(self.mesh, P())))
-    metrics = {name: np.asarray(v) for name, v in means.items()}
-    metrics.update(virtual_time=times, bubble_fraction=sched.bubble_fraction(layout.table))
     return new_state, metrics
 
-  def _build(self, layout: _Layout):
-    per = P(DATA, STAGE)
-    state_spec = PipelineState(P(), per, per, per, per, per, P())
-    program = jax.shard_map(
-        lambda *a: self._device(layout, *a), mesh=self.mesh,
-        in_specs=(state_spec, P(None, DATA), P(None, DATA), P()),
-        out_specs=(state_spec, P()), check_vma=False)
-    return jax.jit(program, donate_argnums=(0,) if self.donate else ())
+  def flush(self, state: PipelineState) -> tuple[PipelineState, dict[str, Any]]:
+    """Completes the mini-batches in flight (1F1B's drain; nothing to do for GPipe or an empty
+    pipeline): the state then holds every fed mini-batch's updates, and the next `run` fills
+    the pipeline anew. Returns the state and the metrics of the mini-batches completed, as
+    `run` does."""
+    self.check_state(state)
+    if not state.inflight:
+      return state, self._no_metrics()
+    xs = jax.tree.map(lambda a: np.zeros((0,) + a.shape[1:], a.dtype), state.inflight["xs"])
+    ys = jax.tree.map(lambda a: np.zeros((0,) + a.shape[1:], a.dtype), state.inflight["ys"])
+    layout = self._layout(xs, ys, num_batches=0)
+    S, N = self.num_stages, self.num_pipelines
+    state, metrics = self._execute(state, layout, None, None,
+                                   np.zeros((0, S, N, N), np.float32), np.zeros((0,)))
+    return state._replace(inflight={}, fill_start=state.step), metrics
 
-  # -- the per-device program --------------------------------------------------------------------
-  def _device(self, layout: _Layout, state: PipelineState, xs, ys, mix):
-    squeeze = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)
-    params = squeeze(state.params)
-    opt = squeeze(state.opt_state)
-    model_state = squeeze(state.model_state)
-    global_params = squeeze(state.global_params)
-    sync_state = squeeze(state.sync_state)
-    stage = lax.axis_index(STAGE)
-    carry = dict(params=params, opt=opt, model_state=model_state, global_params=global_params,
-                 sync_state=sync_state,
-                 metrics={name: jnp.zeros((layout.num_batches,), jnp.float32)
-                          for name in layout.metric_names},
-                 sync_report={name: jnp.zeros((layout.num_batches,), dtype) for name, dtype in
-                              SYNC_REPORT.items()} if self.sync == "allreduce" else {})
+  def _no_metrics(self) -> dict[str, Any]:
+    names = self._metric_names or ("loss",)
+    out = {name: np.zeros((0,), np.float32) for name in names}
+    if self.sync == "allreduce":
+      out.update({name: np.zeros((0,), dtype) for name, dtype in SYNC_REPORT.items()})
+    return dict(out, batch=np.zeros((0,), np.int64), virtual_time=np.zeros((0,)),
+                bubble_fraction=float("nan"), ticks=0)
+
+  def _execute(self, state: PipelineState, layout: Layout, xs: Any, ys: Any, mix: np.ndarray,
+               times: np.ndarray) -> tuple[PipelineState, dict[str, Any]]:
+    """Runs the compiled program on the B new mini-batches (B = 0: the drain) and picks the
+    metrics of the completed ones."""
+    B, S = layout.num_batches, self.num_stages
+    step = int(np.asarray(state.step))
+    ticks: dict[str, Any] = {}
     if self.schedule == "1f1b":
-      carry = self._run_1f1b(layout, carry, stage, state.step, xs, ys, mix)
+      if not state.inflight:
+        state = state._replace(inflight=self._inflight_zeros(layout, xs, ys),
+                               fill_start=state.step)
+      fed = step - int(np.asarray(state.fill_start))  # mini-batches fed in this fill
+      base = fed - S  # slot 0's mini-batch in the fill
+      table = (sched.continuous_1f1b(S, fed, B) if B else sched.drain_1f1b(S, fed))
+      slot = np.where(table.kind == sched.IDLE, 0, table.batch - base).astype(np.int32)
+      ticks = dict(kind=jnp.asarray(table.kind), slot=jnp.asarray(slot),
+                   base=jnp.int32(base))
+      done = np.sort(slot[table.kind[:, 0] == sched.BWD, 0])  # a mini-batch ends at stage 0
+      first = step - S  # slot 0's index over the whole training
+      ring_times = np.asarray(state.inflight["times"], np.float64)
+      all_times = np.concatenate([ring_times[..., 0] + ring_times[..., 1], times])
+      keep = all_times[B:B + S]
+      whole = np.floor(keep)
+      inflight_times = np.stack([whole, keep - whole], -1).astype(np.float32)
+      bubble = sched.bubble_fraction(table)
     else:
-      carry = self._run_gpipe(layout, carry, stage, state.step, xs, ys, mix)
-    last = stage == self.num_stages - 1
-    means = {name: lax.psum(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA) / self.num_pipelines
-             for name, v in carry["metrics"].items()}
-    # The sync's bytes per device, averaged over all N*S devices (each stage's devices sync their
-    # own stage's gradient); non-finite elements summed over the stages.
-    for name, v in carry["sync_report"].items():
-      total = lax.psum(lax.psum(v, STAGE), DATA)
-      means[name] = total // self.num_pipelines if name == "nonfinite" else total / (
-          self.num_pipelines * self.num_stages)
-    expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
-    new_state = PipelineState(state.step + layout.num_batches, expand(carry["params"]),
-                              expand(carry["opt"]), expand(carry["model_state"]),
-                              expand(carry["global_params"]), expand(carry["sync_state"]),
-                              state.virtual_time)
-    return new_state, means
+      table = layout.table
+      done, first, all_times = np.arange(B), step, times
+      bubble = sched.bubble_fraction(table)
+    shapes = lambda tree: (jax.tree.structure(tree), tuple(
+        (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
+    key = (shapes((xs, ys)), shapes(state.inflight.get("xs")), B,
+           len(table.kind) if self.schedule == "1f1b" else None)
+    if key not in self._compiled:
+      self._compiled[key] = self._build(layout, state)
+    # The host keeps the clocks (and 1F1B's in-flight times): the program neither reads nor
+    # changes them.
+    program_state = state._replace(virtual_time=None, inflight={
+        k: v for k, v in state.inflight.items() if k != "times"})
+    uses_mix = self.sync in ("preduce", "adpsgd")
+    new_state, means = self._compiled[key](program_state, xs, ys, ticks,
+                                           jnp.asarray(mix) if uses_mix and B else None)
+    new_state = new_state._replace(virtual_time=state.virtual_time)
+    if self.schedule == "1f1b":
+      new_state = new_state._replace(inflight=dict(
+          new_state.inflight, times=jax.device_put(inflight_times,
+                                                   NamedSharding(self.mesh, P()))))
+    metrics = {name: np.asarray(v)[done] for name, v in means.items()}
+    metrics.update(batch=first + done, virtual_time=all_times[done], bubble_fraction=bubble,
+                   ticks=len(table.kind) * (B if self.schedule == "gpipe" else 1))
+    return new_state, metrics
 
-  def _tick_buffers(self, layout: _Layout, stash_weights: bool) -> dict[str, Any]:
-    param_packer, _, state_packer = self._require_init()
-    act = layout.act.sizes.get("float32", 0)
-    out = dict(recv_x=jnp.zeros((layout.x_slots, act), jnp.float32),
-               recv_g=jnp.zeros((layout.g_slots, act), jnp.float32),
-               stash_state=state_packer.zeros((layout.w_slots,), xp=jnp))
-    if stash_weights:
-      out["stash_w"] = param_packer.zeros((layout.w_slots,), xp=jnp)
+  def _inflight_zeros(self, layout: Layout, xs: Any, ys: Any) -> dict[str, Any]:
+    """An empty 1F1B pipeline's in-flight state, on the devices."""
+    N, S = self.num_pipelines, self.num_stages
+    host = self._program(layout).inflight_zeros(xs, ys, (N, S))
+    per = NamedSharding(self.mesh, P(DATA, STAGE))
+    put = lambda a, sharding: jax.device_put(a, sharding)
+    out = {k: jax.tree.map(lambda a: put(a, per), host[k])
+           for k in ("buffers", "metrics", "sync_report")}
+    for k in ("xs", "ys"):
+      out[k] = jax.tree.map(lambda a: put(a, NamedSharding(self.mesh, P(None, DATA))), host[k])
+    if "mix" in host:
+      out["mix"] = put(host["mix"], NamedSharding(self.mesh, P()))
+    out["times"] = put(np.zeros((S, 2), np.float32), NamedSharding(self.mesh, P()))
     return out
 
-  def _pack_act(self, layout: _Layout, boundary: int, tree: Any) -> jax.Array:
-    tree = jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-    return layout.act.pack(boundary, tree)["float32"]
+  def _program(self, layout: Layout) -> Program:
+    mode = sync_mode(self.sync, num_pipelines=self.num_pipelines, grad_sync=self.grad_sync,
+                     lengths=tuple(self._stage_grads(s)["stage"].shape[0]
+                                   for s in range(self.num_stages)),
+                     state_packer=self._sync_packer, pull_every=self.hetpipe.pull_every)
+    return Program(self._apply, self._loss_metrics, self.optimizer, self._require_init(), mode,
+                   self.schedule, self.num_pipelines, self.num_stages, self.num_microbatches,
+                   layout)
 
-  def _unpack_act(self, layout: _Layout, boundary: int, flat: jax.Array) -> Any:
-    tree = layout.act.unpack(boundary, {"float32": flat})
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [x.astype(d) for x, d in zip(leaves, layout.act_dtypes[boundary], strict=True)]
-    return jax.tree.unflatten(treedef, leaves)
-
-  def _tick(self, layout: _Layout, carry, bufs, stage, kind, index, x_in, y_in, loss_scale,
-            grad_acc=None):
-    """One op of this device's stage: (act_out, grad_out, param gradient, new model state,
-    metrics: {"loss", aux...} of a last-stage backward, else zeros). With `grad_acc` (GPipe's
-    sum over micro-batches) a backward returns grad_acc + its gradient and the other ops
-    grad_acc, so that only backwards touch the sum."""
-    param_packer, _, state_packer = self._require_init()
-    S = self.num_stages
-    act_len = layout.act.sizes.get("float32", 0)
-    slot_x = index % layout.x_slots
-    slot_w = index % layout.w_slots
-    slot_g = index % layout.g_slots
-    latest = carry["params"]
-    stashed_w = (jax.tree.map(lambda b: b[slot_w], bufs["stash_w"]) if "stash_w" in bufs
-                 else latest)
-    stashed_state = jax.tree.map(lambda b: b[slot_w], bufs["stash_state"])
-    recv_x = bufs["recv_x"][slot_x]
-    recv_g = bufs["recv_g"][slot_g]
-    zeros_act = jnp.zeros((act_len,), jnp.float32)
-    zeros_grad = jax.tree.map(jnp.zeros_like, latest) if grad_acc is None else grad_acc
-    no_metrics = {name: jnp.float32(0) for name in layout.metric_names}
-
-    def idle(s):
-      return lambda: (zeros_act, zeros_act, zeros_grad, carry["model_state"], no_metrics)
-
-    # 1F1B runs the last stage's backward right after its forward, with the same weights and
-    # state: the forward is left to the backward, which runs the stage once and keeps its state.
-    fused_last = self.schedule == "1f1b"
-
-    def forward(s):
-      if s == S - 1 and fused_last:
-        return idle(s)
-
-      def op():
-        x = x_in if s == 0 else self._unpack_act(layout, s - 1, recv_x)
-        y, new_state = self._apply(s, param_packer.unpack(s, latest), x,
-                                   state_packer.unpack(s, carry["model_state"]))
-        out = self._pack_act(layout, s, y) if s < S - 1 else zeros_act
-        return out, zeros_act, zeros_grad, state_packer.pack(s, new_state), no_metrics
-      return op
-
-    def backward(s):
-      def op():
-        w = param_packer.unpack(s, stashed_w)
-        st = state_packer.unpack(s, stashed_state)
-        x = x_in if s == 0 else self._unpack_act(layout, s - 1, recv_x)
-        new_state = carry["model_state"]
-        if s == S - 1:
-          def f(w, x):
-            y, stage_state = self._apply(s, w, x, st)
-            metrics = self._loss_metrics(y, y_in)
-            return metrics["loss"] * loss_scale, (metrics, stage_state)
-          if s == 0:
-            gw, (loss, stage_state) = jax.grad(lambda w: f(w, x), has_aux=True)(w)
-            gx = None
-          else:
-            (gw, gx), (loss, stage_state) = jax.grad(f, argnums=(0, 1), has_aux=True)(w, x)
-          if fused_last:
-            new_state = state_packer.pack(s, stage_state)
-        else:
-          ct = self._unpack_act(layout, s, recv_g)
-          loss = no_metrics
-          if s == 0:
-            _, vjp = jax.vjp(lambda w: self._apply(s, w, x, st)[0], w)
-            (gw,), gx = vjp(ct), None
-          else:
-            _, vjp = jax.vjp(lambda w, x: self._apply(s, w, x, st)[0], w, x)
-            gw, gx = vjp(ct)
-        grad_out = self._pack_act(layout, s - 1, gx) if s > 0 else zeros_act
-        gw = param_packer.pack(s, gw)
-        if grad_acc is not None:
-          gw = jax.tree.map(jnp.add, grad_acc, gw)
-        return zeros_act, grad_out, gw, new_state, loss
-      return op
-
-    branches = []
-    for s in range(S):
-      branches += [idle(s), forward(s), backward(s)]
-    return lax.switch(stage * 3 + kind, branches)
-
-  def _exchange(self, layout: _Layout, bufs, stage, kind, index, act_out, grad_out):
-    """Sends activations one stage down and input gradients one stage up (ppermute over
-    "stage"), and stores what arrives in the receive slots of its micro-batch."""
-    S = self.num_stages
-    if S == 1:
-      return bufs
-    down = [(s, s + 1) for s in range(S - 1)]
-    up = [(s + 1, s) for s in range(S - 1)]
-    sent_x = jnp.where(kind == sched.FWD, index + 1, 0).astype(jnp.int32)
-    sent_g = jnp.where(kind == sched.BWD, index + 1, 0).astype(jnp.int32)
-    act, id_x = lax.ppermute((act_out, sent_x), STAGE, down)
-    grad, id_g = lax.ppermute((grad_out, sent_g), STAGE, up)
-
-    slot = lambda ident, slots: jnp.maximum(ident - 1, 0) % slots
-    bufs = dict(bufs)
-    bufs["recv_x"] = _write_slot(bufs["recv_x"], slot(id_x, layout.x_slots), act, id_x > 0)
-    bufs["recv_g"] = _write_slot(bufs["recv_g"], slot(id_g, layout.g_slots), grad, id_g > 0)
-    return bufs
-
-  def _update(self, carry, stage, grads, do_update, batch_index, global_batch, mix):
-    """The optimizer step of this device's stage with the pipelines' sync (module docstring)."""
-    param_packer, opt_packer, _ = self._require_init()
-    N, S = self.num_pipelines, self.num_stages
-    carry = dict(carry)
-    if self.sync == "allreduce":
-      own = carry["sync_state"]
-      branches = [self._stage_sync(s, global_batch) for s in range(S)]
-
-      def synced(packed, own):
-        return lax.switch(stage, branches, packed, own)
-
-      def skipped(packed, own):
-        return packed, own, {name: jnp.zeros((), dtype) for name, dtype in SYNC_REPORT.items()}
-
-      # The sync's collectives run on the ticks that update only (the pipelines of a stage
-      # update at the same ticks, so its collectives over "data" meet).
-      summed, carry["sync_state"], report = lax.cond(do_update, synced, skipped,
-                                                     grads["float32"], own)
-      grads = {"float32": summed}
-      carry["sync_report"] = {
-          name: v.at[batch_index].set(jnp.where(do_update, report[name], v[batch_index]))
-          for name, v in carry["sync_report"].items()}
-
-    def keep():
-      return carry["params"], carry["opt"], jax.tree.map(jnp.zeros_like, carry["params"])
-
-    def step(s):
-      def op():
-        p = param_packer.unpack(s, carry["params"])
-        g = param_packer.unpack(s, grads)
-        o = opt_packer.unpack(s, carry["opt"])
-        updates, o = self.optimizer.update(g, o, p)
-        p = optax.apply_updates(p, updates)
-        return param_packer.pack(s, p), opt_packer.pack(s, o), param_packer.pack(s, updates)
-      return op
-
-    index = jnp.where(do_update, stage + 1, 0)
-    params, opt, delta = lax.switch(index, [keep] + [step(s) for s in range(S)])
-    carry["opt"] = opt
-    if self.sync in ("preduce", "adpsgd"):
-      everyone = lax.all_gather(params["float32"], DATA)  # [N, L]
-      row = mix[batch_index, stage, lax.axis_index(DATA)]
-      mixed = everyone[0] * row[0]
-      for j in range(1, N):
-        mixed = mixed + everyone[j] * row[j]
-      params = {"float32": jnp.where(do_update, mixed, params["float32"])}
-    elif self.sync == "hetpipe":
-      deltas = lax.all_gather(delta["float32"], DATA)
-      server = carry["global_params"]["float32"]
-      for j in range(N):
-        server = server + deltas[j] * np.float32(1.0 / N)
-      server = jnp.where(do_update, server, carry["global_params"]["float32"])
-      carry["global_params"] = {"float32": server}
-      pull = jnp.logical_and(do_update, (global_batch + 1) % self.hetpipe.pull_every == 0)
-      params = {"float32": jnp.where(pull, server, params["float32"])}
-    carry["params"] = params
-    return carry
-
-  def _stage_sync(self, s: int, global_batch: jax.Array):
-    """Stage s's gradient sync as a `lax.switch` branch: (packed gradient [L], packed state) ->
-    (summed packed gradient, new packed state, report). The sync runs on the stage's own
-    gradient length and state (`_stage_grads`), so no padding enters a mean, count, k or
-    residual; the pipelines of one stage take the same branch, so its collectives over "data"
-    meet."""
-    N = self.num_pipelines
-
-    def branch(packed, state):
-      length = self._stage_grads(s)["stage"].shape[0]
-      scaled = {"stage": packed[:length] * np.float32(1.0 / N)}
-      own = None if state is None else self._sync_packer.unpack(s, state)
-      # The stage index is folded into the sync's random stream: every stage draws its own.
-      summed, new_state, report = reduce_gradients(scaled, self.grad_sync, own, global_batch,
-                                                   stream=s)
-      # A pad, not an update of a zero buffer: jax 0.11's Shardy crashes compiling an update
-      # that covers the whole buffer (the longest stage's).
-      summed = jnp.pad(summed["stage"], (0, packed.shape[0] - length))
-      new_state = None if state is None else self._sync_packer.pack(s, new_state)
-      return summed, new_state, {name: report[name].astype(dtype)
-                                 for name, dtype in SYNC_REPORT.items()}
-    return branch
-
-  def _run_1f1b(self, layout: _Layout, carry, stage, step, xs, ys, mix):
-    table = layout.table
-    bufs = self._tick_buffers(layout, stash_weights=True)
-
-    def tick(state, row):
-      carry, bufs = state
-      kinds, batches = row
-      kind, index = kinds[stage], jnp.maximum(batches[stage], 0)
-      x_in = jax.tree.map(lambda a: a[index], xs)
-      y_in = jax.tree.map(lambda a: a[index], ys)
-      slot_w = index % layout.w_slots
-      is_fwd = kind == sched.FWD
-      bufs = dict(bufs)
-      # A forward stashes the weights and the state it runs with, for its backward.
-      bufs["stash_w"] = _write_slot(bufs["stash_w"], slot_w, carry["params"], is_fwd)
-      bufs["stash_state"] = _write_slot(bufs["stash_state"], slot_w, carry["model_state"], is_fwd)
-      act_out, grad_out, grads, new_model_state, loss = self._tick(
-          layout, carry, bufs, stage, kind, index, x_in, y_in, jnp.float32(1))
-      carry = dict(carry, model_state=new_model_state)
-      carry["metrics"] = {name: v.at[index].set(jnp.where(kind == sched.BWD, loss[name], v[index]))
-                          for name, v in carry["metrics"].items()}
-      bufs = self._exchange(layout, bufs, stage, kind, index, act_out, grad_out)
-      carry = self._update(carry, stage, grads, kind == sched.BWD, index, step + index, mix)
-      return (carry, bufs), None
-
-    rows = (jnp.asarray(table.kind), jnp.asarray(table.batch))
-    (carry, _), _ = lax.scan(tick, (carry, bufs), rows)
-    return carry
-
-  def _run_gpipe(self, layout: _Layout, carry, stage, step, xs, ys, mix):
-    table = layout.table
-    M = self.num_microbatches
-    rows = (jnp.asarray(table.kind), jnp.asarray(table.micro))
-
-    def minibatch(carry, b):
-      x_b = jax.tree.map(lambda a: a[b], xs)
-      y_b = jax.tree.map(lambda a: a[b], ys)
-      micro_rows = jax.tree.leaves(x_b)[0].shape[0] // M
-      bufs = self._tick_buffers(layout, stash_weights=False)
-      grads = jax.tree.map(jnp.zeros_like, carry["params"])
-
-      def tick(state, row):
-        carry, bufs, grads, loss_sum = state
-        kinds, micros = row
-        kind, index = kinds[stage], jnp.maximum(micros[stage], 0)
-        take = lambda a: lax.dynamic_slice_in_dim(a, index * micro_rows, micro_rows)
-        x_in = jax.tree.map(take, x_b)
-        y_in = jax.tree.map(take, y_b)
-        slot = index % layout.w_slots
-        bufs = dict(bufs)
-        bufs["stash_state"] = _write_slot(bufs["stash_state"], slot, carry["model_state"],
-                                          kind == sched.FWD)
-        act_out, grad_out, grads, new_model_state, loss = self._tick(
-            layout, carry, bufs, stage, kind, index, x_in, y_in, np.float32(1.0 / M), grads)
-        carry = dict(carry, model_state=new_model_state)
-        bufs = self._exchange(layout, bufs, stage, kind, index, act_out, grad_out)
-        return (carry, bufs, grads, jax.tree.map(jnp.add, loss_sum, loss)), None
-
-      zero = {name: jnp.float32(0) for name in layout.metric_names}
-      (carry, _, grads, loss_sum), _ = lax.scan(tick, (carry, bufs, grads, zero), rows)
-      carry = self._update(carry, stage, grads, jnp.bool_(True), b, step + b, mix)
-      carry["metrics"] = {name: v.at[b].set(loss_sum[name] / M)
-                          for name, v in carry["metrics"].items()}
-      return carry, None
-
-    carry, _ = lax.scan(minibatch, carry, jnp.arange(layout.num_batches))
-    return carry
+  def _build(self, layout: Layout, state: PipelineState):
+    per = P(DATA, STAGE)
+    inflight_spec = {}
+    if self.schedule == "1f1b":
+      inflight_spec = {k: jax.tree.map(lambda _: per, state.inflight[k])
+                       for k in ("buffers", "metrics", "sync_report")}
+      inflight_spec.update(xs=jax.tree.map(lambda _: P(None, DATA), state.inflight["xs"]),
+                           ys=jax.tree.map(lambda _: P(None, DATA), state.inflight["ys"]))
+      if "mix" in state.inflight:
+        inflight_spec["mix"] = P()
+    state_spec = PipelineState(P(), per, per, per, per, per, P(), P(), inflight_spec)
+    mapped = jax.shard_map(
+        self._program(layout), mesh=self.mesh,
+        in_specs=(state_spec, P(None, DATA), P(None, DATA), P(), P()),
+        out_specs=(state_spec, P()), check_vma=False)
+    return jax.jit(mapped, donate_argnums=(0,) if self.donate else ())

@@ -28,8 +28,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["BWD", "FWD", "IDLE", "SCHEDULES", "Table", "bubble_fraction", "stage_order",
-           "tick_table"]
+__all__ = ["BWD", "FWD", "IDLE", "SCHEDULES", "Table", "bubble_fraction", "continuous_1f1b",
+           "drain_1f1b", "stage_order", "tick_table"]
 
 SCHEDULES = ("gpipe", "1f1b")
 IDLE, FWD, BWD = 0, 1, 2
@@ -142,6 +142,52 @@ def tick_table(schedule: str, num_stages: int, num_batches: int = 1,
       if op is not None:
         kind[i, s], batch[i, s], micro[i, s] = op
   return Table(schedule, kind, batch, micro)
+
+
+def _first_forward(table: Table, batch: int) -> int:
+  """The tick of F(batch) at stage 0."""
+  return int(np.nonzero((table.kind[:, 0] == FWD) & (table.batch[:, 0] == batch))[0][0])
+
+
+def _shifted(table: Table, start: int, stop: int, shift: int) -> Table:
+  kind = table.kind[start:stop].copy()
+  batch = np.where(kind == IDLE, -1, table.batch[start:stop] + shift).astype(np.int32)
+  micro = np.where(kind == IDLE, -1, 0).astype(np.int32)
+  return Table("1f1b", kind, batch, micro)
+
+
+def continuous_1f1b(num_stages: int, first: int, count: int) -> Table:
+  """The ticks of 1F1B with no end (mini-batches 0, 1, ... forever) from the forward of
+  mini-batch `first` at stage 0 (included) to that of `first + count` (excluded): the run that
+  feeds `count` more mini-batches to a pipeline that has been fed `first`. The table of B
+  mini-batches is this infinite table with the forwards of b >= B left out (its ops keep their
+  ticks), so runs of any lengths followed by `drain_1f1b` run every op at the tick one table of
+  all the mini-batches gives it. From the forward of mini-batch 2S on, the infinite table repeats
+  every 2 ticks (one mini-batch later), so only the first 2S + count + 1 mini-batches are laid
+  out."""
+  _check("1f1b", num_stages, max(count, 1), 1)
+  if isinstance(first, bool) or not isinstance(first, (int, np.integer)) or first < 0:
+    raise ValueError(f"first={first!r} is not allowed; expected an integer >= 0.")
+  shift = max(0, first - 2 * num_stages)
+  table = tick_table("1f1b", num_stages, first - shift + count + 1)
+  return _shifted(table, _first_forward(table, first - shift),
+                  _first_forward(table, first - shift + count), shift)
+
+
+def drain_1f1b(num_stages: int, fed: int) -> Table:
+  """The ticks that complete a 1F1B pipeline fed `fed` mini-batches (the end of the table of
+  `fed` mini-batches, from where the next forward would have been at stage 0); no ticks when
+  fed = 0."""
+  _check("1f1b", num_stages, 1, 1)
+  if isinstance(fed, bool) or not isinstance(fed, (int, np.integer)) or fed < 0:
+    raise ValueError(f"fed={fed!r} is not allowed; expected an integer >= 0.")
+  if fed == 0:
+    return Table("1f1b", np.zeros((0, num_stages), np.int32),
+                 np.zeros((0, num_stages), np.int32), np.zeros((0, num_stages), np.int32))
+  shift = max(0, fed - 2 * num_stages)
+  start = _first_forward(tick_table("1f1b", num_stages, fed - shift + 1), fed - shift)
+  table = tick_table("1f1b", num_stages, fed - shift)
+  return _shifted(table, start, table.num_ticks, shift)
 
 
 def bubble_fraction(table: Table) -> float:

@@ -1,5 +1,5 @@
 """The pipelined training loop (SD-PIPE, sdpipe.md): `train_and_evaluate` when
-config.pipeline.schedule is "gpipe" or "1f1b" (jlp.train.loop dispatches here).
+config.pipeline.schedule is "gpipe" or "1f1b" (`jlp.train.loop.train_and_evaluate` picks it).
 
 One call runs (or resumes) the config in `workdir`:
   1. Checks the config (`jlp.train.config.validate`, then `pipeline_size` against the devices):
@@ -54,8 +54,8 @@ from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import pipeline_size, validate
-from jlp.train.loop import (QuantPlan, _checkpoint_due, _close_run, _Interrupt, _log_line,
-                            _progress, _report_interrupt)
+from jlp.train.loop_common import (Interrupt, QuantPlan, checkpoint_due, close_run, log_line,
+                                   progress as progress_bar, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
 
@@ -189,13 +189,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     f.write(config.to_json_best_effort(indent=2))
 
   spe = run.steps_per_epoch
-  bar = _progress(progress, config.max_steps, start)
+  bar = progress_bar(progress, config.max_steps, start)
   row: dict[str, Any] = {}
   interrupted = False
   step = start
   last_time = time.perf_counter()
   try:
-    with _Interrupt() as stop, Prefetcher(run.calls(start, config.max_steps), size=1) as calls:
+    with Interrupt() as stop, Prefetcher(run.calls(start, config.max_steps), size=1) as calls:
       for first, end, xs, ys in calls:
         before = run.pipe.virtual_seconds(state)
         state, metrics = run.pipe.run(state, xs, ys)
@@ -227,7 +227,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             row.update(run.evaluate(state))
           row = writer.write(step, row)
           if bar is None:
-            print(_log_line(step, config.max_steps, row) +
+            print(log_line(step, config.max_steps, row) +
                   f" virtual_time={row['virtual_time']:.4g}", flush=True)
         if bar is not None:
           bar.update(end - first)
@@ -235,14 +235,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
         last_time = time.perf_counter()
         interrupted = stop.event.is_set()
-        if _checkpoint_due(config, end, interrupted):
+        if checkpoint_due(config, end, interrupted):
           meta = {"step": end, "virtual_time": float(times[-1]),
                   "config": json.loads(config.to_json_best_effort())}
           checkpoints.save(end, state, meta)
         if interrupted:
           break
   finally:
-    _close_run(bar, writer, checkpoints)
+    close_run(bar, writer, checkpoints)
   if interrupted:
-    _report_interrupt(step, checkpoints)
+    report_interrupt(step, checkpoints)
   return {**row, "step": step, "interrupted": interrupted}

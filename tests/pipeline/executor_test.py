@@ -72,6 +72,19 @@ def _plan(mix, batches):
                                finish=np.broadcast_to(times[:, None, None], (batches, N, S)))
 
 
+def _train(pipe, state, xs, ys, plan=None):
+  """`pipe.run` then `pipe.flush`: every mini-batch trained; the metrics of both, in order (the
+  bubble fraction over all their ticks)."""
+  state, first = pipe.run(state, xs, ys, plan=plan)
+  state, rest = pipe.flush(state)
+  metrics = {k: np.concatenate([v, rest[k]]) for k, v in first.items() if np.ndim(v)}
+  ticks = first["ticks"] + rest["ticks"]
+  metrics["bubble_fraction"] = (first["bubble_fraction"] * first["ticks"] +
+                                (rest["bubble_fraction"] * rest["ticks"] if rest["ticks"] else 0)
+                                ) / ticks
+  return state, metrics
+
+
 def _rows(x, i):
   return x[i * ROWS:(i + 1) * ROWS]
 
@@ -136,7 +149,7 @@ def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
 
   pipe = Pipeline(STAGES, loss_and_accuracy, optimizer, mesh, schedule="gpipe",
                   num_microbatches=4)
-  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  state, metrics = _train(pipe, pipe.init(params), xs, ys)
   expected, opt, losses, accuracies = params, optimizer.init(params), [], []
   for b in range(len(xs)):
     loss, grads = jax.value_and_grad(_full_loss)(expected, xs[b], ys[b])
@@ -160,7 +173,7 @@ def test_1f1b_follows_the_weight_version_rule(mesh, sync):
   params = _params()
   xs, ys = _data(7)
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync=sync)
-  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  state, metrics = _train(pipe, pipe.init(params), xs, ys)
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, sync))
   assert metrics["loss"].shape == (7,)
   assert metrics["bubble_fraction"] == pytest.approx(1 - 2 * 7 / 20)
@@ -173,8 +186,8 @@ def test_1f1b_continues_across_runs_from_the_latest_weights(mesh):
   params = _params()
   xs, ys = _data(6)
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="none")
-  state, first_metrics = pipe.run(pipe.init(params), xs[:3], ys[:3])
-  state, metrics = pipe.run(state, xs[3:], ys[3:])
+  state, first_metrics = _train(pipe, pipe.init(params), xs[:3], ys[:3])
+  state, metrics = _train(pipe, state, xs[3:], ys[3:])
   # virtual time goes on from the first run (this pipeline's default plan: no stalls)
   assert np.all(np.diff(first_metrics["virtual_time"]) > 0)
   assert metrics["virtual_time"][0] > first_metrics["virtual_time"][-1]
@@ -200,7 +213,7 @@ def test_partial_reduce_averages_models_with_the_plans_matrices(mesh):
       if rng.random() < 0.6:
         mix[b, s] = 1.0 / N
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="preduce")
-  state, _ = pipe.run(pipe.init(params), xs, ys, plan=_plan(mix, 5))
+  state, _ = _train(pipe, pipe.init(params), xs, ys, plan=_plan(mix, 5))
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "preduce", mix))
 
 
@@ -224,7 +237,7 @@ def test_four_pipelines_mix_with_rows_not_columns():
   times = np.arange(1.0, 5.0)
   plan = types.SimpleNamespace(mix=mix, times=times,
                                finish=np.broadcast_to(times[:, None, None], (4, n, 2)))
-  state, _ = pipe.run(pipe.init(params), xs, ys, plan=plan)
+  state, _ = _train(pipe, pipe.init(params), xs, ys, plan=plan)
   got = pipe.stage_params(state)
   expected = _oracle_1f1b(params, xs, ys, optimizer, "preduce", mix, n=n, stages=stages)
   transposed = _oracle_1f1b(params, xs, ys, optimizer, "preduce", np.swapaxes(mix, -1, -2), n=n,
@@ -246,7 +259,7 @@ def test_preduce_with_whole_groups_equals_allreduce_with_sgd(mesh):
   runs = {}
   for sync in ("preduce", "allreduce"):
     pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync=sync)
-    state, _ = pipe.run(pipe.init(params), xs, ys, plan=_plan(full, 5))
+    state, _ = _train(pipe, pipe.init(params), xs, ys, plan=_plan(full, 5))
     runs[sync] = pipe.stage_params(state)
   for s in range(S):
     np.testing.assert_allclose(runs["preduce"][s]["w"], runs["allreduce"][s]["w"], atol=2e-6)
@@ -258,7 +271,7 @@ def test_hetpipe_pulls_the_server_copy(mesh):
   xs, ys = _data(5)
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="hetpipe",
                   hetpipe=HetPipe(pull_every=2))
-  state, _ = pipe.run(pipe.init(params), xs, ys)
+  state, _ = _train(pipe, pipe.init(params), xs, ys)
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "hetpipe", pull_every=2))
 
 
@@ -270,7 +283,7 @@ def test_low_precision_allreduce_inside_the_pipeline(mesh):
   xs, ys = _data(1)
   pipe = Pipeline(STAGES, loss_fn, optax.sgd(1.0), mesh, schedule="1f1b",
                   grad_sync=GradSync(fmt="e5m2"))
-  state, _ = pipe.run(pipe.init(params), xs, ys)
+  state, _ = _train(pipe, pipe.init(params), xs, ys)
   got = pipe.stage_params(state)
   grads = [jax.grad(_full_loss)(params, _rows(xs[0], i), _rows(ys[0], i)) for i in range(N)]
   for s in range(S):
@@ -297,7 +310,7 @@ def test_stateful_stages_recompute_with_the_stashed_state(mesh):
   pipe = Pipeline([_counting_stage(s) for s in range(S)], loss_fn, optimizer, mesh,
                   schedule="1f1b", sync="none", stateful=True)
   state = pipe.init(params, [{"c": np.float32(0)} for _ in range(S)])
-  state, _ = pipe.run(state, xs, ys)
+  state, _ = _train(pipe, state, xs, ys)
   for s in range(S):
     np.testing.assert_array_equal(pipe.stage_state(state)[s]["c"], [4.0] * N)
 
@@ -334,7 +347,7 @@ def test_1f1b_runs_the_last_stage_once_per_minibatch(mesh):
   xs, ys = _data(3)
   pipe = Pipeline([counted(s) for s in range(S)], loss_fn, optax.sgd(0.1), mesh,
                   schedule="1f1b", sync="none")
-  jax.block_until_ready(pipe.run(pipe.init(_params()), xs, ys))
+  jax.block_until_ready(_train(pipe, pipe.init(_params()), xs, ys))
   jax.effects_barrier()
   assert [calls.count(s) for s in range(S)] == [2 * N * 3] * (S - 1) + [N * 3]
 
@@ -395,7 +408,7 @@ def test_compressed_allreduce_inside_the_pipeline(mesh):
                   grad_sync=GradSync(compression="onebit", min_size=0))
   state = pipe.init(params)
   assert all(np.shape(x)[:2] == (N, S) for x in jax.tree.leaves(state.sync_state))
-  state, metrics = pipe.run(state, xs[:1], ys[:1])
+  state, metrics = _train(pipe, state, xs[:1], ys[:1])
   assert np.isfinite(metrics["loss"]).all()
   assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(state.sync_state))
   got = pipe.stage_params(state)
@@ -440,7 +453,7 @@ def test_quantized_zoo_model_trains_in_a_pipeline(mesh, schedule, rule):
   rng = np.random.default_rng(0)
   xs = rng.normal(size=(1, N * ROWS, 8, 8, 1)).astype(np.float32)
   ys = rng.integers(0, 10, size=(1, N * ROWS)).astype(np.int32)
-  state, _ = pipe.run(pipe.init(split.params, split.state), xs, ys)
+  state, _ = _train(pipe, pipe.init(split.params, split.state), xs, ys)
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   grads, stats = [], []
@@ -484,7 +497,7 @@ def test_every_stage_draws_its_own_numbers(mesh):
   xs, ys = _data(2)
   pipe = Pipeline(STAGES, loss_fn, optax.sgd(0.1), mesh, schedule="1f1b",
                   grad_sync=GradSync(compression=DrawRecorder(), min_size=0))
-  state, metrics = pipe.run(pipe.init(_params()), xs, ys)
+  state, metrics = _train(pipe, pipe.init(_params()), xs, ys)
   draws = np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree.leaves(state.sync_state)])
   assert draws.size == N * S * N and np.unique(draws).size == draws.size
   assert metrics["wire_bytes"].shape == (2,) and (metrics["wire_bytes"] > 0).all()
@@ -522,13 +535,13 @@ def test_syncs_see_each_stages_own_gradient(mesh, case):
   xs, ys = _data(1)
   params = _params()
   recorder = Pipeline(STAGES, loss_fn, _gradient_recorder(), mesh, schedule="1f1b", sync="none")
-  recorded, _ = recorder.run(recorder.init(params), xs, ys)
+  recorded, _ = _train(recorder, recorder.init(params), xs, ys)
   opt_packer = recorder._require_init()[1]  # pylint: disable=protected-access
   host = {d: np.asarray(v) for d, v in recorded.opt_state.items()}
   raw = [opt_packer.unpack(s, {d: v[:, s] for d, v in host.items()})["g"] for s in range(S)]
 
   pipe = Pipeline(STAGES, loss_fn, optax.sgd(1.0), mesh, schedule="1f1b", grad_sync=sync)
-  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  state, metrics = _train(pipe, pipe.init(params), xs, ys)
   got, kept = pipe.stage_params(state), pipe.stage_sync_state(state)
   two = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("data",))
   flat = lambda tree: np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)])

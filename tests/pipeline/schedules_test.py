@@ -97,3 +97,23 @@ def test_render_shows_the_table():
 def test_bad_arguments_are_rejected(args, field):
   with pytest.raises(ValueError, match=field):
     sched.tick_table(*args)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+def test_runs_of_any_lengths_lay_out_one_table(num_stages):
+  """Runs of 1F1B with no end, cut at the forwards of stage 0 (continuous_1f1b) and completed by
+  drain_1f1b, concatenate to the table of all the mini-batches, tick for tick, for every split
+  of 0..23 mini-batches tried (one run, runs of 1, a run of 5 then the rest, uneven runs)."""
+  for total in (1, 5, 9, 23):
+    whole = sched.tick_table("1f1b", num_stages, total)
+    for lengths in ([total], [1] * total, [min(5, total), total - min(5, total)], [2, 7, 14]):
+      lengths = [n for n in lengths if n] if sum(lengths) == total else [total]
+      parts, first = [], 0
+      for n in lengths:
+        parts.append(sched.continuous_1f1b(num_stages, first, n))
+        first += n
+      parts.append(sched.drain_1f1b(num_stages, total))
+      kind = np.concatenate([p.kind for p in parts])
+      batch = np.concatenate([p.batch for p in parts])
+      np.testing.assert_array_equal(kind, whole.kind, err_msg=f"{num_stages} {lengths}")
+      np.testing.assert_array_equal(batch, whole.batch, err_msg=f"{num_stages} {lengths}")

@@ -31,7 +31,7 @@ import jlp.train as jt
 from configs import digits
 from jlp.compression import secopa
 from jlp.compression.casync import sync as compressed_sync
-from jlp.train import loop, recipe
+from jlp.train import data_parallel_loop, loop, recipe
 from jlp.train.metrics import read_metrics
 from runs import assert_trees_equal, final_checkpoint, stable
 from tiny_models import build
@@ -220,7 +220,7 @@ def test_compressed_config_builds_the_sync(tmp_path):
   # "secopa": HiPress's seed cost model plans every gradient of the model; the digits CNN's are
   # all below its break-even size (~1.27M floats on 8 devices, PS), so none is compressed.
   c.compression.plan = "secopa"
-  run = loop.setup(c)
+  run = data_parallel_loop.setup(c)
   params = jax.tree_util.tree_flatten_with_path(jt.split_model(run.model)[1])[0]
   assert run.sync.plan == tuple(sorted((jax.tree_util.keystr(p), False, 8) for p, _ in params))
   with pytest.raises(ValueError, match=r"config.compression.plan='secopa' is not allowed; .*"

@@ -1,0 +1,274 @@
+"""The data-parallel training loop: `train_and_evaluate(config, workdir)` for a config with
+pipeline.schedule "none" (`jlp.train.loop.train_and_evaluate`, behind `python -m experiments.train`,
+picks it).
+
+One call runs (or resumes) an experiment config (jlp.train.config) in `workdir`:
+  1. Checks the config, finds the data and sizes the batches against the devices: every bad value
+     is a ValueError / FileNotFoundError before anything compiles.
+  2. Builds the data pipelines, the model (with its BFPsim preset, when one is set), the optimizer
+     and the data-parallel step (jlp.train.TrainStep with the config's gradient all-reduce).
+  3. Restores the newest checkpoint of `workdir/checkpoints` if there is one, then trains to
+     `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard; `wire_bytes` is
+     the bytes one device sent for that step's gradient sync, see jlp.train.step), evaluation
+     every `eval_every` steps and at the end, a checkpoint every `checkpoint_every` steps and at
+     the end.
+
+Resume is bit-exact: the state (parameters, optimizer state, BatchNorm statistics, PRNG key data,
+BFP widths, the compressed sync's per-device state, saved sharded), the BFP controller's state
+and the current preset are checkpointed; every batch is a pure function of (seed, step)
+(jlp.data.Pipeline) and a compressor's random stream one of (config.seed, step), so a resumed run
+logs, from the checkpoint on, exactly the rows the uninterrupted run logs (`time` and
+`throughput` aside). Ctrl-C (SIGINT) ends the current step, writes a checkpoint and returns with
+`interrupted=True`; a second Ctrl-C aborts.
+
+Progress: a tqdm bar (steps/s, ETA) on a terminal; plain log lines otherwise. In a multi-process
+run (jlp.train.initialize first) every process runs this function; process 0 writes the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from jlp.nn import controller as bfp_controller, rules as nn_rules
+from jlp.sync import SYNC_REPORT
+from jlp.train import recipe
+from jlp.train.checkpoint import Checkpointer
+from jlp.train.config import validate
+from jlp.train.loop_common import (Interrupt, QuantPlan, checkpoint_due, close_run, log_line,
+                                   progress as progress_bar, report_interrupt)
+from jlp.train.mesh import batch_sharding, data_mesh, replicated
+from jlp.train.metrics import MetricsWriter
+from jlp.train.step import TrainState, TrainStep, init_train_state, merge_model, split_model
+
+logger = logging.getLogger("jlp.train")
+
+__all__ = ["Run", "from_saveable", "saveable", "setup", "train_and_evaluate"]
+
+
+# -- checkpoints of typed PRNG keys -------------------------------------------------------------
+
+
+def _is_key(x: Any) -> bool:
+  return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def saveable(state: TrainState) -> TrainState:
+  """The state with typed PRNG keys as their uint32 key data (what orbax can write)."""
+  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+
+def from_saveable(saved: TrainState, like: TrainState) -> TrainState:
+  """Inverse of `saveable`, taking the key implementations from `like`."""
+  return jax.tree.map(
+      lambda s, l: jax.random.wrap_key_data(s, impl=jax.random.key_impl(l)) if _is_key(l) else s,
+      saved, like)
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything `train_and_evaluate` builds; notebooks can build one with `setup` and step it."""
+  config: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh
+  train_pipe: Any
+  eval_pipe: Any
+  model: nnx.Module
+  optimizer: Any
+  lr: Any
+  sync: Any
+  quant: QuantPlan
+  report: nn_rules.QuantReport | None = None
+  preset: str | None = None
+  step_fn: TrainStep | None = None
+  eval_fn: Any = None
+  graphdef: Any = None
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return max(1, self.train_pipe.steps_per_epoch)
+
+  def compile_step(self) -> None:
+    """(Re)builds the train and eval functions for the model's current graph (after a preset switch)."""
+    config = self.config
+    self.model.eval()
+    eval_graphdef = split_model(self.model)[0]
+    self.model.train()
+    graphdef = split_model(self.model)[0]
+    self.graphdef = graphdef
+    self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, self.sync,
+                             loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
+                             unscale_grads=config.unscale_grads, donate=True,
+                             zse_report=self.report if self.quant.schedule is not None else None)
+    task, classes = config.task, self.train_pipe.dataset.num_classes
+
+    def eval_step(state, batch):
+      return recipe.eval_sums(merge_model(eval_graphdef, state), batch, task, classes)
+
+    self.eval_fn = jax.jit(eval_step,
+                           in_shardings=(self.step_fn.state_shardings, batch_sharding(self.mesh)),
+                           out_shardings=replicated(self.mesh))
+
+  def evaluate(self, state: TrainState) -> dict[str, float]:
+    """Metrics over the whole evaluation split (padded last batch masked out)."""
+    pipe = self.eval_pipe
+    steps = -(-pipe.dataset.size // pipe.global_batch_size)
+    totals: dict[str, np.ndarray] = {}
+    with pipe.prefetch(0, steps, sharding=batch_sharding(self.mesh)) as batches:
+      for batch in batches:
+        for k, v in self.eval_fn(state, batch).items():
+          totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
+    return recipe.eval_metrics(totals, self.config.task, pipe.dataset.num_classes)
+
+  def switch_preset(self, state: TrainState, preset: str | None) -> TrainState:
+    """Re-quantizes the model with `preset`, keeping parameters, statistics and optimizer state."""
+    self.model = merge_model(self.graphdef, state)
+    self.report = self.quant.quantize(self.model, preset)
+    self.preset = preset
+    _, params, stats, keys, model_state = split_model(self.model)
+    self.compile_step()
+    return TrainState(state.step, params, stats, keys, model_state, state.opt_state,
+                      state.sync_state)
+
+
+def setup(config: ml_collections.ConfigDict) -> Run:
+  """Checks the config and builds data, model, optimizer and mesh; compiles nothing yet."""
+  validate(config)
+  train_ds, eval_ds = recipe.datasets(config)
+  mesh = data_mesh()
+  recipe.check_batch_sizes(config, mesh.size)
+  sync = recipe.grad_sync(config, mesh.size)
+  train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
+  spe = max(1, train_pipe.steps_per_epoch)
+  lr = recipe.schedule(config, spe, train_ds.size)
+  quant = QuantPlan(config, spe)
+  model = recipe.model(config, train_ds)
+  sync = recipe.plan_sync(config, sync, split_model(model)[1], mesh.size)
+  return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, sync,
+             quant)
+
+
+def _host(tree: Any) -> Any:
+  return jax.tree.map(lambda x: np.asarray(x).item(), tree)
+
+
+def _bfp_metrics(run: Run, zse: dict[str, dict[str, float]] | None) -> dict[str, float]:
+  out: dict[str, float] = {}
+  if zse:
+    for key in ("fw", "bwo", "biw"):
+      vals = [d[key] for d in zse.values() if key in d]
+      if vals:
+        out[f"zse_{key}"] = float(np.mean(vals))
+  if run.quant.controller is not None:
+    for role in bfp_controller.CONTROLLED_ROLES:
+      bits = [r[role] for r in run.quant.controller.bits.values() if role in r]
+      if bits:
+        out[f"bits_{role}"] = float(np.mean(bits))
+  return out
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       progress: bool | None = None) -> dict[str, Any]:
+  """Trains (or resumes) the data-parallel `config` in `workdir`; returns the last logged metrics
+  row plus `interrupted` (see the module docstring)."""
+  if config.pipeline.schedule != "none":
+    raise ValueError(f"config.pipeline.schedule={config.pipeline.schedule!r} is not allowed here; "
+                     "expected 'none' (jlp.train.loop.train_and_evaluate runs pipelined configs).")
+  run = setup(config)
+  os.makedirs(workdir, exist_ok=True)
+  checkpoints = Checkpointer(workdir)
+  start = checkpoints.latest_step() or 0
+  spe = run.steps_per_epoch
+  run.preset = run.quant.preset_at(start // spe)
+  run.report = run.quant.quantize(run.model, run.preset)
+  run.model.train()
+  _, state = init_train_state(run.model, run.optimizer, run.mesh, run.sync)  # graphdef: compile_step
+  if start:
+    saved, meta = checkpoints.restore(start, saveable(state))
+    state = from_saveable(saved, state)
+    if run.quant.controller is not None and meta.get("controller"):
+      run.quant.controller.load_state_dict(meta["controller"])
+    logger.info("resumed %s from step %d", workdir, start)
+  run.compile_step()
+  writer = MetricsWriter(workdir, resume_step=start or None, enabled=jax.process_index() == 0)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+  bar = progress_bar(progress, config.max_steps, start)
+  row: dict[str, Any] = {}
+  interrupted = False
+  last_time, last_step = time.perf_counter(), start
+  step = start
+  try:
+    with Interrupt() as stop, run.train_pipe.prefetch(
+        start, config.max_steps - start, sharding=batch_sharding(run.mesh)) as batches:
+      for batch in batches:
+        if step % spe == 0 and run.quant.schedule is not None:
+          preset = run.quant.preset_at(step // spe)
+          if preset != run.preset:
+            state = run.switch_preset(state, preset)
+        state, metrics = run.step_fn(state, batch)
+        step += 1
+        zse = metrics.pop("zse", None)
+        if zse is not None:
+          zse = _host(zse)
+        if run.quant.controller is not None and zse:
+          if run.quant.controller.update(zse):
+            model = merge_model(run.graphdef, state)
+            nn_rules.set_widths(model, run.report, run.quant.controller.bits)
+            state = state._replace(model_state=split_model(model)[4])
+        if bar is not None:
+          bar.update(1)
+        logged = step % config.log_every == 0 or step == config.max_steps
+        evaluated = (config.eval_every and step % config.eval_every == 0) or step == config.max_steps
+        if logged or evaluated:
+          now = time.perf_counter()
+          row = {"train_loss": float(metrics["loss"]),
+                 "train_accuracy": float(metrics.get("accuracy", np.nan)),
+                 "learning_rate": float(run.lr(step - 1)),
+                 "throughput": (step - last_step) * config.batch_size / max(now - last_time, 1e-9),
+                 "epoch": step / spe,
+                 **{name: metrics[name].item() for name in SYNC_REPORT},
+                 **_bfp_metrics(run, zse)}
+          if run.quant.schedule is not None:
+            row["bfp_preset"] = run.preset
+          if evaluated:
+            row.update(run.evaluate(state))
+          row = writer.write(step, row)
+          last_time, last_step = time.perf_counter(), step
+          if bar is not None:
+            bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
+          else:
+            print(log_line(step, config.max_steps, row), flush=True)
+        interrupted = stop.event.is_set()
+        if checkpoint_due(config, step, interrupted):
+          _save(checkpoints, step, state, run, config)
+        if interrupted:
+          break
+  finally:
+    close_run(bar, writer, checkpoints)
+  if interrupted:
+    report_interrupt(step, checkpoints)
+  return {**row, "step": step, "interrupted": interrupted}
+
+
+def _save(checkpoints: Checkpointer, step: int, state: TrainState, run: Run,
+          config: ml_collections.ConfigDict) -> None:
+  meta = {"step": step, "preset": run.preset,
+          "config": json.loads(config.to_json_best_effort()),
+          "controller": run.quant.controller.state_dict() if run.quant.controller else None}
+  checkpoints.save(step, saveable(state), meta)
+
+

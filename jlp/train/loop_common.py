@@ -1,0 +1,127 @@
+"""What both training loops (jlp.train.data_parallel_loop, jlp.train.pipeline_loop) share: the
+model's quantization plan (config.quant_rules, the BFPsim preset schedule and the Simple
+controller), the Ctrl-C handler, the checkpoint cadence, the progress bar, the log line and the
+closing of a run. Neither loop imports the other; `jlp.train.loop.train_and_evaluate` picks one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+
+from jlp.nn import bfpsim, controller as bfp_controller, rules as nn_rules
+from jlp.train.checkpoint import Checkpointer
+from jlp.train.config import quant_rules
+from jlp.train.metrics import MetricsWriter
+
+__all__ = ["Interrupt", "QuantPlan", "checkpoint_due", "close_run", "log_line", "progress",
+           "report_interrupt"]
+
+
+class QuantPlan:
+  """The model's quantization: config.quant_rules, the BFPsim preset in force at each epoch and
+  the Simple controller (config.bfp)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, steps_per_epoch: int):
+    self.rules = quant_rules(config)
+    entries = dict(config.bfp.schedule) or ({0: config.bfp.preset} if config.bfp.preset else {})
+    for preset in entries.values():
+      if preset and preset not in bfpsim.PRESETS and not os.path.isfile(preset):
+        raise ValueError(f"config.bfp preset {preset!r} is not allowed; expected a built-in preset "
+                         f"({', '.join(sorted(bfpsim.PRESETS))}) or the path of a BFPsim JSON file.")
+    self.schedule = bfp_controller.PrecisionSchedule(entries) if entries else None
+    if config.bfp.controller and self.schedule is None:
+      raise ValueError(f"config.bfp.controller={config.bfp.controller!r} needs a BFP preset "
+                       "(config.bfp.preset or config.bfp.schedule).")
+    self.controller_spec = config.bfp.controller
+    self.window = config.bfp.window or steps_per_epoch
+    self.controller: bfp_controller.SimpleController | None = None
+
+  def preset_at(self, epoch: int) -> str | None:
+    return None if self.schedule is None else self.schedule.at(epoch) or None
+
+  def quantize(self, model: nnx.Module, preset: str | None) -> nn_rules.QuantReport | None:
+    """Puts the config's rules, then `preset`'s, on `model` in place (earlier ones removed)."""
+    nn_rules.unquantize_model(model)
+    rules = self.rules + (bfpsim.load_bfpsim_preset(preset) if preset else [])
+    if not rules:
+      return None
+    report = nn_rules.quantize_model(model, rules)
+    if self.controller_spec:
+      bits = bfp_controller.bits_from_configs(dict(report))
+      if self.controller is None:
+        self.controller = bfp_controller.SimpleController.from_string(
+            self.controller_spec, window=self.window, bits=bits)
+      else:  # a preset switch: the new preset's widths, the controller's window state kept
+        for layer, roles in bits.items():
+          self.controller.add_layer(layer, roles)
+    return report
+
+
+# -- running a loop ------------------------------------------------------------------------------
+
+
+class Interrupt:
+  """SIGINT sets a flag (the loop checkpoints and returns); a second one aborts as usual."""
+
+  def __init__(self):
+    self.event = threading.Event()
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.getsignal(signal.SIGINT)
+      signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.event.set()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+
+
+def checkpoint_due(config: ml_collections.ConfigDict, step: int, interrupted: bool) -> bool:
+  """Whether the loop writes a checkpoint after `step`: every checkpoint_every steps, at the end
+  and when interrupted."""
+  return (bool(config.checkpoint_every) and step % config.checkpoint_every == 0) or \
+      step == config.max_steps or interrupted
+
+
+def close_run(bar, writer: MetricsWriter, checkpoints: Checkpointer) -> None:
+  """Closes the progress bar, the metrics writer and the checkpointer (waiting for its saves)."""
+  if bar is not None:
+    bar.close()
+  writer.close()
+  checkpoints.close()
+
+
+def report_interrupt(step: int, checkpoints: Checkpointer) -> None:
+  print(f"interrupted at step {step}: checkpoint written to {checkpoints.directory}; run the "
+        "same command again to resume.", flush=True)
+
+
+def progress(enabled: bool | None, total: int, initial: int):
+  if enabled is None:
+    enabled = sys.stderr.isatty() and jax.process_index() == 0
+  if not enabled:
+    return None
+  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def log_line(step: int, max_steps: int, row: dict[str, Any]) -> str:
+  """One plain progress line: the step and the row's main metrics."""
+  keys = [k for k in ("train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "eval_miou",
+                      "learning_rate", "throughput") if k in row and row[k] is not None]
+  return f"step {step}/{max_steps} " + " ".join(f"{k}={row[k]:.4g}" for k in keys)
