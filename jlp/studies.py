@@ -232,7 +232,8 @@ class PipelineStudy:
     batch_per_pipeline: rows of one mini-batch per pipeline (the global mini-batch is N times it).
     num_batches: mini-batches (updates of every stage) per run.
     batches_per_run: mini-batches per `Pipeline.run` call; the test accuracy is evaluated after
-      each call (1F1B drains at the end of every call).
+      each call (on the latest weights; 1F1B keeps flowing between calls, so the length changes
+      only how often it is evaluated).
     learning_rate, momentum, weight_decay, width: the optimizer and the CNN's width.
     target_accuracy: the test accuracy whose virtual time the study reports.
     schedule: "1f1b" (SD-PIPE's) or "gpipe".
@@ -342,20 +343,21 @@ def pipeline_study(study: PipelineStudy = PipelineStudy(),
 
   Rows: sync, hetero, num_pipelines, num_stages, virtual_s_to_target (virtual seconds at the
   first evaluation whose test accuracy reached study.target_accuracy; None if none did),
-  updates_to_target, final_accuracy, final_loss (mean train loss of the last call), virtual_s
-  (whole run), mean_group_size (the mean size of the groups the PReduce scheduler formed, over
-  all stages; None for other syncs), real_s (wall seconds of the run: compile, training and
-  evaluation), curve (one (updates, virtual seconds, test accuracy, mean train loss) per
-  evaluation, the untrained model first at (0, 0.0, accuracy, nan)), losses (float64
-  [num_batches]: every update's train loss, the mean over the pipelines).
+  updates_to_target (mini-batches fed by then), final_accuracy, final_loss (mean train loss of
+  the mini-batches completed in the last call and the flush), virtual_s (whole run),
+  mean_group_size (the mean size of the groups the PReduce scheduler formed, over all stages;
+  None for other syncs), real_s (wall seconds of the run: compile, training and evaluation),
+  curve (one (mini-batches fed, virtual seconds of the latest update, test accuracy, mean train
+  loss of the mini-batches completed in the call) per evaluation, the untrained model first at
+  (0, 0.0, accuracy, nan)), losses (float64 [num_batches]: every update's train loss, the mean
+  over the pipelines).
 
-  Virtual time restarts in step at every `run` call: the simulation of a call starts every
-  pipeline when the previous call's last update finished (1F1B drains at the end of a call), so
-  each call is a barrier that costs the asynchronous syncs their lead; fewer, longer calls
-  (batches_per_run) favour them, at the price of coarser evaluation.
+  The calls do not change the training: 1F1B's pipeline stays full from one call to the next,
+  and the virtual time and the syncs' groups come from one timeline of the whole training
+  (`jlp.pipeline.timeline`); the last call is followed by the flush.
 
-  Every run with the same sync shares one compiled program: the hetero only changes the
-  virtual-time plan (`Pipeline.plan` of a planner built with that hetero), passed to `run`.
+  Every run with the same sync shares one compiled program: the hetero only changes the cost
+  model of the virtual time (`Pipeline.run(..., hetero=)`).
   """
   import optax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -405,13 +407,17 @@ def pipeline_study(study: PipelineStudy = PipelineStudy(),
       curve = [(0, 0.0, accuracy(pipe, state), float("nan"))]
       groups: list[np.ndarray] = []
       losses: list[np.ndarray] = []
+      hetero = jp.Hetero(delay_s=float(h))  # a run's cost model: one compile for all h
       for first in range(0, study.num_batches, B):
-        plan = pipe.plan(state, B, hetero=jp.Hetero(delay_s=float(h)))  # one compile for all h
         state, metrics = pipe.run(state, xs_all[first:first + B], ys_all[first:first + B],
-                                  plan=plan)
-        groups.append(np.asarray(plan.group_sizes))
+                                  hetero=hetero)
+        if first + B == study.num_batches:
+          state, drained = pipe.flush(state, hetero=hetero)
+          metrics = {k: np.concatenate([metrics[k], drained[k]])
+                     for k in ("loss", "group_sizes")}
+        groups.append(np.asarray(metrics["group_sizes"]))
         losses.append(np.asarray(metrics["loss"], np.float64))
-        curve.append((first + B, float(metrics["virtual_time"][-1]), accuracy(pipe, state),
+        curve.append((first + B, pipe.virtual_seconds(state), accuracy(pipe, state),
                       float(np.mean(metrics["loss"]))))
         if progress:
           print(f"  {sync:9s} h={h:<4g} updates {first + B:4d}  virtual {curve[-1][1]:7.2f} s  "

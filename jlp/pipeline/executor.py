@@ -82,7 +82,8 @@ from jlp.pipeline import schedules as sched
 from jlp.pipeline.buffers import Layout, make_layout
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
-from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce, SyncPlan, simulate
+from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce
+from jlp.pipeline.timeline import Timeline
 from jlp.pipeline.sync_modes import sync_mode
 from jlp.sync import SYNC_REPORT, GradSync
 
@@ -204,6 +205,7 @@ class Pipeline:
     self._packers: tuple[Packer, Packer, Packer] | None = None
     self._sync_packer: Packer | None = None
     self._metric_names: tuple[str, ...] | None = None
+    self._timeline_cache: tuple[Any, Timeline] | None = None
     self._compiled: dict[Any, Any] = {}
 
   # -- state -------------------------------------------------------------------------------------
@@ -217,10 +219,13 @@ class Pipeline:
       return self.stages[s](params, x, state)
     return self.stages[s](params, x), state
 
-  def init(self, stage_params: Sequence[Any], stage_state: Sequence[Any] | None = None
-           ) -> PipelineState:
+  def init(self, stage_params: Sequence[Any], stage_state: Sequence[Any] | None = None, *,
+           batch: tuple[Any, Any] | None = None) -> PipelineState:
     """The state every pipeline starts from: `stage_params[s]` (float32 leaves) at stage s, the
-    optimizer's fresh state, and `stage_state[s]` (stateful stages only)."""
+    optimizer's fresh state, and `stage_state[s]` (stateful stages only). `batch`: (x, y) of one
+    mini-batch ([N*b, ...] arrays or jax.ShapeDtypeStructs); with 1F1B it lays out the in-flight
+    buffers now (otherwise the first `run` does), so the state has every buffer a checkpoint of
+    a running pipeline holds (an abstract target for restoring one)."""
     S, N = self.num_stages, self.num_pipelines
     if not isinstance(stage_params, (list, tuple)) or len(stage_params) != S:
       given = (len(stage_params) if isinstance(stage_params, (list, tuple))
@@ -266,7 +271,7 @@ class Pipeline:
       self._sync_packer = Packer(stage_states)
       sync_state = stacked(self._sync_packer, stage_states)
     replicated = NamedSharding(self.mesh, P())
-    return PipelineState(
+    state = PipelineState(
         step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
         params=params,
         opt_state=stacked(opt_packer, opt_states),
@@ -276,6 +281,15 @@ class Pipeline:
         virtual_time=jax.device_put(jnp.zeros((N, S, 2), jnp.float32), replicated),
         fill_start=jax.device_put(jnp.zeros((), jnp.int32), replicated),
         inflight={})
+    if batch is not None and self.schedule == "1f1b":
+      if not (isinstance(batch, tuple) and len(batch) == 2):
+        raise ValueError(f"batch of type {type(batch).__name__} is not allowed; expected (x, y) "
+                         "of one mini-batch.")
+      xs, ys = (jax.tree.map(lambda a: jax.ShapeDtypeStruct((1,) + tuple(np.shape(a)),
+                                                            np.dtype(a.dtype)), t) for t in batch)
+      state = state._replace(inflight=self._inflight_zeros(self._layout(xs, ys), xs, ys,
+                                                           state.virtual_time))
+    return state
 
   def _stage_grads(self, s: int) -> dict[str, jax.ShapeDtypeStruct]:
     """What the gradient sync sees of stage s: its float32 parameters as one flat leaf of their
@@ -413,26 +427,49 @@ class Pipeline:
     return {name: jnp.asarray(v, jnp.float32) for name, v in metrics.items()}
 
   # -- the run -----------------------------------------------------------------------------------
-  def plan(self, state: PipelineState, num_batches: int, *, hetero: Hetero | None = None
-           ) -> SyncPlan:
-    """The virtual-time simulation of the next `num_batches` mini-batches (mixing matrices of
-    preduce / adpsgd and the finish times), seeded by (seed, state.step), from the state's
-    per-(pipeline, stage) clocks; `hetero` overrides the pipeline's cost model (e.g. a sweep
-    over stalls with one compiled pipeline)."""
-    step = int(np.asarray(state.step))
-    return simulate(self.schedule, self.sync, self.num_pipelines, self.num_stages, num_batches,
-                    self.num_microbatches, seed=int(np.random.SeedSequence(
-                        [self.seed, step]).generate_state(1)[0]),
-                    hetero=self.hetero if hetero is None else hetero, preduce=self.preduce,
-                    hetpipe=self.hetpipe, first_batch=step, start=self.virtual_clocks(state))
+  # -- virtual time ------------------------------------------------------------------------------
+  def _timeline(self, state: PipelineState, hetero: Hetero, total: int | None = None
+                ) -> Timeline:
+    """The virtual-time model of the state's fill (`jlp.pipeline.timeline`): the one this
+    pipeline has been advancing (kept between runs), or a new one replayed from the fill's start
+    (after a restore, for another cost model, or for a flush's end)."""
+    fill_start = int(np.asarray(state.fill_start))
+    clock = self._fill_clock(state)
+    key = (fill_start, clock.tobytes(), hetero, total)
+    if self._timeline_cache is None or self._timeline_cache[0] != key:
+      seed = int(np.random.SeedSequence([self.seed, fill_start]).generate_state(1)[0])
+      timeline = Timeline(self.schedule, self.sync, self.num_pipelines, self.num_stages,
+                          self.num_microbatches, seed=seed, hetero=hetero, preduce=self.preduce,
+                          hetpipe=self.hetpipe, first_batch=fill_start, start=clock,
+                          total=total)
+      self._timeline_cache = (key, timeline)
+    return self._timeline_cache[1]
 
-  def run(self, state: PipelineState, xs: Any, ys: Any, plan: SyncPlan | None = None
-          ) -> tuple[PipelineState, dict[str, Any]]:
+  def _fill_clock(self, state: PipelineState) -> np.ndarray:
+    """float64 [N, S]: the clocks at which the state's fill began."""
+    if "fill_clock" in state.inflight:
+      clock = np.asarray(state.inflight["fill_clock"], np.float64)
+      return clock[..., 0] + clock[..., 1]
+    if self.schedule == "gpipe":  # GPipe's fill is the whole training
+      return np.zeros((self.num_pipelines, self.num_stages))
+    return self.virtual_clocks(state)
+
+  # -- the run -----------------------------------------------------------------------------------
+  def run(self, state: PipelineState, xs: Any, ys: Any, *, plan: Any = None,
+          hetero: Hetero | None = None) -> tuple[PipelineState, dict[str, Any]]:
     """Feeds the B mini-batches of xs, ys ([B, N*b, ...]; pipeline i takes rows [i*b, (i+1)*b)
     of each) to the pipelines. GPipe trains each of them to its update. 1F1B keeps flowing: the
     run ends where the next mini-batch would enter stage 0, with the last mini-batches still in
     flight (their inputs, activations, stashed weights and partial metrics in state.inflight),
     so runs of any lengths do what one run does; `flush` completes them.
+
+    The syncs' decisions (groups, mixing matrices) and the virtual clocks come from the
+    pipeline's virtual-time model of its fill (`jlp.pipeline.timeline`: the `hetero` cost model,
+    default the pipeline's, seeded by (seed, the fill's first mini-batch)), decided as far as
+    this run's updates need, so they too do not depend on where runs end. `plan` replaces them:
+    any object with `mix` [T, S, N, N], `times` [T] and `finish` [T, N, S] indexed by mini-batch
+    over the whole training (T >= the mini-batches fed by the end of this run), e.g. a
+    `jlp.pipeline.simulate` result.
 
     Returns the new state and the metrics of the mini-batches that completed in this run (their
     last update, at stage 0, ran): "batch" [C] (their indices, counted over the whole training),
@@ -440,48 +477,38 @@ class Pipeline:
     with sync="allreduce" the gradient sync's report ("wire_bytes" and "payload_bytes" [C]: per
     device, averaged over all devices; "nonfinite" [C]: summed over the stages;
     `jlp.sync.reduce_gradients`), "virtual_time" [C] (float64: virtual seconds at which each
-    one's update finished, counted from the first run), "bubble_fraction" (the idle share of
-    the run's ticks) and "ticks" (how many). `plan` (default: `self.plan(state, B)`) may be any object with the SyncPlan
-    fields `mix` [B, S, N, N], `times` [B] and `finish` [B, N, S] of the B new mini-batches, on
-    the clock of the state's `virtual_clocks`."""
+    one's update finished, counted from the first run), "group_sizes" (the sizes of the groups
+    of the updates this run made: preduce's groups, adpsgd's pairs), "bubble_fraction" (the idle
+    share of the run's ticks) and "ticks" (how many)."""
     self.check_state(state)
     layout = self._layout(xs, ys)
-    B, S, N = layout.num_batches, self.num_stages, self.num_pipelines
-    if plan is None:
-      plan = self.plan(state, B)
-    mix = np.asarray(plan.mix, np.float32)
-    if mix.shape != (B, S, N, N):
-      raise ValueError(f"plan.mix shape={mix.shape} is not allowed; expected {(B, S, N, N)}.")
-    times = np.asarray(plan.times, np.float64)
-    finish = np.asarray(plan.finish, np.float64)
-    if times.shape != (B,) or finish.shape != (B, N, S):
-      raise ValueError(f"plan.times shape={times.shape} / plan.finish shape={finish.shape} are "
-                       f"not allowed; expected ({B},) and {(B, N, S)}.")
+    if hetero is not None and not isinstance(hetero, Hetero):
+      raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
     xs = jax.device_put(xs, batch_sharding)
     ys = jax.device_put(ys, batch_sharding)
-    new_state, metrics = self._execute(state, layout, xs, ys, mix, times)
-    whole = np.floor(finish[-1])
-    new_state = new_state._replace(virtual_time=jax.device_put(
-        np.stack([whole, finish[-1] - whole], -1).astype(np.float32),
-        NamedSharding(self.mesh, P())))
-    return new_state, metrics
+    return self._execute(state, layout, xs, ys, plan, self.hetero if hetero is None else hetero)
 
-  def flush(self, state: PipelineState) -> tuple[PipelineState, dict[str, Any]]:
+  def flush(self, state: PipelineState, *, plan: Any = None, hetero: Hetero | None = None
+            ) -> tuple[PipelineState, dict[str, Any]]:
     """Completes the mini-batches in flight (1F1B's drain; nothing to do for GPipe or an empty
     pipeline): the state then holds every fed mini-batch's updates, and the next `run` fills
-    the pipeline anew. Returns the state and the metrics of the mini-batches completed, as
-    `run` does."""
+    the pipeline anew. The drain's decisions come from the fill's timeline replayed with its
+    end (`Timeline(total=fed)`): no later mini-batch's forward delays the drain. Returns the
+    state and the metrics of the mini-batches completed, as `run` does."""
     self.check_state(state)
-    if not state.inflight:
+    if not state.inflight or int(np.asarray(state.step)) == int(np.asarray(state.fill_start)):
       return state, self._no_metrics()
-    xs = jax.tree.map(lambda a: np.zeros((0,) + a.shape[1:], a.dtype), state.inflight["xs"])
-    ys = jax.tree.map(lambda a: np.zeros((0,) + a.shape[1:], a.dtype), state.inflight["ys"])
+    xs = jax.tree.map(lambda a: jax.ShapeDtypeStruct((0,) + a.shape[1:], a.dtype),
+                      state.inflight["xs"])
+    ys = jax.tree.map(lambda a: jax.ShapeDtypeStruct((0,) + a.shape[1:], a.dtype),
+                      state.inflight["ys"])
     layout = self._layout(xs, ys, num_batches=0)
-    S, N = self.num_stages, self.num_pipelines
-    state, metrics = self._execute(state, layout, None, None,
-                                   np.zeros((0, S, N, N), np.float32), np.zeros((0,)))
-    return state._replace(inflight={}, fill_start=state.step), metrics
+    state, metrics = self._execute(state, layout, None, None, plan,
+                                   self.hetero if hetero is None else hetero)
+    # An empty pipeline: zero buffers of the same shapes, the next fill starting here.
+    inflight = self._inflight_zeros(layout, xs, ys, state.virtual_time)
+    return state._replace(inflight=inflight, fill_start=state.step), metrics
 
   def _no_metrics(self) -> dict[str, Any]:
     names = self._metric_names or ("loss",)
@@ -489,18 +516,18 @@ class Pipeline:
     if self.sync == "allreduce":
       out.update({name: np.zeros((0,), dtype) for name, dtype in SYNC_REPORT.items()})
     return dict(out, batch=np.zeros((0,), np.int64), virtual_time=np.zeros((0,)),
-                bubble_fraction=float("nan"), ticks=0)
+                group_sizes=np.zeros((0,), np.int32), bubble_fraction=float("nan"), ticks=0)
 
-  def _execute(self, state: PipelineState, layout: Layout, xs: Any, ys: Any, mix: np.ndarray,
-               times: np.ndarray) -> tuple[PipelineState, dict[str, Any]]:
-    """Runs the compiled program on the B new mini-batches (B = 0: the drain) and picks the
-    metrics of the completed ones."""
-    B, S = layout.num_batches, self.num_stages
+  def _execute(self, state: PipelineState, layout: Layout, xs: Any, ys: Any, plan: Any,
+               hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
+    """Runs the compiled program on the B new mini-batches (B = 0: the drain), with the
+    decisions of the updates it makes, and picks the metrics of the completed mini-batches."""
+    B, S, N = layout.num_batches, self.num_stages, self.num_pipelines
     step = int(np.asarray(state.step))
     ticks: dict[str, Any] = {}
     if self.schedule == "1f1b":
-      if not state.inflight:
-        state = state._replace(inflight=self._inflight_zeros(layout, xs, ys),
+      if not state.inflight:  # laid out by the first run (or init's batch)
+        state = state._replace(inflight=self._inflight_zeros(layout, xs, ys, state.virtual_time),
                                fill_start=state.step)
       fed = step - int(np.asarray(state.fill_start))  # mini-batches fed in this fill
       base = fed - S  # slot 0's mini-batch in the fill
@@ -510,41 +537,72 @@ class Pipeline:
                    base=jnp.int32(base))
       done = np.sort(slot[table.kind[:, 0] == sched.BWD, 0])  # a mini-batch ends at stage 0
       first = step - S  # slot 0's index over the whole training
-      ring_times = np.asarray(state.inflight["times"], np.float64)
-      all_times = np.concatenate([ring_times[..., 0] + ring_times[..., 1], times])
-      keep = all_times[B:B + S]
-      whole = np.floor(keep)
-      inflight_times = np.stack([whole, keep - whole], -1).astype(np.float32)
-      bubble = sched.bubble_fraction(table)
+      updates = [(int(slot[t, s]), s) for t, s in zip(*np.nonzero(table.kind == sched.BWD))]
+      slots = S + B
     else:
       table = layout.table
-      done, first, all_times = np.arange(B), step, times
-      bubble = sched.bubble_fraction(table)
+      done, first, slots = np.arange(B), step, B
+      updates = [(b, s) for b in range(B) for s in range(S)]
+    # The decisions of this run's updates, by slot; the clocks after them.
+    fill_start = int(np.asarray(state.fill_start))
+    if plan is None:
+      total = None if B or self.schedule == "gpipe" else step - fill_start
+      timeline = self._timeline(state, hetero, total)
+      timeline.decide([(first + p - fill_start, s) for p, s in updates])
+      mix_of = lambda g, s: timeline.mix(g - fill_start, s)
+      finish_of = lambda g: timeline.finish[g - fill_start]
+      time_of = lambda g: timeline.time(g - fill_start)
+      made = {(first + p - fill_start, s) for p, s in updates}
+      group_sizes = np.array([len(g.members) for g in timeline.groups
+                              if (g.round, g.stage) in made], np.int32)
+    else:
+      mix_all, times_all, finish_all = (np.asarray(plan.mix, np.float32),
+                                        np.asarray(plan.times, np.float64),
+                                        np.asarray(plan.finish, np.float64))
+      needed = step + B
+      if mix_all.shape[1:] != (S, N, N) or len(mix_all) < needed or len(times_all) < needed or \
+          finish_all.shape[1:] != (N, S) or len(finish_all) < needed:
+        raise ValueError(f"plan with mix {mix_all.shape}, times {times_all.shape}, finish "
+                         f"{finish_all.shape} is not allowed; expected [T, {S}, {N}, {N}], [T] "
+                         f"and [T, {N}, {S}] by mini-batch with T >= {needed}.")
+      mix_of, finish_of, time_of = (lambda g, s: mix_all[g, s], lambda g: finish_all[g],
+                                    lambda g: times_all[g])
+      group_sizes = np.zeros((0,), np.int32)
+    mix = np.broadcast_to(np.eye(N, dtype=np.float32), (slots, S, N, N)).copy()
+    clocks = self.virtual_clocks(state)
+    for p, s in updates:
+      if first + p >= 0:
+        mix[p, s] = mix_of(first + p, s)
+        clocks[:, s] = np.maximum(clocks[:, s], finish_of(first + p)[:, s])
+    times = np.array([time_of(first + p) for p in done], np.float64)
+
     shapes = lambda tree: (jax.tree.structure(tree), tuple(
         (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
     key = (shapes((xs, ys)), shapes(state.inflight.get("xs")), B,
            len(table.kind) if self.schedule == "1f1b" else None)
     if key not in self._compiled:
       self._compiled[key] = self._build(layout, state)
-    # The host keeps the clocks (and 1F1B's in-flight times): the program neither reads nor
-    # changes them.
+    # The host keeps the clocks: the program neither reads nor changes them.
     program_state = state._replace(virtual_time=None, inflight={
-        k: v for k, v in state.inflight.items() if k != "times"})
+        k: v for k, v in state.inflight.items() if k != "fill_clock"})
     uses_mix = self.sync in ("preduce", "adpsgd")
     new_state, means = self._compiled[key](program_state, xs, ys, ticks,
-                                           jnp.asarray(mix) if uses_mix and B else None)
-    new_state = new_state._replace(virtual_time=state.virtual_time)
-    if self.schedule == "1f1b":
-      new_state = new_state._replace(inflight=dict(
-          new_state.inflight, times=jax.device_put(inflight_times,
-                                                   NamedSharding(self.mesh, P()))))
+                                           jnp.asarray(mix) if uses_mix else None)
+    whole = np.floor(clocks)
+    new_state = new_state._replace(virtual_time=jax.device_put(
+        np.stack([whole, clocks - whole], -1).astype(np.float32), NamedSharding(self.mesh, P())))
+    if "fill_clock" in state.inflight:
+      new_state = new_state._replace(inflight=dict(new_state.inflight,
+                                                   fill_clock=state.inflight["fill_clock"]))
     metrics = {name: np.asarray(v)[done] for name, v in means.items()}
-    metrics.update(batch=first + done, virtual_time=all_times[done], bubble_fraction=bubble,
+    metrics.update(batch=first + done, virtual_time=times, group_sizes=group_sizes,
+                   bubble_fraction=sched.bubble_fraction(table),
                    ticks=len(table.kind) * (B if self.schedule == "gpipe" else 1))
     return new_state, metrics
 
-  def _inflight_zeros(self, layout: Layout, xs: Any, ys: Any) -> dict[str, Any]:
-    """An empty 1F1B pipeline's in-flight state, on the devices."""
+  def _inflight_zeros(self, layout: Layout, xs: Any, ys: Any, clock: jax.Array
+                      ) -> dict[str, Any]:
+    """An empty 1F1B pipeline's in-flight state, on the devices; its fill begins at `clock`."""
     N, S = self.num_pipelines, self.num_stages
     host = self._program(layout).inflight_zeros(xs, ys, (N, S))
     per = NamedSharding(self.mesh, P(DATA, STAGE))
@@ -553,9 +611,7 @@ class Pipeline:
            for k in ("buffers", "metrics", "sync_report")}
     for k in ("xs", "ys"):
       out[k] = jax.tree.map(lambda a: put(a, NamedSharding(self.mesh, P(None, DATA))), host[k])
-    if "mix" in host:
-      out["mix"] = put(host["mix"], NamedSharding(self.mesh, P()))
-    out["times"] = put(np.zeros((S, 2), np.float32), NamedSharding(self.mesh, P()))
+    out["fill_clock"] = put(np.asarray(clock), NamedSharding(self.mesh, P()))
     return out
 
   def _program(self, layout: Layout) -> Program:
@@ -575,8 +631,6 @@ class Pipeline:
                        for k in ("buffers", "metrics", "sync_report")}
       inflight_spec.update(xs=jax.tree.map(lambda _: P(None, DATA), state.inflight["xs"]),
                            ys=jax.tree.map(lambda _: P(None, DATA), state.inflight["ys"]))
-      if "mix" in state.inflight:
-        inflight_spec["mix"] = P()
     state_spec = PipelineState(P(), per, per, per, per, per, P(), P(), inflight_spec)
     mapped = jax.shard_map(
         self._program(layout), mesh=self.mesh,

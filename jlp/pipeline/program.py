@@ -55,7 +55,8 @@ class PipelineState(NamedTuple):
   # 1F1B: what the mini-batches in flight need, kept from one run to the next ({} when the
   # pipeline is empty): "buffers" (received activations and gradients, stashed weights and
   # states, [N, S, K, ...]), "xs" / "ys" (the last S mini-batches' inputs, [S, N*b, ...]),
-  # "metrics" / "sync_report" ([N, S, S] per name) and "mix" ([S, S, N, N]) of those S.
+  # "metrics" / "sync_report" ([N, S, S] per name) of those S, and "fill_clock" ([N, S, 2],
+  # kept by the host: the clocks at which the fill began, where its virtual time starts).
   inflight: dict[str, Any]
 
 
@@ -87,9 +88,10 @@ class Program:
     GPipe: xs, ys [B, rows, ...], one entry per mini-batch, `ticks` {}. 1F1B: xs, ys the B new
     mini-batches; `ticks` {"kind": [T, S], "slot": [T, S], "base": int32}: the run's rows of the
     never-ending 1F1B table (`schedules.continuous_1f1b` / `drain_1f1b`), each op's mini-batch
-    as its slot in [0, S + B): slots [0, S) are the mini-batches in flight (their inputs, metrics
-    and mixing rows come from state.inflight), slot S + k the k-th new one; mini-batch
-    slot + base of the current fill (the ring buffers' index). `mix` [slots, S, N, N] or None."""
+    as its slot in [0, S + B): slots [0, S) are the mini-batches in flight (their inputs and
+    metrics come from state.inflight), slot S + k the k-th new one; mini-batch slot + base of
+    the current fill (the ring buffers' index). `mix`: [slots, S, N, N] (the mixing matrix of
+    each update the run makes, by its mini-batch's slot) or None."""
     squeeze = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)
     stage = lax.axis_index(STAGE)
     carry = dict(params=squeeze(state.params), opt=squeeze(state.opt_state),
@@ -292,9 +294,7 @@ class Program:
         group: {name: jnp.concatenate([ring[0, 0], jnp.zeros((B,), ring.dtype)])
                 for name, ring in inflight[group].items()}
         for group in ("metrics", "sync_report")})
-    mix_all = None
-    if self.mode.uses_mix:
-      mix_all = inflight["mix"] if B == 0 else jnp.concatenate([inflight["mix"], mix])
+    mix_all = mix  # [S + B, S, N, N] by slot (None unless the mode mixes)
     base = ticks["base"]
 
     def tick(state, row):
@@ -326,14 +326,12 @@ class Program:
     inflight = dict(
         buffers=expand(bufs), xs=jax.tree.map(keep, x_all), ys=jax.tree.map(keep, y_all),
         metrics={name: expand(keep(v)) for name, v in carry["metrics"].items()},
-        sync_report={name: expand(keep(v)) for name, v in carry["sync_report"].items()},
-        **({} if mix_all is None else {"mix": mix_all[B:B + S]}))
+        sync_report={name: expand(keep(v)) for name, v in carry["sync_report"].items()})
     return carry, inflight
 
   def inflight_zeros(self, xs: Any, ys: Any, shards: tuple[int, int]) -> dict[str, Any]:
     """An empty pipeline's in-flight state for 1F1B (host numpy): ring buffers [N, S, K, ...]
-    (shards = (N, S)), S mini-batches of inputs like one of xs / ys, metrics, and the mixing
-    rows of modes that mix."""
+    (shards = (N, S)), S mini-batches of inputs like one of xs / ys, and their metrics."""
     S = self.num_stages
     param_packer, _, state_packer = self.packers
     lead = shards
@@ -347,9 +345,7 @@ class Program:
                 metrics={name: np.zeros(lead + (S,), np.float32)
                          for name in self.layout.metric_names},
                 sync_report={name: np.zeros(lead + (S,), dtype) for name, dtype in
-                             SYNC_REPORT.items()} if self.mode.reports else {},
-                **({"mix": np.zeros((S, S) + (self.num_pipelines,) * 2, np.float32)}
-                   if self.mode.uses_mix else {}))
+                             SYNC_REPORT.items()} if self.mode.reports else {})
 
   def _run_gpipe(self, carry, stage, step, xs, ys, mix):
     table = self.layout.table

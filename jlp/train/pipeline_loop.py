@@ -181,10 +181,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   os.makedirs(workdir, exist_ok=True)
   checkpoints = Checkpointer(workdir)
   start = checkpoints.latest_step() or 0
-  state = run.pipe.init(run.split.params, run.split.state)
+  example = run.train_pipe.batch(0)
+  state = run.pipe.init(run.split.params, run.split.state,
+                        batch=(example["image"], example["label"]))
+  # Evaluations of the weights at the end of a call, waiting for the row of their step (1F1B:
+  # written when that step's mini-batch completes, a call or the flush later).
+  pending: dict[int, dict[str, float]] = {}
+  completed = start  # mini-batches whose row is due or written: the fed ones, less those in flight
   if start:
-    state, _ = checkpoints.restore(start, state)
-  writer = MetricsWriter(workdir, resume_step=start or None)
+    state, meta = checkpoints.restore(start, state)
+    pending = {int(k): v for k, v in (meta.get("pending_eval") or {}).items()}
+    completed = int(meta.get("completed", start))
+  writer = MetricsWriter(workdir, resume_step=completed if start else None)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
 
@@ -199,36 +207,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       for first, end, xs, ys in calls:
         before = run.pipe.virtual_seconds(state)
         state, metrics = run.pipe.run(state, xs, ys)
-        losses, times = metrics["loss"], metrics["virtual_time"]
+        if end == config.max_steps:
+          state, drained = run.pipe.flush(state)
+          metrics = _joined(metrics, drained)
         now = time.perf_counter()
         examples = (end - first) * config.batch_size
         throughput = examples / max(now - last_time, 1e-9)
-        span = float(times[-1]) - before
+        span = run.pipe.virtual_seconds(state) - before
         virtual_throughput = examples / span if span > 0 else float("nan")
-        for k, step in enumerate(range(first + 1, end + 1)):
-          logged = step % config.log_every == 0 or step == config.max_steps
-          evaluated = (config.eval_every and step % config.eval_every == 0) or \
-              step == config.max_steps
-          if not (logged or evaluated):
+        if (config.eval_every and end % config.eval_every == 0) or end == config.max_steps:
+          pending[end] = run.evaluate(state)
+        for k, batch in enumerate(metrics["batch"]):
+          step = int(batch) + 1
+          if not (step % config.log_every == 0 or step == config.max_steps or step in pending):
             continue
-          row = {"train_loss": float(losses[k]),
+          row = {"train_loss": float(metrics["loss"][k]),
                  "train_accuracy": float(metrics["accuracy"][k]),
                  "learning_rate": float(run.lr(step - 1)),
                  "throughput": throughput,
                  "epoch": step / spe,
-                 "virtual_time": float(times[k]),
+                 "virtual_time": float(metrics["virtual_time"][k]),
                  "virtual_throughput": virtual_throughput,
                  "bubble_fraction": float(metrics["bubble_fraction"])}
           for name in SYNC_REPORT:  # sync="allreduce" only
             if name in metrics:
               row[name] = metrics[name][k].item()
-          if evaluated:
-            assert step == end, "evaluation inside a call (validate checks eval_every)"
-            row.update(run.evaluate(state))
+          row.update(pending.pop(step, {}))
           row = writer.write(step, row)
           if bar is None:
             print(log_line(step, config.max_steps, row) +
                   f" virtual_time={row['virtual_time']:.4g}", flush=True)
+        if len(metrics["batch"]):
+          completed = int(metrics["batch"][-1]) + 1
+        step = end
         if bar is not None:
           bar.update(end - first)
           if row:
@@ -236,7 +247,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         last_time = time.perf_counter()
         interrupted = stop.event.is_set()
         if checkpoint_due(config, end, interrupted):
-          meta = {"step": end, "virtual_time": float(times[-1]),
+          meta = {"step": end, "completed": completed,
+                  "virtual_time": run.pipe.virtual_seconds(state),
+                  "pending_eval": {str(k): v for k, v in pending.items()},
                   "config": json.loads(config.to_json_best_effort())}
           checkpoints.save(end, state, meta)
         if interrupted:
@@ -246,3 +259,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   if interrupted:
     report_interrupt(step, checkpoints)
   return {**row, "step": step, "interrupted": interrupted}
+
+
+def _joined(first: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+  """The metrics of a run followed by those of a flush; the bubble fraction over both's ticks."""
+  out = {k: np.concatenate([v, rest[k]]) for k, v in first.items() if np.ndim(v)}
+  ticks = first["ticks"] + rest["ticks"]
+  idle = first["bubble_fraction"] * first["ticks"] + (
+      rest["bubble_fraction"] * rest["ticks"] if rest["ticks"] else 0.0)
+  return dict(out, ticks=ticks, bubble_fraction=idle / ticks)

@@ -1,0 +1,277 @@
+"""One fill of a `Pipeline` in virtual time, decided as the pipeline runs: the event model of
+`jlp.pipeline.simulator` (op costs, p2p, the syncs' waits, SD-PIPE's scheduler) for mini-batches
+that keep coming, so that where a `run` ends changes nothing (sdpipe.md §2, §7.4).
+
+A fill is what the pipelines train between two flushes (usually the whole training): mini-batches
+0, 1, 2, ... counted from the fill's first one. `Timeline` simulates them with no last mini-batch
+(`total=None`): every stage keeps its never-ending op order (1F1B: warm-up, then one forward, one
+backward; GPipe: one mini-batch's table after the other), so the group a window forms, and when
+every update leaves its sync, do not depend on how many mini-batches the executor has been fed.
+`advance(until)` processes events in virtual-time order until the updates asked for are all
+decided (left their sync); a decision never changes once taken, and processing is deterministic,
+so decisions asked for in one call or in many are the same. The executor's flush ends the fill:
+`Timeline(total=fed)` replays it with the ops of later mini-batches left out (their forwards never
+happen, so the drain runs as in a table of `fed` mini-batches), and the drain's updates take their
+decisions from that replay.
+
+Op costs are drawn per op, not per position in a stage's order, so that an op costs the same
+with or without an end: op (pipeline i, stage s, id) stalls when u < probability, u uniform from
+`np.random.default_rng([seed, id // 1024]).random((1024, N, S))[id % 1024, i, s]`; the op id is
+2b (forward of mini-batch b) or 2b + 1 (its backward) for 1F1B, 2M b + the op's position in
+GPipe's one-mini-batch order. AD-PSGD's partners of round b are `adpsgd_matchings`'s row b.
+Pulls of HetPipe count mini-batches over the whole training (`first_batch`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from jlp.pipeline import schedules
+from jlp.pipeline.costs import HetPipe, Hetero, PReduce, group_costs
+from jlp.pipeline.preduce import ORDINARY, Group, Outcome, Scheduler
+
+__all__ = ["Timeline"]
+
+_CHUNK = 1024
+_ENDLESS = 2 ** 62  # a last mini-batch that never comes (the scheduler's end rule never fires)
+
+Op = tuple[int, int, int]  # (kind, mini-batch, micro-batch)
+
+
+class Timeline:
+  """The virtual-time model of one fill (module docstring).
+
+  Args:
+    schedule, sync, num_pipelines, num_stages, num_microbatches: as `Pipeline`'s.
+    seed: this fill's seed (op costs, AD-PSGD's matchings).
+    hetero, preduce, hetpipe: the cost model and the syncs' knobs (jlp.pipeline.costs).
+    first_batch: the fill's first mini-batch over the whole training (HetPipe's pulls).
+    start: [N, S] virtual seconds at which each (pipeline, stage) is free.
+    total: None (mini-batches keep coming) or the number of mini-batches in the fill.
+  """
+
+  def __init__(self, schedule: str, sync: str, num_pipelines: int, num_stages: int,
+               num_microbatches: int, *, seed: int, hetero: Hetero, preduce: PReduce,
+               hetpipe: HetPipe, first_batch: int, start: np.ndarray, total: int | None = None):
+    N, S, M = num_pipelines, num_stages, num_microbatches
+    self.schedule, self.sync, self.N, self.S, self.M = schedule, sync, N, S, M
+    self.seed, self.hetero, self.hetpipe, self.first_batch = seed, hetero, hetpipe, first_batch
+    self.total = total
+    self.slowdown = (np.ones((N, S)) if hetero.slowdown is None
+                     else np.asarray(hetero.slowdown, np.float64)).tolist()
+    self.cost = group_costs(hetero, N)
+    last = _ENDLESS if total is None else total
+    self.scheduler = Scheduler(preduce, N, S, last, self.cost) if sync == "preduce" else None
+    self.base_order = schedules.stage_order("gpipe", S, 1, M) if schedule == "gpipe" else None
+    self._stalls: dict[int, np.ndarray] = {}
+    self._rng = random.Random(int(seed))  # AD-PSGD: one shuffle per round, in round order
+    self._partners: list[list[int]] = []
+    self.heap: list[tuple] = []
+    self.pos = [[0] * S for _ in range(N)]  # position in the stage's order of its next op
+    self.current: list[list[Op | None]] = [[None] * S for _ in range(N)]
+    self.waiting: list[list[float | None]] = [[None] * S for _ in range(N)]
+    self.done: dict[tuple[int, int, Op], float] = {}  # (pipeline, stage, op) -> end time
+    self.finish: dict[int, np.ndarray] = {}  # update b -> [N, S] leave times (nan: not yet)
+    self.groups: list[Group] = []
+    self.arrived: dict[tuple[int, int], int] = {}
+    self.pending = [[(-1, 0.0)] * N for _ in range(S)]
+    for i in range(N):
+      for s in range(S):
+        self._start(i, s, float(start[i][s]))
+
+  # -- the never-ending orders ---------------------------------------------------------------------
+  def _endless_op(self, s: int, k: int) -> Op:
+    """Op k of stage s's order with no end."""
+    if self.schedule == "gpipe":
+      per = len(self.base_order[s])
+      kind, _, m = self.base_order[s][k % per]
+      return (kind, k // per, m)
+    warm = self.S - s
+    if k < warm:
+      return (schedules.FWD, k, 0)
+    if (k - warm) % 2 == 0:
+      return (schedules.BWD, (k - warm) // 2, 0)
+    return (schedules.FWD, warm + (k - warm) // 2, 0)
+
+  def _next(self, s: int, k: int) -> int | None:
+    """The first position >= k of an op in the fill (None: the fill's ops are over). With an
+    end, 1F1B's forwards of later mini-batches are left out, so the backwards that followed them
+    come one after the other (the drain); the first later backward ends the order."""
+    while True:
+      kind, b, _ = self._endless_op(s, k)
+      if self.total is None or b < self.total:
+        return k
+      if self.schedule == "gpipe" or kind == schedules.BWD:
+        return None
+      k += 1
+
+  def _op_id(self, s: int, op: Op) -> int:
+    kind, b, m = op
+    if self.schedule == "gpipe":
+      per = len(self.base_order[s])
+      return b * per + self.base_order[s].index(op[:1] + (0, m))
+    return 2 * b + (kind == schedules.BWD)
+
+  def _duration(self, i: int, s: int, op: Op) -> float:
+    op_id = self._op_id(s, op)
+    chunk = op_id // _CHUNK
+    if chunk not in self._stalls:
+      draws = np.random.default_rng([int(self.seed), chunk]).random((_CHUNK, self.N, self.S))
+      self._stalls[chunk] = draws < self.hetero.probability
+    base = self.hetero.fwd_s if op[0] == schedules.FWD else self.hetero.bwd_s
+    if self.schedule == "gpipe":
+      base = base / self.M
+    stall = bool(self._stalls[chunk][op_id % _CHUNK, i, s])
+    return base * self.slowdown[i][s] + self.hetero.delay_s * stall
+
+  def _update_of(self, s: int, op: Op) -> int:
+    """The update op ends (its mini-batch), or -1."""
+    kind, b, m = op
+    if self.schedule == "gpipe":
+      return b if op[:1] + (0, m) == self.base_order[s][-1] else -1
+    return b if kind == schedules.BWD else -1
+
+  def _dependency(self, s: int, op: Op) -> int:
+    """The stage whose same op this op waits for (-1: none)."""
+    other = s - 1 if op[0] == schedules.FWD else s + 1
+    return other if 0 <= other < self.S else -1
+
+  # -- the events ----------------------------------------------------------------------------------
+  def _start(self, i: int, s: int, free: float) -> None:
+    """Starts (pipeline i, stage s)'s next op, free from `free` on, once its dependency is done
+    (else it waits for it)."""
+    k = self._next(s, self.pos[i][s])
+    if k is None:
+      return
+    op = self._endless_op(s, k)
+    start = free
+    ds = self._dependency(s, op)
+    if ds >= 0:
+      ready = self.done.get((i, ds, op))
+      if ready is None:
+        self.current[i][s], self.waiting[i][s] = op, free
+        return
+      start = max(free, ready + self.hetero.p2p_s)
+    self.pos[i][s] = k + 1
+    self.current[i][s], self.waiting[i][s] = None, None
+    heapq.heappush(self.heap, (start + self._duration(i, s, op), 0, i, s, k, op))
+
+  def advance(self, until: Callable[[], bool]) -> None:
+    """Processes events in virtual-time order until `until()` holds (checked before each)."""
+    while not until():
+      if not self.heap:
+        raise AssertionError("the timeline ran out of events")  # a bug, not input
+      t, event, a, s, _, op = heapq.heappop(self.heap)
+      if event == 1:  # a deadline: a = stage, s = window id
+        self._carry_out(self.scheduler.deadline(a, s, t))
+        continue
+      i = a
+      self.done[(i, s, op)] = t
+      dependent = s + 1 if op[0] == schedules.FWD else s - 1
+      if 0 <= dependent < self.S and self.current[i][dependent] == op:
+        self._start(i, dependent, self.waiting[i][dependent])
+      b = self._update_of(s, op)
+      if b < 0 or self.sync == "none":
+        if b >= 0:
+          self._finish_row(b)[i, s] = t
+        self._start(i, s, t)
+      else:
+        self._arrive(i, s, b, t)
+
+  def _finish_row(self, b: int) -> np.ndarray:
+    if b not in self.finish:
+      self.finish[b] = np.full((self.N, self.S), np.nan)
+    return self.finish[b]
+
+  def _leave(self, i: int, s: int, b: int, t: float) -> None:
+    self._finish_row(b)[i, s] = t
+    self._start(i, s, t)
+
+  def partners(self, b: int) -> list[int]:
+    """AD-PSGD's partner of every pipeline in round b (adpsgd_matchings's rule)."""
+    while len(self._partners) <= b:
+      order = list(range(self.N))
+      self._rng.shuffle(order)
+      row = [0] * self.N
+      for p in range(0, self.N, 2):
+        row[order[p]], row[order[p + 1]] = order[p + 1], order[p]
+      self._partners.append(row)
+    return self._partners[b]
+
+  def _arrive(self, i: int, s: int, b: int, t: float) -> None:
+    N = self.N
+    if self.sync == "allreduce":
+      count = self.arrived[(s, b)] = self.arrived.get((s, b), 0) + 1
+      if count == N:
+        for j in range(N):
+          self._leave(j, s, b, t + self.cost[N])
+    elif self.sync == "adpsgd":
+      j = self.partners(b)[i]
+      other_batch, other_time = self.pending[s][j]
+      if other_batch == b:
+        self.pending[s][j] = (-1, 0.0)
+        self.groups.append(Group((min(i, j), max(i, j)), s, b, other_time, t, ORDINARY))
+        self._leave(i, s, b, t + self.cost[2])
+        self._leave(j, s, b, t + self.cost[2])
+      else:
+        self.pending[s][i] = (b, t)
+    elif self.sync == "hetpipe":
+      pull = (self.first_batch + b + 1) % self.hetpipe.pull_every == 0
+      if self.hetpipe.barrier and pull:
+        count = self.arrived[(-1, b)] = self.arrived.get((-1, b), 0) + 1
+        if count == N * self.S:
+          for j in range(N):
+            for s2 in range(self.S):
+              self._leave(j, s2, b, t + self.cost[1])
+      else:
+        self._leave(i, s, b, t + self.cost[1])
+    else:
+      self._carry_out(self.scheduler.arrive(i, s, b, t))
+
+  def _carry_out(self, outcome: Outcome) -> None:
+    for i, s, b, t in outcome.departures:
+      self._leave(i, s, b, t)
+    for t, s, window_id in outcome.deadlines:
+      heapq.heappush(self.heap, (t, 1, s, window_id, 0, None))
+    for window in outcome.windows:
+      self.groups.extend(window)
+
+  # -- what the executor asks ----------------------------------------------------------------------
+  def decided(self, b: int, s: int) -> bool:
+    """Whether every pipeline's update b of stage s has left its sync."""
+    row = self.finish.get(b)
+    return row is not None and not np.isnan(row[:, s]).any()
+
+  def decide(self, updates: Iterable[tuple[int, int]]) -> None:
+    """Advances until every (mini-batch, stage) update of `updates` is decided."""
+    needed = sorted(set(updates))
+    self.advance(lambda: all(self.decided(b, s) for b, s in needed))
+
+  def mix(self, b: int, s: int) -> np.ndarray:
+    """float32 [N, N]: the mixing matrix of update b at stage s (decided): preduce, the groups of
+    round b at stage s in formation order; adpsgd, round b's pairs; identity otherwise."""
+    N = self.N
+    if self.sync == "adpsgd":
+      out = np.eye(N) * 0.5
+      out[np.arange(N), self.partners(b)] += 0.5
+      return out.astype(np.float32)
+    out = np.eye(N)
+    if self.sync == "preduce":
+      for group in self.groups:
+        if group.round == b and group.stage == s and len(group.members) > 1:
+          rows = list(group.members)
+          out[rows] = out[rows].mean(axis=0)
+    return out.astype(np.float32)
+
+  def time(self, b: int) -> float:
+    """When update b has left its sync everywhere (decided at every stage)."""
+    return float(self.finish[b].max())
+
+  def state(self) -> dict[str, Any]:
+    """How far the timeline is: events processed so far (for tests)."""
+    return {"updates": len(self.finish), "groups": len(self.groups)}
