@@ -235,6 +235,9 @@ class PipelineStudy:
       each call (on the latest weights; 1F1B keeps flowing between calls, so the length changes
       only how often it is evaluated).
     learning_rate, momentum, weight_decay, width: the optimizer and the CNN's width.
+    allreduce_beta_s: the virtual seconds an average or all-reduce costs per member beyond the
+      first (`jlp.pipeline.Hetero.allreduce_beta_s`; with 1 ms per average on top): a smaller
+      group costs less.
     target_accuracy: the test accuracy whose virtual time the study reports.
     schedule: "1f1b" (SD-PIPE's) or "gpipe".
     num_microbatches: GPipe's M.
@@ -249,6 +252,7 @@ class PipelineStudy:
   momentum: float = 0.9
   weight_decay: float = 5e-4
   width: int = 16
+  allreduce_beta_s: float = 0.002
   target_accuracy: float = 0.9
   schedule: str = "1f1b"
   num_microbatches: int = 1
@@ -266,7 +270,7 @@ class PipelineStudy:
     if self.batch_per_pipeline % self.num_microbatches:
       raise ValueError(f"batch_per_pipeline={self.batch_per_pipeline!r} is not allowed; expected "
                        f"a multiple of num_microbatches={self.num_microbatches}.")
-    for name in ("learning_rate", "momentum", "weight_decay"):
+    for name in ("learning_rate", "momentum", "weight_decay", "allreduce_beta_s"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(f"{name}={value!r} is not allowed; expected a number >= 0.")
@@ -337,8 +341,9 @@ def pipeline_study(study: PipelineStudy = PipelineStudy(),
   syncs: `jlp.pipeline` syncs across the pipelines ("allreduce", "preduce", "adpsgd", "hetpipe",
     "none").
   heteros: stall lengths h in seconds: every forward and backward op stalls h with probability
-    0.1 in virtual time (`jlp.pipeline.Hetero(delay_s=h)`, its other costs at their defaults:
-    10 ms forward, 20 ms backward, 1 ms transfers, 1 ms per average; sdpipe.md §4, §7.4).
+    0.1 in virtual time (`jlp.pipeline.Hetero(delay_s=h, allreduce_beta_s=study's)`, its other
+    costs at their defaults: 10 ms forward, 20 ms backward, 1 ms transfers, 1 ms per average;
+    sdpipe.md §4, §7.4).
   progress: print a line per evaluation.
 
   Rows: sync, hetero, num_pipelines, num_stages, virtual_s_to_target (virtual seconds at the
@@ -407,7 +412,8 @@ def pipeline_study(study: PipelineStudy = PipelineStudy(),
       curve = [(0, 0.0, accuracy(pipe, state), float("nan"))]
       groups: list[np.ndarray] = []
       losses: list[np.ndarray] = []
-      hetero = jp.Hetero(delay_s=float(h))  # a run's cost model: one compile for all h
+      # A run's cost model: one compile for all h.
+      hetero = jp.Hetero(delay_s=float(h), allreduce_beta_s=study.allreduce_beta_s)
       for first in range(0, study.num_batches, B):
         state, metrics = pipe.run(state, xs_all[first:first + B], ys_all[first:first + B],
                                   hetero=hetero)

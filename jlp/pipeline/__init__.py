@@ -6,16 +6,20 @@
                                  sync="preduce", stateful=True,
                                  hetero=jlp.pipeline.Hetero(delay_s=0.1))
     state = pipe.init(split.params, split.state)
-    state, metrics = pipe.run(state, xs, ys)      # loss, bubble_fraction, virtual_time per batch
+    state, metrics = pipe.run(state, xs, ys)      # loss, virtual_time of the completed batches
+    state, metrics = pipe.flush(state)            # 1F1B: complete the mini-batches in flight
 
-Modules: `schedules` (GPipe / 1F1B tick tables, bubble fraction), `executor` (`Pipeline`: the
-schedules in one `jax.shard_map`, weight stashing, the syncs across pipelines), `simulator`
-(virtual time: the event engine, AD-PSGD matchings, `simulate`, `preduce_schedule`; it re-exports
-the public names of the next three), `costs` (the simulator's configuration and cost model:
-`Hetero`, `PReduce`, `HetPipe`, op durations), `preduce` (SD-PIPE's partial-reduce group
-scheduler, apart from the event queue), `rounds` (groups onto the executor's rounds: the mixing
-matrices), `stages` (`split_model`: ResNet, BERT, the digits CNN, VGG into S stages), `packing`
-(stages' pytrees as flat buffers).
+Modules: `executor` (`Pipeline`, the public object: checks, state, runs and flush), `program` (the
+jitted per-device program: ticks, exchanges, updates), `buffers` (the ring buffers' layout),
+`sync_modes` (one strategy per sync across pipelines), `schedules` (GPipe / 1F1B tick tables, the
+never-ending 1F1B table cut into runs, bubble fraction), `timeline` (a pipeline's virtual time,
+decided as its runs need it), `simulator` (the event model of a whole run: `simulate`,
+`preduce_schedule`, AD-PSGD matchings; it re-exports the public names of the next three),
+`costs` (the configuration and cost model: `Hetero`, `PReduce`, `HetPipe`, op durations),
+`preduce` (SD-PIPE's partial-reduce group scheduler, apart from any event queue), `rounds`
+(groups onto the executor's rounds: the mixing matrices), `stages` (`split_model`: ResNet,
+BERT, the digits CNN, VGG into S stages, one module per family), `packing` (stages' pytrees as
+flat buffers).
 """
 
 from jlp.pipeline.executor import Pipeline, PipelineState, pipeline_mesh

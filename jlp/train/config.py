@@ -92,9 +92,10 @@ Fields (see `base_config` for defaults):
                                 (a forced connection every P*N group members), §2.4.
   pipeline.pull_every, pipeline.barrier
                                 HetPipe: pull the server copy every D mini-batches; wave barrier.
-  pipeline.batches_per_call     mini-batches per jitted `Pipeline.run` call (default 10). 1F1B
-                                fills and drains at every call, so this is its pipeline flush
-                                period; the virtual-time plan is drawn per call. Calls start at
+  pipeline.batches_per_call     mini-batches per jitted `Pipeline.run` call (default 10): a
+                                performance knob only (1F1B's pipeline stays full from one call
+                                to the next and the virtual time is one timeline of the whole
+                                training; the runner flushes at max_steps). Calls start at
                                 multiples of it (the last one may be shorter), so eval_every and
                                 checkpoint_every must be multiples of it (evaluation and
                                 checkpoints happen between calls); log_every is free (every

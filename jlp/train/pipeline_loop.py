@@ -11,25 +11,32 @@ One call runs (or resumes) the config in `workdir`:
      with the config's gradient sync, `recipe.grad_sync`, over the N pipelines) and virtual-time
      model (`Hetero`, `PReduce`, `HetPipe` from the pipeline.* knobs, seeded by config.seed).
   3. Restores the newest checkpoint of `workdir/checkpoints` (the whole `PipelineState`, sharded
-     [N, S, ...], virtual time included), then trains to max_steps in calls of
-     pipeline.batches_per_call mini-batches (`Pipeline.run`; a call covers the steps
-     [k*C, min((k+1)*C, max_steps)), so the calls, and hence 1F1B's flushes and the virtual-time
-     plans, drawn per call and seeded by (seed, step), do not depend on where a run resumed).
-     Global batch `step` of the training pipeline (config.batch_size rows) is mini-batch `step`;
-     pipeline i trains on its rows [i*b, (i+1)*b), b = batch_size / N.
+     [N, S, ...]: weights, 1F1B's mini-batches in flight, virtual clocks), then trains to
+     max_steps in calls of pipeline.batches_per_call mini-batches (`Pipeline.run`, the steps
+     [k*C, min((k+1)*C, max_steps))), and flushes the pipeline after the last call. The calls
+     change nothing but the cadence of evaluation and checkpoints: 1F1B stays full between calls,
+     and the virtual time and the syncs' groups come from one timeline of the training
+     (`jlp.pipeline.timeline`, seeded by config.seed). Global batch `step` of the training
+     pipeline (config.batch_size rows) is mini-batch `step`; pipeline i trains on its rows
+     [i*b, (i+1)*b), b = batch_size / N.
 
-Rows of metrics.jsonl, every log_every mini-batches (from the call's per-mini-batch metrics):
-train_loss and train_accuracy (means over pipelines), learning_rate, throughput (examples per wall-clock second over
-the call), epoch, virtual_time (virtual seconds at which the mini-batch's update finished),
-virtual_throughput (examples per virtual second over the call), bubble_fraction (the schedule
-table's idle share), and with pipeline.sync="allreduce" the gradient sync's wire_bytes,
-payload_bytes (per device, averaged over all devices) and nonfinite. Evaluation (every
-eval_every steps and at the end, between calls): every pipeline's model (its stages merged, eval mode) is evaluated on the whole eval split with
-`recipe.eval_sums` (data-parallel on every device) and eval_loss / eval_accuracy are the means
-over the N pipelines (the seed reduces validation over its pipelines, sdpipe.md §5).
+Rows of metrics.jsonl, for every log_every-th mini-batch once it has completed (its last update,
+at stage 0, ran: 1F1B completes a mini-batch up to S - 1 calls' worth of ticks after it entered,
+so a row may come a call later, or with the flush): train_loss and train_accuracy (means over
+pipelines), learning_rate, throughput (examples fed per wall-clock second over the call), epoch,
+virtual_time (virtual seconds at which the mini-batch's update finished), virtual_throughput
+(examples fed per virtual second over the call), bubble_fraction (the idle share of the call's
+ticks), and with pipeline.sync="allreduce" the gradient sync's wire_bytes, payload_bytes (per
+device, averaged over all devices) and nonfinite. Evaluation (every eval_every steps and at the
+end, between calls): every pipeline's latest model (its stages merged, eval mode) is evaluated
+on the whole eval split with `recipe.eval_sums` (data-parallel on every device), and eval_loss /
+eval_accuracy, the means over the N pipelines (the seed reduces validation over its pipelines,
+sdpipe.md §5), join the row of that step when it is written (the final evaluation follows the
+flush).
 
 Resume is bit-exact: a resumed run logs exactly the rows the uninterrupted one logs (`time`,
-`throughput` aside). Ctrl-C ends the current call, writes a checkpoint and returns with
+`throughput` aside); the checkpoint's meta keeps the evaluations still waiting for their row and
+how many rows were due. Ctrl-C ends the current call, writes a checkpoint and returns with
 `interrupted=True`. One process only.
 """
 

@@ -118,6 +118,31 @@ def test_resume_is_bit_exact(kind, tmp_path, fast_compile):
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
 
 
+def test_calls_are_a_performance_knob_only(tmp_path, fast_compile):
+  """1F1B with partial reduce under stalls, 12 steps in calls of 2, 3 or 12 mini-batches (and
+  evaluation every 12): the same rows (losses, accuracies, virtual times, evaluation) and the
+  same final state, bit for bit; rows come for every step in order although 1F1B completes a
+  mini-batch calls after it entered."""
+  results = []
+  for calls in (12, 3, 2):
+    c = pipelined_config(schedule="1f1b", sync="preduce", hetero=0.1, batches_per_call=calls)
+    c.max_steps, c.log_every, c.eval_every = 12, 1, 12
+    workdir = str(tmp_path / f"calls{calls}")
+    loop.train_and_evaluate(c, workdir, progress=False)
+    rows = read_metrics(workdir)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    results.append((stable(rows), final_checkpoint(workdir)[1]))
+  (rows, state), others = results[0], results[1:]
+  for other_rows, other_state in others:
+    assert [{k: v for k, v in r.items() if k not in ("virtual_throughput", "bubble_fraction")}
+            for r in other_rows] == [
+                {k: v for k, v in r.items() if k not in ("virtual_throughput", "bubble_fraction")}
+                for r in rows]
+    assert other_state.keys() == state.keys()
+    for k in state:
+      np.testing.assert_array_equal(other_state[k], state[k], err_msg=k)
+
+
 @pytest.mark.parametrize("pipeline, top, message", [
     ({"schedule": "pipedream"}, {}, r"config.pipeline.schedule='pipedream' is not allowed; "
      r"expected one of \('none', 'gpipe', '1f1b'\)"),
