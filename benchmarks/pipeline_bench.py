@@ -19,7 +19,8 @@ step     One training step of the same model (an MLP of 4 equal blocks, Linear(w
                   --microbatches, N = 2 pipelines x S = 4 stages (one block per stage), one
                   mini-batch per `run` (the same update as DP: the gradient of the global batch);
            1F1B   N = 2 x S = 4, 8 mini-batches per `run` (each its own update), time per
-                  mini-batch (the drain of 2(S - 1) ticks per run included).
+                  mini-batch fed: runs keep the pipeline full (no drain between runs; the
+                  gradient all-reduce runs on the ticks that update only).
          The cases run alternately, --steps rounds after a compile + warm-up step each; reported:
          the median seconds per update and, against each DP row, the median of the per-round
          ratios (target: GPipe <= 1.5x the unpipelined step).

@@ -508,7 +508,12 @@ class Pipeline:
                                    self.hetero if hetero is None else hetero)
     # An empty pipeline: zero buffers of the same shapes, the next fill starting here.
     inflight = self._inflight_zeros(layout, xs, ys, state.virtual_time)
-    return state._replace(inflight=inflight, fill_start=state.step), metrics
+    return state._replace(inflight=inflight, fill_start=self._scalar(state.step)), metrics
+
+  def _scalar(self, value: Any) -> jax.Array:
+    """A replicated int32 scalar of its own (a copy: a donated state must not hold one buffer
+    twice)."""
+    return jax.device_put(np.int32(np.asarray(value)), NamedSharding(self.mesh, P()))
 
   def _no_metrics(self) -> dict[str, Any]:
     names = self._metric_names or ("loss",)
@@ -528,7 +533,7 @@ class Pipeline:
     if self.schedule == "1f1b":
       if not state.inflight:  # laid out by the first run (or init's batch)
         state = state._replace(inflight=self._inflight_zeros(layout, xs, ys, state.virtual_time),
-                               fill_start=state.step)
+                               fill_start=self._scalar(state.step))
       fed = step - int(np.asarray(state.fill_start))  # mini-batches fed in this fill
       base = fed - S  # slot 0's mini-batch in the fill
       table = (sched.continuous_1f1b(S, fed, B) if B else sched.drain_1f1b(S, fed))

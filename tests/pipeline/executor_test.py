@@ -218,23 +218,31 @@ def test_runs_of_any_lengths_are_one_run(mesh, schedule, sync):
 
 
 def test_flush_completes_what_is_in_flight(mesh):
-  """1F1B: a run of 6 leaves mini-batches 3..5 in flight (S = 4: the run ends where mini-batch
-  6 would enter), so the weights are those after 3 updates at stage 0; the flush completes the
-  rest, and the weights then follow the version rule over all 6 (the oracle); flushing again
-  does nothing."""
+  """1F1B with the state donated: a run of 6 leaves mini-batches 3..5 in flight (S = 4: the run
+  ends where mini-batch 6 would enter); the flush completes them, and the weights then follow
+  the version rule over all 6 (the oracle); flushing again does nothing; the next run fills the
+  pipeline anew from the flushed weights (mini-batches 6 and 7 after a flush: the oracle of 2
+  mini-batches from there)."""
   optimizer = optax.sgd(0.1)
   params = _params()
-  xs, ys = _data(6)
-  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="none")
-  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  xs, ys = _data(8)
+  pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="none", donate=True)
+  state, metrics = pipe.run(pipe.init(params), xs[:6], ys[:6])
   assert list(metrics["batch"]) == [0, 1, 2]
   state, metrics = pipe.flush(state)
   assert list(metrics["batch"]) == [3, 4, 5]
-  _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "none"))
-  again, metrics = pipe.flush(state)
+  expected = _oracle_1f1b(params, xs[:6], ys[:6], optimizer, "none")
+  _assert_close(pipe, state, expected)
+  flushed = jax.tree.map(np.asarray, state)
+  state, metrics = pipe.flush(state)
   assert metrics["batch"].size == 0
-  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(state), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(flushed), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  state, metrics = pipe.run(state, xs[6:], ys[6:])
+  state, rest = pipe.flush(state)
+  assert list(metrics["batch"]) + list(rest["batch"]) == [6, 7]
+  _assert_close(pipe, state, [_oracle_1f1b(expected[i], xs[6:], ys[6:], optimizer, "none")[i]
+                              for i in range(N)])
 
 
 def test_1f1b_continues_across_runs_from_the_latest_weights(mesh):
