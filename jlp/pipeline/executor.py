@@ -5,7 +5,8 @@ all-reduce, SD-PIPE's partial reduce, AD-PSGD or HetPipe (sdpipe.md §1-§3, §7
     mesh = jlp.pipeline.pipeline_mesh(num_pipelines=2, num_stages=4)
     pipe = jlp.pipeline.Pipeline(stages, loss_fn, optax.sgd(0.1), mesh, schedule="1f1b")
     state = pipe.init(stage_params)               # list of S pytrees; every pipeline starts there
-    state, metrics = pipe.run(state, xs, ys)      # xs, ys: [B, N*b, ...]; metrics["loss"]: [B]
+    state, metrics = pipe.run(state, xs, ys)      # xs, ys: [B, N*b, ...]; completed ones' metrics
+    state, metrics = pipe.flush(state)            # 1F1B: complete the mini-batches in flight
     params = pipe.stage_params(state)             # list of S pytrees, leading [N] pipeline axis
 
 Device (i, s) of the mesh is stage s of pipeline i. Pipeline i trains on rows [i*b, (i+1)*b) of
@@ -13,8 +14,8 @@ each mini-batch. Every device runs the same program (`jlp.pipeline.program`), a 
 the ticks of the schedule's static table (`jlp.pipeline.schedules`) with ring buffers sized by
 `jlp.pipeline.buffers`. Stages may differ in their parameters and activation shapes: each is held
 as flat per-dtype buffers of a common length (`jlp.pipeline.packing`). This module holds the
-public object: checks, state, the virtual-time plan of a run, and the compiled programs by input
-shape.
+public object: checks, state, runs and flush, the syncs' decisions from the virtual time, and the
+compiled programs by input shape.
 
 Schedules:
   "gpipe"  every mini-batch is split into M = num_microbatches micro-batches of b/M rows, filled
@@ -22,9 +23,11 @@ Schedules:
            times 1/M) are summed in the order the backwards run (M-1, ..., 0), then synchronised
            and applied once per mini-batch. With sync="allreduce" this is the unpipelined model
            on the whole mini-batch up to float32 rounding.
-  "1f1b"   PipeDream's asynchronous 1F1B as SD-PIPE's Hetu executor runs it (sdpipe.md §1.1): the
-           B mini-batches of a `run` flow through the pipeline (warm-up, one-forward-one-backward,
-           drain at the end of `run`: 2B + 2(S - 1) ticks), each is its own update at each stage.
+  "1f1b"   PipeDream's asynchronous 1F1B as SD-PIPE's Hetu executor runs it (sdpipe.md §1.1):
+           mini-batches flow through the pipeline (warm-up, then one forward, one backward), each
+           its own update at each stage. A `run` feeds B more and ends where the next would
+           enter stage 0 (`schedules.continuous_1f1b`), with the pipeline still full; `flush`
+           drains it (the table of all the mini-batches fed, tick for tick, whatever the runs).
            Weight stashing: the forward of mini-batch b (1-based) at stage s (0-based) uses the
            weights after b - (S - s) updates of that stage (v = max(0, b - (S - s))); its backward
            uses the same stashed version, and its update is applied to the latest weights.
@@ -38,10 +41,10 @@ Synchronisation across the N pipelines, per stage, at every update (`jlp.pipelin
                SD-PIPE's AllReduce baseline (§1.3).
   "none"       every pipeline trains alone.
   "preduce"    SD-PIPE's partial reduce (§2): the local update, then model averaging
-               x_i <- sum_j mix[b, s, i, j] x_j with the mixing matrix the host-side group scheduler
-               (`jlp.pipeline.simulator`, virtual time) chose for update b of stage s, passed to the
-               jitted program as an input (one compile for every grouping). Optimizer states and
-               the stashed weights are never averaged (§2.1).
+               x_i <- sum_j mix[b, s, i, j] x_j with the mixing matrix the group scheduler
+               (`jlp.pipeline.preduce`, in the virtual time) chose for update b of stage s, passed
+               to the jitted program as an input (one compile for every grouping). Optimizer
+               states and the stashed weights are never averaged (§2.1).
   "adpsgd"     the same averaging with seeded random perfect matchings (§3.1).
   "hetpipe"    a parameter-server copy per stage updated by every pipeline's delta / N (in
                pipeline order); every `hetpipe.pull_every`-th mini-batch (counted over the whole
@@ -50,12 +53,13 @@ Synchronisation across the N pipelines, per stage, at every update (`jlp.pipelin
                pull at the last batch of an epoch is not made.
 
 Pipelines run in lockstep on the devices (all do mini-batch b at the same tick); speed and
-stragglers live in virtual time (sdpipe.md §7.4): `run` simulates the same schedule with the
-`hetero` cost model (`jlp.pipeline.simulator.simulate`, seeded by (seed, state.step)) from the
-state's per-(pipeline, stage) clocks, so a pipeline keeps its lead from one run to the next, and
-reports metrics["virtual_time"], the virtual seconds at which each mini-batch's update finished.
-The simulated scheduler's own state (adaptive windows, union-find, counts) restarts at every run,
-as the executor's pipeline fills and drains at every run.
+stragglers live in virtual time (sdpipe.md §7.4): the pipeline advances one timeline of its fill
+(`jlp.pipeline.timeline`: the `hetero` cost model, seeded by (seed, the fill's first mini-batch),
+with no last mini-batch until `flush`) as far as each run's updates need, takes the syncs'
+decisions from it and reports metrics["virtual_time"], the virtual seconds at which each
+completed mini-batch's update finished. The scheduler's state (adaptive windows, union-find,
+counts) therefore lives from one run to the next like the pipeline's; after a restore the
+timeline is replayed from the fill's start (its clocks are in the state).
 
 Stages: `stage(params, x) -> y`, or with `stateful=True` `stage(params, x, state) -> (y,
 new_state)` (BatchNorm statistics, RNG counters: `jlp.pipeline.split_model` builds such stages
@@ -83,12 +87,11 @@ from jlp.pipeline.buffers import Layout, make_layout
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce
-from jlp.pipeline.timeline import Timeline
 from jlp.pipeline.sync_modes import sync_mode
+from jlp.pipeline.timeline import Timeline
 from jlp.sync import SYNC_REPORT, GradSync
 
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
-
 
 
 def pipeline_mesh(num_pipelines: int, num_stages: int,
@@ -482,6 +485,14 @@ class Pipeline:
     share of the run's ticks) and "ticks" (how many)."""
     self.check_state(state)
     layout = self._layout(xs, ys)
+    if state.inflight:
+      ring = [tuple(np.shape(a)[1:]) + (np.dtype(a.dtype),)
+              for a in jax.tree.leaves((state.inflight["xs"], state.inflight["ys"]))]
+      given = [tuple(np.shape(a)[1:]) + (np.dtype(a.dtype),) for a in jax.tree.leaves((xs, ys))]
+      if ring != given:
+        raise ValueError(f"mini-batches of shapes {given} are not allowed while the pipeline "
+                         f"holds mini-batches of shapes {ring} in flight; expected the same "
+                         "shapes (or `flush` first).")
     if hetero is not None and not isinstance(hetero, Hetero):
       raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))

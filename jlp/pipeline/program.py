@@ -1,8 +1,10 @@
 """The jitted program of `jlp.pipeline.Pipeline`: what every device (pipeline i, stage s) of the
 ("data", "stage") mesh runs inside one `jax.shard_map` for one `Pipeline.run` (sdpipe.md §1, §7).
 
-A `lax.scan` over the ticks of the schedule's static table (`jlp.pipeline.schedules`; GPipe: one
-scan per mini-batch inside a scan over the mini-batches): at each tick the device runs its
+A `lax.scan` over the ticks of the schedule (GPipe: its static one-mini-batch table, one scan per
+mini-batch inside a scan over the mini-batches; 1F1B: the run's rows of the never-ending table,
+`schedules.continuous_1f1b`, an input, with what is in flight carried in the state from one run
+to the next): at each tick the device runs its
 stage's op of that tick (a `lax.switch` over stage x {idle, forward, backward}), then the
 activations go one stage down and the input gradients one stage up with `lax.ppermute` over
 "stage" (the collectives sit after the switch, so every device issues the same ones, sdpipe.md
@@ -294,7 +296,6 @@ class Program:
         group: {name: jnp.concatenate([ring[0, 0], jnp.zeros((B,), ring.dtype)])
                 for name, ring in inflight[group].items()}
         for group in ("metrics", "sync_report")})
-    mix_all = mix  # [S + B, S, N, N] by slot (None unless the mode mixes)
     base = ticks["base"]
 
     def tick(state, row):
@@ -316,8 +317,7 @@ class Program:
       carry["metrics"] = {name: v.at[slot].set(jnp.where(kind == sched.BWD, loss[name], v[slot]))
                           for name, v in carry["metrics"].items()}
       bufs = self._exchange(bufs, stage, kind, index, act_out, grad_out)
-      carry = self._update(carry, stage, grads, kind == sched.BWD, slot, fill_start + index,
-                           mix_all)
+      carry = self._update(carry, stage, grads, kind == sched.BWD, slot, fill_start + index, mix)
       return (carry, bufs), None
 
     (carry, bufs), _ = lax.scan(tick, (carry, bufs), (ticks["kind"], ticks["slot"]))

@@ -34,8 +34,9 @@ class QuantPlan:
     entries = dict(config.bfp.schedule) or ({0: config.bfp.preset} if config.bfp.preset else {})
     for preset in entries.values():
       if preset and preset not in bfpsim.PRESETS and not os.path.isfile(preset):
-        raise ValueError(f"config.bfp preset {preset!r} is not allowed; expected a built-in preset "
-                         f"({', '.join(sorted(bfpsim.PRESETS))}) or the path of a BFPsim JSON file.")
+        raise ValueError(f"config.bfp preset {preset!r} is not allowed; expected a built-in "
+                         f"preset ({', '.join(sorted(bfpsim.PRESETS))}) or the path of a BFPsim "
+                         "JSON file.")
     self.schedule = bfp_controller.PrecisionSchedule(entries) if entries else None
     if config.bfp.controller and self.schedule is None:
       raise ValueError(f"config.bfp.controller={config.bfp.controller!r} needs a BFP preset "

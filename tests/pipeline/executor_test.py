@@ -10,9 +10,7 @@ Float32 throughout, so agreement is to float32 rounding (the pipeline sums the s
 another order).
 """
 
-import dataclasses
 import types
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -180,7 +178,9 @@ def test_1f1b_follows_the_weight_version_rule(mesh, sync):
 
 
 def _in_runs(pipe, state, xs, ys, lengths):
-  """Runs of the given lengths, then the flush; (state, the metrics of every run joined)."""
+  """Runs of the given lengths, then the flush; (state, the metrics of every run joined). The
+  pipeline's timeline starts afresh (it keeps its compiled programs)."""
+  pipe._timeline_cache = None  # pylint: disable=protected-access
   parts, first = [], 0
   for n in lengths:
     state, metrics = pipe.run(state, xs[first:first + n], ys[first:first + n])
@@ -239,6 +239,8 @@ def test_flush_completes_what_is_in_flight(mesh):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(flushed), strict=True):
     np.testing.assert_array_equal(np.asarray(a), b)
   state, metrics = pipe.run(state, xs[6:], ys[6:])
+  with pytest.raises(ValueError, match="while the pipeline holds mini-batches of shapes"):
+    pipe.run(state, xs[:1, :N * 4], ys[:1, :N * 4])  # other rows while 6 and 7 are in flight
   state, rest = pipe.flush(state)
   assert list(metrics["batch"]) + list(rest["batch"]) == [6, 7]
   _assert_close(pipe, state, [_oracle_1f1b(expected[i], xs[6:], ys[6:], optimizer, "none")[i]
