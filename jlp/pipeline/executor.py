@@ -568,9 +568,9 @@ class Pipeline:
       mix_of = lambda g, s: timeline.mix(g - fill_start, s)
       finish_of = lambda g: timeline.finish[g - fill_start]
       time_of = lambda g: timeline.time(g - fill_start)
-      made = {(first + p - fill_start, s) for p, s in updates}
-      group_sizes = np.array([len(g.members) for g in timeline.groups
-                              if (g.round, g.stage) in made], np.int32)
+      made = sorted({(first + p - fill_start, s) for p, s in updates})
+      group_sizes = np.array([len(g.members) for key in made
+                              for g in timeline.groups_at.get(key, ())], np.int32)
     else:
       mix_all, times_all, finish_all = (np.asarray(plan.mix, np.float32),
                                         np.asarray(plan.times, np.float64),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import numpy as np
 
@@ -75,9 +74,11 @@ class Timeline:
     self.pos = [[0] * S for _ in range(N)]  # position in the stage's order of its next op
     self.current: list[list[Op | None]] = [[None] * S for _ in range(N)]
     self.waiting: list[list[float | None]] = [[None] * S for _ in range(N)]
-    self.done: dict[tuple[int, int, Op], float] = {}  # (pipeline, stage, op) -> end time
+    # (pipeline, stage, op) -> end time, until the op that waits for it starts
+    self.done: dict[tuple[int, int, Op], float] = {}
     self.finish: dict[int, np.ndarray] = {}  # update b -> [N, S] leave times (nan: not yet)
     self.groups: list[Group] = []
+    self.groups_at: dict[tuple[int, int], list[Group]] = {}  # (round, stage) -> its groups
     self.arrived: dict[tuple[int, int], int] = {}
     self.pending = [[(-1, 0.0)] * N for _ in range(S)]
     for i in range(N):
@@ -152,7 +153,7 @@ class Timeline:
     start = free
     ds = self._dependency(s, op)
     if ds >= 0:
-      ready = self.done.get((i, ds, op))
+      ready = self.done.pop((i, ds, op), None)  # an op has one dependent: it is read once
       if ready is None:
         self.current[i][s], self.waiting[i][s] = op, free
         return
@@ -215,7 +216,7 @@ class Timeline:
       other_batch, other_time = self.pending[s][j]
       if other_batch == b:
         self.pending[s][j] = (-1, 0.0)
-        self.groups.append(Group((min(i, j), max(i, j)), s, b, other_time, t, ORDINARY))
+        self._formed(Group((min(i, j), max(i, j)), s, b, other_time, t, ORDINARY))
         self._leave(i, s, b, t + self.cost[2])
         self._leave(j, s, b, t + self.cost[2])
       else:
@@ -239,7 +240,12 @@ class Timeline:
     for t, s, window_id in outcome.deadlines:
       heapq.heappush(self.heap, (t, 1, s, window_id, 0, None))
     for window in outcome.windows:
-      self.groups.extend(window)
+      for group in window:
+        self._formed(group)
+
+  def _formed(self, group: Group) -> None:
+    self.groups.append(group)
+    self.groups_at.setdefault((group.round, group.stage), []).append(group)
 
   # -- what the executor asks ----------------------------------------------------------------------
   def decided(self, b: int, s: int) -> bool:
@@ -262,8 +268,8 @@ class Timeline:
       return out.astype(np.float32)
     out = np.eye(N)
     if self.sync == "preduce":
-      for group in self.groups:
-        if group.round == b and group.stage == s and len(group.members) > 1:
+      for group in self.groups_at.get((b, s), ()):
+        if len(group.members) > 1:
           rows = list(group.members)
           out[rows] = out[rows].mean(axis=0)
     return out.astype(np.float32)
@@ -271,7 +277,3 @@ class Timeline:
   def time(self, b: int) -> float:
     """When update b has left its sync everywhere (decided at every stage)."""
     return float(self.finish[b].max())
-
-  def state(self) -> dict[str, Any]:
-    """How far the timeline is: events processed so far (for tests)."""
-    return {"updates": len(self.finish), "groups": len(self.groups)}

@@ -211,8 +211,9 @@ def test_runs_of_any_lengths_are_one_run(mesh, schedule, sync):
   if sync in ("preduce", "adpsgd"):
     assert metrics["group_sizes"].size > 0
   for other_state, other_metrics in others:
-    for k in metrics:
-      np.testing.assert_array_equal(other_metrics[k], metrics[k], err_msg=k)
+    for k in metrics:  # every group reported once, by the run that made its update
+      order = np.sort if k == "group_sizes" else np.asarray
+      np.testing.assert_array_equal(order(other_metrics[k]), order(metrics[k]), err_msg=k)
     for a, b in zip(jax.tree.leaves(other_state), jax.tree.leaves(state), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -584,8 +585,6 @@ _STAGE_SYNCS = {
     "onebit_ps": GradSync(compression="onebit", min_size=0),
     "onebit_ring": GradSync(compression="onebit", min_size=0, topology="ring"),
     "dgc_ps": GradSync(compression=jc.get("dgc", density=0.1), min_size=0),
-    "dgc_ring": GradSync(compression=jc.get("dgc", density=0.1), min_size=0, topology="ring"),
-    "terngrad_ps": GradSync(compression="terngrad", min_size=0),
     "terngrad_ring": GradSync(compression="terngrad", min_size=0, topology="ring"),
     "aps_e4m3": GradSync(fmt="e4m3", aps=True),
     "kahan_e5m2_ring": GradSync(fmt="e5m2", kahan=True, algorithm="ring"),
