@@ -490,9 +490,11 @@ class Pipeline:
               for a in jax.tree.leaves((state.inflight["xs"], state.inflight["ys"]))]
       given = [tuple(np.shape(a)[1:]) + (np.dtype(a.dtype),) for a in jax.tree.leaves((xs, ys))]
       if ring != given:
-        raise ValueError(f"mini-batches of shapes {given} are not allowed while the pipeline "
-                         f"holds mini-batches of shapes {ring} in flight; expected the same "
-                         "shapes (or `flush` first).")
+        if int(np.asarray(state.step)) != int(np.asarray(state.fill_start)):
+          raise ValueError(f"mini-batches of shapes {given} are not allowed while the pipeline "
+                           f"holds mini-batches of shapes {ring} in flight; expected the same "
+                           "shapes (or `flush` first).")
+        state = state._replace(inflight={})  # empty: the new fill lays out its own buffers
     if hetero is not None and not isinstance(hetero, Hetero):
       raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
