@@ -77,6 +77,8 @@ class Timeline:
     # (pipeline, stage, op) -> end time, until the op that waits for it starts
     self.done: dict[tuple[int, int, Op], float] = {}
     self.finish: dict[int, np.ndarray] = {}  # update b -> [N, S] leave times (nan: not yet)
+    self._waiting_for: dict[int, list[int]] = {}  # update b -> per stage, pipelines not left
+    self._needed: set[tuple[int, int]] = set()  # the updates `decide` waits for
     self.groups: list[Group] = []
     self.groups_at: dict[tuple[int, int], list[Group]] = {}  # (round, stage) -> its groups
     self.arrived: dict[tuple[int, int], int] = {}
@@ -172,25 +174,31 @@ class Timeline:
         self._carry_out(self.scheduler.deadline(a, s, t))
         continue
       i = a
-      self.done[(i, s, op)] = t
       dependent = s + 1 if op[0] == schedules.FWD else s - 1
-      if 0 <= dependent < self.S and self.current[i][dependent] == op:
-        self._start(i, dependent, self.waiting[i][dependent])
+      if 0 <= dependent < self.S:  # an op the next (forward) or previous (backward) stage needs
+        self.done[(i, s, op)] = t
+        if self.current[i][dependent] == op:
+          self._start(i, dependent, self.waiting[i][dependent])
       b = self._update_of(s, op)
       if b < 0 or self.sync == "none":
         if b >= 0:
-          self._finish_row(b)[i, s] = t
+          self._record_leave(i, s, b, t)
         self._start(i, s, t)
       else:
         self._arrive(i, s, b, t)
 
-  def _finish_row(self, b: int) -> np.ndarray:
+  def _record_leave(self, i: int, s: int, b: int, t: float) -> None:
+    """(pipeline i, stage s) left the sync of update b at t."""
     if b not in self.finish:
       self.finish[b] = np.full((self.N, self.S), np.nan)
-    return self.finish[b]
+      self._waiting_for[b] = [self.N] * self.S
+    self.finish[b][i, s] = t
+    self._waiting_for[b][s] -= 1
+    if self._waiting_for[b][s] == 0:
+      self._needed.discard((b, s))
 
   def _leave(self, i: int, s: int, b: int, t: float) -> None:
-    self._finish_row(b)[i, s] = t
+    self._record_leave(i, s, b, t)
     self._start(i, s, t)
 
   def partners(self, b: int) -> list[int]:
@@ -250,13 +258,12 @@ class Timeline:
   # -- what the executor asks ----------------------------------------------------------------------
   def decided(self, b: int, s: int) -> bool:
     """Whether every pipeline's update b of stage s has left its sync."""
-    row = self.finish.get(b)
-    return row is not None and not np.isnan(row[:, s]).any()
+    return b in self._waiting_for and self._waiting_for[b][s] == 0
 
   def decide(self, updates: Iterable[tuple[int, int]]) -> None:
     """Advances until every (mini-batch, stage) update of `updates` is decided."""
-    needed = sorted(set(updates))
-    self.advance(lambda: all(self.decided(b, s) for b, s in needed))
+    self._needed = {(b, s) for b, s in updates if not self.decided(b, s)}
+    self.advance(lambda: not self._needed)
 
   def mix(self, b: int, s: int) -> np.ndarray:
     """float32 [N, N]: the mixing matrix of update b at stage s (decided): preduce, the groups of
