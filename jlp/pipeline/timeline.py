@@ -81,7 +81,7 @@ class Timeline:
     self._needed: set[tuple[int, int]] = set()  # the updates `decide` waits for
     self.groups: list[Group] = []
     self.groups_at: dict[tuple[int, int], list[Group]] = {}  # (round, stage) -> its groups
-    self.arrived: dict[tuple[int, int], int] = {}
+    self.arrived: dict[tuple[int, int], int] = {}  # (stage or -1: every stage, update) -> count
     self.pending = [[(-1, 0.0)] * N for _ in range(S)]
     for i in range(N):
       for s in range(S):
@@ -217,6 +217,7 @@ class Timeline:
     if self.sync == "allreduce":
       count = self.arrived[(s, b)] = self.arrived.get((s, b), 0) + 1
       if count == N:
+        del self.arrived[(s, b)]
         for j in range(N):
           self._leave(j, s, b, t + self.cost[N])
     elif self.sync == "adpsgd":
@@ -234,6 +235,7 @@ class Timeline:
       if self.hetpipe.barrier and pull:
         count = self.arrived[(-1, b)] = self.arrived.get((-1, b), 0) + 1
         if count == N * self.S:
+          del self.arrived[(-1, b)]
           for j in range(N):
             for s2 in range(self.S):
               self._leave(j, s2, b, t + self.cost[1])
