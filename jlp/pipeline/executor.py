@@ -482,7 +482,9 @@ class Pipeline:
     `jlp.sync.reduce_gradients`), "virtual_time" [C] (float64: virtual seconds at which each
     one's update finished, counted from the first run), "group_sizes" (the sizes of the groups
     of the updates this run made: preduce's groups, adpsgd's pairs), "bubble_fraction" (the idle
-    share of the run's ticks) and "ticks" (how many)."""
+    share of the run's tick table: a check of the schedule), "idle_fraction" (the share of the
+    N * S * ticks device slots in which the program ran no stage, counted by the devices: 1F1B's
+    last stage computes only in its backward ticks) and "ticks" (how many)."""
     self.check_state(state)
     layout = self._layout(xs, ys)
     if state.inflight:
@@ -534,7 +536,8 @@ class Pipeline:
     if self.sync == "allreduce":
       out.update({name: np.zeros((0,), dtype) for name, dtype in SYNC_REPORT.items()})
     return dict(out, batch=np.zeros((0,), np.int64), virtual_time=np.zeros((0,)),
-                group_sizes=np.zeros((0,), np.int32), bubble_fraction=float("nan"), ticks=0)
+                group_sizes=np.zeros((0,), np.int32), bubble_fraction=float("nan"),
+                idle_fraction=float("nan"), ticks=0)
 
   def _execute(self, state: PipelineState, layout: Layout, xs: Any, ys: Any, plan: Any,
                hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
@@ -612,10 +615,13 @@ class Pipeline:
     if "fill_clock" in state.inflight:
       new_state = new_state._replace(inflight=dict(new_state.inflight,
                                                    fill_clock=state.inflight["fill_clock"]))
+    ticks = len(table.kind) * (B if self.schedule == "gpipe" else 1)
+    computed = int(np.asarray(means.pop("computed_slots")))
     metrics = {name: np.asarray(v)[done] for name, v in means.items()}
     metrics.update(batch=first + done, virtual_time=times, group_sizes=group_sizes,
                    bubble_fraction=sched.bubble_fraction(table),
-                   ticks=len(table.kind) * (B if self.schedule == "gpipe" else 1))
+                   idle_fraction=1.0 - computed / (N * S * ticks) if ticks else float("nan"),
+                   ticks=ticks)
     return new_state, metrics
 
   def _inflight_zeros(self, layout: Layout, xs: Any, ys: Any, clock: jax.Array

@@ -99,7 +99,8 @@ class Program:
     carry = dict(params=squeeze(state.params), opt=squeeze(state.opt_state),
                  model_state=squeeze(state.model_state),
                  global_params=squeeze(state.global_params),
-                 sync_state=squeeze(state.sync_state))
+                 sync_state=squeeze(state.sync_state),
+                 computed=jnp.int32(0))  # ticks in which this device ran its stage
     inflight = dict(state.inflight)
     if self.schedule == "1f1b":
       carry, inflight = self._run_1f1b(carry, inflight, stage, state.fill_start, xs, ys, ticks,
@@ -116,6 +117,7 @@ class Program:
       total = lax.psum(lax.psum(v, STAGE), DATA)
       means[name] = total // self.num_pipelines if name == "nonfinite" else total / (
           self.num_pipelines * self.num_stages)
+    means["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
     expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
     new_state = state._replace(
         step=state.step + self.layout.num_batches, params=expand(carry["params"]),
@@ -313,7 +315,10 @@ class Program:
       bufs["stash_state"] = write_slot(bufs["stash_state"], slot_w, carry["model_state"], is_fwd)
       act_out, grad_out, grads, new_model_state, loss = self._tick(
           carry, bufs, stage, kind, index, x_in, y_in, jnp.float32(1))
-      carry = dict(carry, model_state=new_model_state)
+      # The last stage's forward tick computes nothing (its backward runs the stage).
+      computed = (kind == sched.BWD) | ((kind == sched.FWD) & (stage != S - 1))
+      carry = dict(carry, model_state=new_model_state,
+                   computed=carry["computed"] + computed.astype(jnp.int32))
       carry["metrics"] = {name: v.at[slot].set(jnp.where(kind == sched.BWD, loss[name], v[slot]))
                           for name, v in carry["metrics"].items()}
       bufs = self._exchange(bufs, stage, kind, index, act_out, grad_out)
@@ -372,7 +377,8 @@ class Program:
                                           kind == sched.FWD)
         act_out, grad_out, grads, new_model_state, loss = self._tick(
             carry, bufs, stage, kind, index, x_in, y_in, np.float32(1.0 / M), grads)
-        carry = dict(carry, model_state=new_model_state)
+        carry = dict(carry, model_state=new_model_state,
+                     computed=carry["computed"] + (kind != sched.IDLE).astype(jnp.int32))
         bufs = self._exchange(bufs, stage, kind, index, act_out, grad_out)
         return (carry, bufs, grads, jax.tree.map(jnp.add, loss_sum, loss)), None
 

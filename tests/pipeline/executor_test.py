@@ -77,9 +77,9 @@ def _train(pipe, state, xs, ys, plan=None):
   state, rest = pipe.flush(state, plan=plan)
   metrics = {k: np.concatenate([v, rest[k]]) for k, v in first.items() if np.ndim(v)}
   ticks = first["ticks"] + rest["ticks"]
-  metrics["bubble_fraction"] = (first["bubble_fraction"] * first["ticks"] +
-                                (rest["bubble_fraction"] * rest["ticks"] if rest["ticks"] else 0)
-                                ) / ticks
+  for k in ("bubble_fraction", "idle_fraction"):  # shares of all the ticks of both
+    metrics[k] = (first[k] * first["ticks"] + (rest[k] * rest["ticks"] if rest["ticks"] else 0)
+                  ) / ticks
   return state, metrics
 
 
@@ -162,6 +162,7 @@ def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
   np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-5)
   np.testing.assert_allclose(metrics["accuracy"], accuracies, rtol=1e-6)
   assert metrics["bubble_fraction"] == pytest.approx(3 / 7)
+  assert metrics["idle_fraction"] == pytest.approx(3 / 7)  # counted by the devices
   assert int(state.step) == 3
 
 
@@ -174,7 +175,10 @@ def test_1f1b_follows_the_weight_version_rule(mesh, sync):
   state, metrics = _train(pipe, pipe.init(params), xs, ys)
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, sync))
   assert metrics["loss"].shape == (7,)
+  # The table: 2 ops per mini-batch and stage in 2B + 2(S - 1) = 20 ticks. Counted by the
+  # devices: the last stage's 7 forward ticks compute nothing (its backward runs the stage).
   assert metrics["bubble_fraction"] == pytest.approx(1 - 2 * 7 / 20)
+  assert metrics["idle_fraction"] == pytest.approx(1 - (2 * 7 * S - 7) / (S * 20))
 
 
 def _in_runs(pipe, state, xs, ys, lengths):
