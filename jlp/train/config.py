@@ -100,9 +100,10 @@ Fields (see `base_config` for defaults):
                                 checkpoint_every must be multiples of it (evaluation and
                                 checkpoints happen between calls); log_every is free (every
                                 mini-batch's loss and virtual time come back). Rows add
-                                `virtual_time` (virtual seconds, jlp.pipeline.simulator),
-                                `virtual_throughput` (examples per virtual second over the call)
-                                and `bubble_fraction`; eval metrics are the mean over the N
+                                `virtual_time` (virtual seconds, jlp.pipeline.timeline),
+                                `virtual_throughput` (examples per virtual second over the call),
+                                `bubble_fraction` and `idle_fraction`; eval metrics are the mean
+                                over the N
                                 pipelines' models, each evaluated on the whole eval split.
 """
 

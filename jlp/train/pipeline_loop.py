@@ -26,7 +26,8 @@ so a row may come a call later, or with the flush): train_loss and train_accurac
 pipelines), learning_rate, throughput (examples fed per wall-clock second over the call), epoch,
 virtual_time (virtual seconds at which the mini-batch's update finished), virtual_throughput
 (examples fed per virtual second over the call), bubble_fraction (the idle share of the call's
-ticks), and with pipeline.sync="allreduce" the gradient sync's wire_bytes, payload_bytes (per
+tick table), idle_fraction (the device slots of the call in which no stage ran, counted by the
+program), and with pipeline.sync="allreduce" the gradient sync's wire_bytes, payload_bytes (per
 device, averaged over all devices) and nonfinite. Evaluation (every eval_every steps and at the
 end, between calls): every pipeline's latest model (its stages merged, eval mode) is evaluated
 on the whole eval split with `recipe.eval_sums` (data-parallel on every device), and eval_loss /
@@ -235,7 +236,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "epoch": step / spe,
                  "virtual_time": float(metrics["virtual_time"][k]),
                  "virtual_throughput": virtual_throughput,
-                 "bubble_fraction": float(metrics["bubble_fraction"])}
+                 "bubble_fraction": float(metrics["bubble_fraction"]),
+                 "idle_fraction": float(metrics["idle_fraction"])}
           for name in SYNC_REPORT:  # sync="allreduce" only
             if name in metrics:
               row[name] = metrics[name][k].item()
@@ -269,9 +271,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def _joined(first: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
-  """The metrics of a run followed by those of a flush; the bubble fraction over both's ticks."""
+  """The metrics of a run followed by those of a flush; the idle shares over both's ticks."""
   out = {k: np.concatenate([v, rest[k]]) for k, v in first.items() if np.ndim(v)}
   ticks = first["ticks"] + rest["ticks"]
-  idle = first["bubble_fraction"] * first["ticks"] + (
-      rest["bubble_fraction"] * rest["ticks"] if rest["ticks"] else 0.0)
-  return dict(out, ticks=ticks, bubble_fraction=idle / ticks)
+  for k in ("bubble_fraction", "idle_fraction"):
+    out[k] = (first[k] * first["ticks"] + (rest[k] * rest["ticks"] if rest["ticks"] else 0.0)
+              ) / ticks
+  return dict(out, ticks=ticks)

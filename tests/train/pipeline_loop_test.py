@@ -49,8 +49,9 @@ def test_gpipe_on_digits_trains_and_evaluates(tmp_path, fast_compile):
   assert [r["step"] for r in rows] == [10, 20, 30, 40, 50, 60]
   for r in rows:
     assert {"train_loss", "learning_rate", "throughput", "epoch", "virtual_time",
-            "virtual_throughput", "bubble_fraction"} <= set(r)
+            "virtual_throughput", "bubble_fraction", "idle_fraction"} <= set(r)
     assert r["bubble_fraction"] == pytest.approx((4 - 1) / (2 + 4 - 1))
+    assert r["idle_fraction"] == pytest.approx((4 - 1) / (2 + 4 - 1))  # GPipe: as the table
   times = [r["virtual_time"] for r in rows]
   assert all(b > a > 0 for a, b in zip(times, times[1:]))
   assert rows[-1]["train_loss"] < 0.5 * rows[0]["train_loss"]
@@ -134,10 +135,9 @@ def test_calls_are_a_performance_knob_only(tmp_path, fast_compile):
     results.append((stable(rows), final_checkpoint(workdir)[1]))
   (rows, state), others = results[0], results[1:]
   for other_rows, other_state in others:
-    assert [{k: v for k, v in r.items() if k not in ("virtual_throughput", "bubble_fraction")}
-            for r in other_rows] == [
-                {k: v for k, v in r.items() if k not in ("virtual_throughput", "bubble_fraction")}
-                for r in rows]
+    per_call = ("virtual_throughput", "bubble_fraction", "idle_fraction")
+    assert [{k: v for k, v in r.items() if k not in per_call} for r in other_rows] == [
+        {k: v for k, v in r.items() if k not in per_call} for r in rows]
     assert other_state.keys() == state.keys()
     for k in state:
       np.testing.assert_array_equal(other_state[k], state[k], err_msg=k)
