@@ -103,8 +103,8 @@ Fields (see `base_config` for defaults):
                                 `virtual_time` (virtual seconds, jlp.pipeline.timeline),
                                 `virtual_throughput` (examples per virtual second over the call),
                                 `bubble_fraction` and `idle_fraction`; eval metrics are the mean
-                                over the N
-                                pipelines' models, each evaluated on the whole eval split.
+                                over the N pipelines' models, each evaluated on the whole eval
+                                split.
 """
 
 from __future__ import annotations
