@@ -12,7 +12,9 @@ decided (left their sync); a decision never changes once taken, and processing i
 so decisions asked for in one call or in many are the same. The executor's flush ends the fill:
 `Timeline(total=fed)` replays it with the ops of later mini-batches left out (their forwards never
 happen, so the drain runs as in a table of `fed` mini-batches), and the drain's updates take their
-decisions from that replay.
+decisions from that replay. The replay agrees with the never-ending timeline on every op that comes
+before the first forward left out at its stage; a decision of the drain that depended on an
+earlier arrival decided otherwise there (a window spanning both) would follow the replay.
 
 Op costs are drawn per op, not per position in a stage's order, so that an op costs the same
 with or without an end: op (pipeline i, stage s, id) stalls when u < probability, u uniform from
