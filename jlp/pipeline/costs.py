@@ -1,14 +1,15 @@
 """The simulator's configuration and cost model (sdpipe.md §4, §7.4), seconds throughout: the
 dataclasses `Hetero` (the costs), `PReduce` (the group scheduler's knobs, jlp.pipeline.preduce)
 and `HetPipe` (HetPipe's pulls) with their validation, the sync modes (`SYNC_MODES`, the rules in
-jlp.pipeline.simulator), `op_durations` (the seeded duration of every op) and `group_costs` (the
-cost of one average).
+jlp.pipeline.simulator), `check_sizes` (the knobs against N x S) and `group_costs` (the cost of
+one average).
 
 Cost model (`Hetero`; Hetu's `--hetero h`, sdpipe.md §4, when `slowdown` is None):
   * op k of stage s of pipeline i lasts base * slowdown[i][s] + delay_s * stall, with base = fwd_s
     or bwd_s (divided by M for a GPipe micro-batch) and stall = 1 when u < probability for one
-    uniform draw u per op; the draws are `np.random.default_rng(seed).random((K, N, S))[k, i, s]`
-    (K ops per stage), so a longer run starts with the same draws. (Hetu sleeps before the op
+    uniform draw u per op (`jlp.pipeline.timeline`: per op position for `simulate`,
+    `np.random.default_rng(seed).random((K, N, S))[k, i, s]` for K ops per stage, so a longer run
+    starts with the same draws; per op id for a Pipeline's timeline). (Hetu sleeps before the op
     while it may still wait for its input; here the stall is part of the op.)
   * one (group) average or all-reduce of m members costs allreduce_alpha_s + allreduce_beta_s
     (m - 1); which syncs pay it, and when: jlp.pipeline.simulator.
@@ -23,10 +24,9 @@ from typing import Any
 import numpy as np
 
 from jlp._checks import invalid, is_int
-from jlp.pipeline import schedules
 
 __all__ = ["COMPAT", "SYNC_MODES", "HetPipe", "Hetero", "PReduce", "check_float", "check_int",
-           "group_costs", "op_durations"]
+           "check_max_group", "check_sizes", "group_costs"]
 
 SYNC_MODES = ("allreduce", "none", "preduce", "adpsgd", "hetpipe")
 COMPAT = (None, "sdpipe")
@@ -147,24 +147,26 @@ class HetPipe:
       raise invalid("HetPipe.barrier", self.barrier, "True or False")
 
 
-def op_durations(orders: list[list[schedules.Op]], hetero: Hetero, num_pipelines: int, *,
-                 seed: int, schedule: str, num_microbatches: int) -> list[list[list[float]]]:
-  """[N][S][K] seconds: op k of `orders[s]` (the op order of stage s, K ops per stage) on pipeline
-  i, by the cost model of the module docstring (the stall draws seeded by `seed`; with schedule
-  "gpipe" an op is one of `num_microbatches` micro-batches). Raises when `hetero.slowdown` is not
-  an [N][S] table."""
-  N, S, K = num_pipelines, len(orders), len(orders[0])
-  slowdown = np.ones((N, S)) if hetero.slowdown is None else np.asarray(hetero.slowdown)
-  if slowdown.shape != (N, S):
+def check_max_group(preduce: PReduce, num_pipelines: int) -> None:
+  """ValueError unless PReduce.max_group <= N."""
+  N = num_pipelines
+  if preduce.max_group is not None and preduce.max_group > N:
+    raise invalid("PReduce.max_group", preduce.max_group, f"an integer in [1, num_pipelines={N}]")
+
+
+def check_sizes(sync: str, hetero: Hetero, preduce: PReduce, num_pipelines: int,
+                num_stages: int) -> None:
+  """ValueError unless `sync` and the knobs fit N pipelines x S stages, checked in this order: an
+  even N for "adpsgd" (it pairs pipelines), PReduce.max_group <= N for "preduce", and
+  Hetero.slowdown (when set) an [N][S] table."""
+  N, S = num_pipelines, num_stages
+  if sync == "adpsgd" and N % 2:
+    raise invalid("num_pipelines", N, "an even number with sync='adpsgd'")
+  if sync == "preduce":
+    check_max_group(preduce, N)
+  if hetero.slowdown is not None and np.shape(hetero.slowdown) != (N, S):
     raise invalid("Hetero.slowdown", hetero.slowdown,
                   f"a [num_pipelines={N}][num_stages={S}] table")
-  kinds = np.array([[kind for kind, _, _ in o] for o in orders])  # [S, K]
-  base = np.where(kinds == schedules.FWD, hetero.fwd_s, hetero.bwd_s)
-  if schedule == "gpipe":  # a micro-batch op runs on 1/M of the mini-batch
-    base = base / num_microbatches
-  stall = np.random.default_rng(int(seed)).random((K, N, S)) < hetero.probability
-  duration = base[None] * slowdown[:, :, None] + hetero.delay_s * stall.transpose(1, 2, 0)
-  return duration.tolist()
 
 
 def group_costs(hetero: Hetero, num_pipelines: int) -> list[float]:

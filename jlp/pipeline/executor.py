@@ -84,6 +84,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jlp._checks import is_int
 from jlp.pipeline import schedules as sched
 from jlp.pipeline.buffers import Layout, make_layout
+from jlp.pipeline.costs import check_sizes
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce
@@ -191,6 +192,7 @@ class Pipeline:
                          f"jlp.pipeline.{kind.__name__}.")
     if not is_int(seed):
       raise ValueError(f"seed={seed!r} is not allowed; expected an integer.")
+    check_sizes(sync, hetero, preduce, mesh.shape[DATA], len(stages))
     self.stages = stages
     self.loss_fn = loss_fn
     self.optimizer = optimizer
@@ -497,8 +499,10 @@ class Pipeline:
                            f"holds mini-batches of shapes {ring} in flight; expected the same "
                            "shapes (or `flush` first).")
         state = state._replace(inflight={})  # empty: the new fill lays out its own buffers
-    if hetero is not None and not isinstance(hetero, Hetero):
-      raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
+    if hetero is not None:
+      if not isinstance(hetero, Hetero):
+        raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
+      check_sizes(self.sync, hetero, self.preduce, self.num_pipelines, self.num_stages)
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
     xs = jax.device_put(xs, batch_sharding)
     ys = jax.device_put(ys, batch_sharding)

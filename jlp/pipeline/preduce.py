@@ -2,7 +2,7 @@
 §2.1-2.2) in virtual time, host-side, apart from any event queue or executor.
 
 `Scheduler` holds one instance of the rules below per stage, plus what the stages share (the
-forced window's owner, the epoch stops). Its caller (jlp.pipeline.simulator's event engine)
+forced window's owner, the epoch stops). Its caller (the event engine, jlp.pipeline.timeline)
 delivers in virtual-time order every update's arrival at the sync (`arrive`) and every deadline
 the scheduler asked for (`deadline`); at equal times the arrivals come first, so an arrival exactly
 at the deadline joins the window. Each call returns an `Outcome` for the caller to carry out: the
@@ -46,8 +46,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from jlp._checks import invalid
-from jlp.pipeline.costs import PReduce
+from jlp.pipeline.costs import PReduce, check_max_group
 
 __all__ = ["FORCED", "ORDINARY", "PERIOD_END", "Deadline", "Departure", "Group", "Outcome",
            "Scheduler"]
@@ -141,9 +140,7 @@ class Scheduler:
   def __init__(self, config: PReduce, num_pipelines: int, num_stages: int, num_batches: int,
                cost_s: Sequence[float]):
     N = num_pipelines
-    if config.max_group is not None and config.max_group > N:
-      raise invalid("PReduce.max_group", config.max_group,
-                    f"an integer in [1, num_pipelines={N}]")
+    check_max_group(config, N)
     self.config, self.N, self.S, self.last_batch = config, N, num_stages, num_batches - 1
     self.cost_s = cost_s
     self.stages = [_Stage(N) for _ in range(num_stages)]

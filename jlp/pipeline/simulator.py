@@ -9,8 +9,10 @@ time at which every mini-batch's update has finished.
 
 The parts: `jlp.pipeline.costs` (the configuration; the cost model: every op's duration, the cost
 of an average), `jlp.pipeline.preduce` (SD-PIPE's group scheduler), `jlp.pipeline.rounds` (the
-groups onto the executor's rounds: mix[b, s]). This module is the event engine that routes the
-events between them; it re-exports their public names.
+groups onto the executor's rounds: mix[b, s]), `jlp.pipeline.timeline` (the event engine that
+routes the events between them: a run of B mini-batches is its timeline with that end, the stalls
+drawn per op position). This module checks the arguments, runs the model to its end and
+re-exports the parts' public names.
 
 The model (op durations, seeded, and alpha, beta: the cost model of `jlp.pipeline.costs`):
   * the op order of a stage is `schedules.stage_order`: "1f1b" covers all B mini-batches and
@@ -36,7 +38,6 @@ The model (op durations, seeded, and alpha, beta: the cost model of `jlp.pipelin
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import random
 from typing import Any
@@ -46,8 +47,9 @@ import numpy as np
 from jlp._checks import invalid, is_int
 from jlp.pipeline import rounds, schedules
 from jlp.pipeline.costs import (COMPAT, SYNC_MODES, HetPipe, Hetero, PReduce, check_float,
-                                check_int, group_costs, op_durations)
-from jlp.pipeline.preduce import FORCED, ORDINARY, PERIOD_END, Group, Outcome, Scheduler
+                                check_int, check_sizes)
+from jlp.pipeline.preduce import FORCED, ORDINARY, PERIOD_END
+from jlp.pipeline.timeline import Timeline
 
 __all__ = ["COMPAT", "FORCED", "ORDINARY", "PERIOD_END", "SYNC_MODES", "HetPipe", "Hetero",
            "PReduce", "SyncPlan", "adpsgd_matchings", "preduce_schedule", "simulate"]
@@ -127,13 +129,16 @@ def preduce_schedule(num_pipelines: int, num_rounds: int, *, seed: int, hetero: 
   config = PReduce(max_group=max_group, connect_every=connect_every, compat=compat)
   # One batch more than rounds: every pipeline's last arrival comes after its num_rounds earlier
   # windows, so the end of the run (a forced window closed early) cannot touch them.
-  engine = _Engine("1f1b", "preduce", num_pipelines, 1, num_rounds + 1, 1, seed=seed,
-                   hetero=Hetero(delay_s=float(hetero)), preduce=config, hetpipe=HetPipe(),
-                   stop_after_windows=num_rounds)
-  engine.run()
-  assert len(engine.windows) == num_rounds, "fewer windows than rounds"  # N*B arrivals, <= N each
+  hetero_model = Hetero(delay_s=float(hetero))
+  _check_model("1f1b", "preduce", num_pipelines, 1, num_rounds + 1, 1, seed=seed,
+               hetero=hetero_model, preduce=config, hetpipe=HetPipe())
+  timeline = Timeline("1f1b", "preduce", num_pipelines, 1, 1, seed=seed, hetero=hetero_model,
+                      preduce=config, hetpipe=HetPipe(), first_batch=0,
+                      start=np.zeros((num_pipelines, 1)), total=num_rounds + 1,
+                      stalls_by_position=True)
+  timeline.advance(lambda: len(timeline.windows) >= num_rounds)  # N*B arrivals, <= N each
   return np.stack([rounds.window_mix(window, num_pipelines)
-                   for window in engine.windows]).astype(np.float32)
+                   for window in timeline.windows[:num_rounds]]).astype(np.float32)
 
 
 def simulate(schedule: str, sync: str, num_pipelines: int, num_stages: int, num_batches: int,
@@ -151,199 +156,49 @@ def simulate(schedule: str, sync: str, num_pipelines: int, num_stages: int, num_
   if start.shape != (num_pipelines, num_stages) or not np.all(np.isfinite(start)) or \
       np.any(start < 0):
     raise invalid("start", start, f"finite times >= 0 of shape ({num_pipelines}, {num_stages})")
-  engine = _Engine(schedule, sync, num_pipelines, num_stages, num_batches, num_microbatches,
-                   seed=seed, hetero=hetero, preduce=preduce, hetpipe=hetpipe,
-                   first_batch=first_batch, start=start)
-  engine.run()
-  return engine.plan()
+  N, S, B = _check_model(schedule, sync, num_pipelines, num_stages, num_batches,
+                         num_microbatches, seed=seed, hetero=hetero, preduce=preduce,
+                         hetpipe=hetpipe)
+  timeline = Timeline(schedule, sync, N, S, num_microbatches, seed=seed, hetero=hetero,
+                      preduce=preduce, hetpipe=hetpipe, first_batch=first_batch, start=start,
+                      total=B, stalls_by_position=True)
+  timeline.decide([(b, j) for b in range(B) for j in range(S)])
+  groups = timeline.groups
+  finish = np.stack([timeline.finish[b] for b in range(B)])
+  members = np.zeros((len(groups), N), bool)
+  for g, group in enumerate(groups):
+    members[g, list(group.members)] = True
+  matchings = adpsgd_matchings(N, B, seed=seed) if sync == "adpsgd" else None
+  return SyncPlan(mix=rounds.round_mix(sync, groups, matchings, N, S, B),
+                  times=finish.max(axis=(1, 2)), finish=finish,
+                  group_sizes=np.array([len(g.members) for g in groups], np.int32),
+                  group_stage=np.array([g.stage for g in groups], np.int32),
+                  group_round=np.array([g.round for g in groups], np.int32),
+                  group_members=members,
+                  group_open=np.array([g.opened for g in groups], np.float64),
+                  group_close=np.array([g.closed for g in groups], np.float64),
+                  group_kind=np.array([g.kind for g in groups], np.int8))
 
 
-
-def _stage_orders(schedule: str, num_stages: int, num_batches: int, num_microbatches: int
-                  ) -> tuple[list[list[schedules.Op]], list[list[int]]]:
-  """The op order of every stage over all B mini-batches (module docstring) and, per op, the
-  update it ends (-1: none)."""
+def _check_model(schedule: str, sync: str, num_pipelines: int, num_stages: int,
+                 num_batches: int, num_microbatches: int, *, seed: int, hetero: Hetero,
+                 preduce: PReduce, hetpipe: HetPipe) -> tuple[int, int, int]:
+  """(N, S, B), or ValueError naming the first bad argument, in this order: sync, N, the
+  configuration objects, seed, the schedule's (S, B, M), then `costs.check_sizes`."""
+  if sync not in SYNC_MODES:
+    raise invalid("sync", sync, f"one of {SYNC_MODES}")
+  check_int("num_pipelines", num_pipelines, 1)
+  for name, value, kind in (("hetero", hetero, Hetero), ("preduce", preduce, PReduce),
+                            ("hetpipe", hetpipe, HetPipe)):
+    if not isinstance(value, kind):
+      raise invalid(name, value, f"a jlp.pipeline.{kind.__name__}")
+  if not is_int(seed):
+    raise invalid("seed", seed, "an integer")
   if schedule == "gpipe":
-    base = schedules.stage_order("gpipe", num_stages, 1, num_microbatches)
+    schedules.stage_order("gpipe", num_stages, 1, num_microbatches)
     check_int("num_batches", num_batches, 1)
-    orders = [[(kind, b, m) for b in range(num_batches) for kind, _, m in base[s]]
-              for s in range(num_stages)]
-    per = 2 * num_microbatches
-    updates = [[(k // per if k % per == per - 1 else -1) for k in range(len(o))] for o in orders]
   else:
-    orders = schedules.stage_order(schedule, num_stages, num_batches, num_microbatches)
-    updates = [[(b if kind == schedules.BWD else -1) for kind, b, _ in o] for o in orders]
-  return orders, updates
-
-
-class _Engine:
-  """The discrete-event simulation (module docstring). Heap entries: (time, 0, pipeline, stage,
-  op index) for an op's end, (time, 1, stage, window id, 0) for a window deadline."""
-
-  def __init__(self, schedule: str, sync: str, num_pipelines: int, num_stages: int,
-               num_batches: int, num_microbatches: int, *, seed: int, hetero: Hetero,
-               preduce: PReduce, hetpipe: HetPipe, stop_after_windows: int | None = None,
-               first_batch: int = 0, start: np.ndarray | None = None):
-    self.first_batch = first_batch
-    self.start = start
-    if sync not in SYNC_MODES:
-      raise invalid("sync", sync, f"one of {SYNC_MODES}")
-    check_int("num_pipelines", num_pipelines, 1)
-    for name, value, kind in (("hetero", hetero, Hetero), ("preduce", preduce, PReduce),
-                              ("hetpipe", hetpipe, HetPipe)):
-      if not isinstance(value, kind):
-        raise invalid(name, value, f"a jlp.pipeline.{kind.__name__}")
-    if not is_int(seed):
-      raise invalid("seed", seed, "an integer")
-    orders, self.update_of = _stage_orders(schedule, num_stages, num_batches, num_microbatches)
-    N, S, B = int(num_pipelines), int(num_stages), int(num_batches)
-    if sync == "adpsgd" and N % 2:
-      raise invalid("num_pipelines", N, "an even number with sync='adpsgd'")
-    self.cost = group_costs(hetero, N)
-    # The last two checks, in this order: PReduce.max_group <= N, then Hetero.slowdown's shape.
-    self.scheduler = Scheduler(preduce, N, S, B, self.cost) if sync == "preduce" else None
-    self.duration = op_durations(orders, hetero, N, seed=seed, schedule=schedule,
-                                 num_microbatches=num_microbatches)  # [N][S][K]
-    self.N, self.S, self.B = N, S, B
-    self.sync, self.hetero, self.hetpipe = sync, hetero, hetpipe
-    self.K = K = len(orders[0])
-
-    # Dependencies: dep_* = the op this op waits for, dependent_* = the op waiting for this one.
-    index = [{op: k for k, op in enumerate(o)} for o in orders]
-    self.dep_stage = [[-1] * K for _ in range(S)]
-    self.dep_index = [[-1] * K for _ in range(S)]
-    self.dependent_stage = [[-1] * K for _ in range(S)]
-    self.dependent_index = [[-1] * K for _ in range(S)]
-    for s in range(S):
-      for k, (kind, b, m) in enumerate(orders[s]):
-        other = s - 1 if kind == schedules.FWD else s + 1
-        if 0 <= other < S:
-          j = index[other][(kind, b, m)]
-          self.dep_stage[s][k], self.dep_index[s][k] = other, j
-          self.dependent_stage[other][j], self.dependent_index[other][j] = s, k
-
-    self.heap: list[tuple] = []
-    self.pos = [[0] * S for _ in range(N)]
-    self.done = [[[-1.0] * K for _ in range(S)] for _ in range(N)]
-    self.waiting: list[list[float | None]] = [[None] * S for _ in range(N)]
-    self.finish = np.full((B, N, S), np.nan)
-    self.groups: list[Group] = []  # in formation order
-    self.windows: list[tuple[Group, ...]] = []  # preduce: the groups of every window closed
-    self.stop_after_windows = stop_after_windows
-    self.matchings: np.ndarray | None = None
-    if sync == "allreduce":
-      self.arrived = [[0] * B for _ in range(S)]
-    elif sync == "adpsgd":
-      self.matchings = adpsgd_matchings(N, B, seed=seed)
-      self.partner = self.matchings.tolist()
-      self.pending = [[(-1, 0.0)] * N for _ in range(S)]
-    elif sync == "hetpipe":
-      self.arrived_all = [0] * B
-
-  # -- the event loop ----------------------------------------------------------------------------
-  def run(self) -> None:
-    for i in range(self.N):
-      for s in range(self.S):
-        self._start(i, s, 0.0 if self.start is None else float(self.start[i, s]))
-    heap, done, update_of = self.heap, self.done, self.update_of
-    dependent_stage, dependent_index = self.dependent_stage, self.dependent_index
-    sync, limit = self.sync, self.stop_after_windows
-    while heap:
-      t, event, a, s, k = heapq.heappop(heap)
-      if event == 1:  # a deadline: a = stage, s = window id
-        self._carry_out(self.scheduler.deadline(a, s, t))
-      else:
-        i = a
-        done[i][s][k] = t
-        ds = dependent_stage[s][k]
-        if ds >= 0:
-          free = self.waiting[i][ds]
-          if free is not None and self.pos[i][ds] == dependent_index[s][k]:
-            self.waiting[i][ds] = None
-            self._start(i, ds, free)
-        b = update_of[s][k]
-        if b < 0 or sync == "none":
-          if b >= 0:
-            self.finish[b, i, s] = t
-          self._start(i, s, t)
-        else:
-          self._arrive(i, s, b, t)
-      if limit is not None and len(self.windows) >= limit:
-        return
-    if any(p != self.K for row in self.pos for p in row) or np.isnan(self.finish).any():
-      raise AssertionError("the simulation stopped before every op ran")  # a bug, not input
-
-  def _start(self, i: int, s: int, free: float) -> None:
-    k = self.pos[i][s]
-    if k == self.K:
-      return
-    start = free
-    ds = self.dep_stage[s][k]
-    if ds >= 0:
-      ready = self.done[i][ds][self.dep_index[s][k]]
-      if ready < 0:
-        self.waiting[i][s] = free
-        return
-      start = max(free, ready + self.hetero.p2p_s)
-    self.pos[i][s] = k + 1
-    heapq.heappush(self.heap, (start + self.duration[i][s][k], 0, i, s, k))
-
-  def _leave(self, i: int, s: int, b: int, t: float) -> None:
-    self.finish[b, i, s] = t
-    self._start(i, s, t)
-
-  def _arrive(self, i: int, s: int, b: int, t: float) -> None:
-    N = self.N
-    if self.sync == "allreduce":
-      self.arrived[s][b] += 1
-      if self.arrived[s][b] == N:
-        for j in range(N):
-          self._leave(j, s, b, t + self.cost[N])
-    elif self.sync == "adpsgd":
-      j = self.partner[b][i]
-      other_batch, other_time = self.pending[s][j]
-      if other_batch == b:
-        self.pending[s][j] = (-1, 0.0)
-        self.groups.append(Group((min(i, j), max(i, j)), s, b, other_time, t, ORDINARY))
-        self._leave(i, s, b, t + self.cost[2])
-        self._leave(j, s, b, t + self.cost[2])
-      else:
-        self.pending[s][i] = (b, t)
-    elif self.sync == "hetpipe":
-      pull = (self.first_batch + b + 1) % self.hetpipe.pull_every == 0
-      if self.hetpipe.barrier and pull:
-        self.arrived_all[b] += 1
-        if self.arrived_all[b] == N * self.S:
-          for j in range(N):
-            for s2 in range(self.S):
-              self._leave(j, s2, b, t + self.cost[1])
-      else:
-        self._leave(i, s, b, t + self.cost[1])
-    else:
-      self._carry_out(self.scheduler.arrive(i, s, b, t))
-
-  def _carry_out(self, outcome: Outcome) -> None:
-    """Routes what the PReduce scheduler decided: departures, deadlines to queue, groups."""
-    for i, s, b, t in outcome.departures:
-      self._leave(i, s, b, t)
-    for t, s, window_id in outcome.deadlines:
-      heapq.heappush(self.heap, (t, 1, s, window_id, 0))
-    for window in outcome.windows:
-      self.groups.extend(window)
-      self.windows.append(window)
-
-  # -- the result --------------------------------------------------------------------------------
-  def plan(self) -> SyncPlan:
-    N, S, B, groups = self.N, self.S, self.B, self.groups
-    members = np.zeros((len(groups), N), bool)
-    for g, group in enumerate(groups):
-      members[g, list(group.members)] = True
-    return SyncPlan(mix=rounds.round_mix(self.sync, groups, self.matchings, N, S, B),
-                    times=self.finish.max(axis=(1, 2)), finish=self.finish,
-                    group_sizes=np.array([len(g.members) for g in groups], np.int32),
-                    group_stage=np.array([g.stage for g in groups], np.int32),
-                    group_round=np.array([g.round for g in groups], np.int32),
-                    group_members=members,
-                    group_open=np.array([g.opened for g in groups], np.float64),
-                    group_close=np.array([g.closed for g in groups], np.float64),
-                    group_kind=np.array([g.kind for g in groups], np.int8))
+    schedules.stage_order(schedule, num_stages, num_batches, num_microbatches)
+  N, S, B = int(num_pipelines), int(num_stages), int(num_batches)
+  check_sizes(sync, hetero, preduce, N, S)
+  return N, S, B

@@ -1,6 +1,7 @@
-"""One fill of a `Pipeline` in virtual time, decided as the pipeline runs: the event model of
-`jlp.pipeline.simulator` (op costs, p2p, the syncs' waits, SD-PIPE's scheduler) for mini-batches
-that keep coming, so that where a `run` ends changes nothing (sdpipe.md §2, §7.4).
+"""The event engine of virtual time, and one fill of a `Pipeline` decided as the pipeline runs:
+the model `jlp.pipeline.simulator` describes (op costs, p2p, the syncs' waits, SD-PIPE's
+scheduler), for mini-batches that keep coming, so that where a `run` ends changes nothing
+(sdpipe.md §2, §7.4); `simulate` runs it with an end.
 
 A fill is what the pipelines train between two flushes (usually the whole training): mini-batches
 0, 1, 2, ... counted from the fill's first one. `Timeline` simulates them with no last mini-batch
@@ -54,11 +55,15 @@ class Timeline:
     first_batch: the fill's first mini-batch over the whole training (HetPipe's pulls).
     start: [N, S] virtual seconds at which each (pipeline, stage) is free.
     total: None (mini-batches keep coming) or the number of mini-batches in the fill.
+    stalls_by_position: draw the stalls as `jlp.pipeline.simulate` does (it runs this model with an
+      end): per op position k in its stage's order, `default_rng(seed).random((K, N, S))[k, i, s]`
+      for the K ops of a stage; needs `total`. Default: per op id (module docstring).
   """
 
   def __init__(self, schedule: str, sync: str, num_pipelines: int, num_stages: int,
                num_microbatches: int, *, seed: int, hetero: Hetero, preduce: PReduce,
-               hetpipe: HetPipe, first_batch: int, start: np.ndarray, total: int | None = None):
+               hetpipe: HetPipe, first_batch: int, start: np.ndarray, total: int | None = None,
+               stalls_by_position: bool = False):
     N, S, M = num_pipelines, num_stages, num_microbatches
     self.schedule, self.sync, self.N, self.S, self.M = schedule, sync, N, S, M
     self.seed, self.hetero, self.hetpipe, self.first_batch = seed, hetero, hetpipe, first_batch
@@ -70,6 +75,12 @@ class Timeline:
     self.scheduler = Scheduler(preduce, N, S, last, self.cost) if sync == "preduce" else None
     self.base_order = schedules.stage_order("gpipe", S, 1, M) if schedule == "gpipe" else None
     self._stalls: dict[int, np.ndarray] = {}
+    self._position_stalls: np.ndarray | None = None
+    if stalls_by_position:
+      per = len(self.base_order[0]) if schedule == "gpipe" else 2
+      self._position_stalls = (np.random.default_rng(int(seed)).random((per * total, N, S))
+                               < hetero.probability)
+    self.started = [[0] * S for _ in range(N)]  # ops started: the position of the next one
     self._rng = random.Random(int(seed))  # AD-PSGD: one shuffle per round, in round order
     self._partners: list[list[int]] = []
     self.heap: list[tuple] = []
@@ -82,6 +93,7 @@ class Timeline:
     self._waiting_for: dict[int, list[int]] = {}  # update b -> per stage, pipelines not left
     self._needed: set[tuple[int, int]] = set()  # the updates `decide` waits for
     self.groups: list[Group] = []
+    self.windows: list[tuple[Group, ...]] = []  # preduce: the groups of every window closed
     self.groups_at: dict[tuple[int, int], list[Group]] = {}  # (round, stage) -> its groups
     self.arrived: dict[tuple[int, int], int] = {}  # (stage or -1: every stage, update) -> count
     self.pending = [[(-1, 0.0)] * N for _ in range(S)]
@@ -122,17 +134,21 @@ class Timeline:
       return b * per + self.base_order[s].index(op[:1] + (0, m))
     return 2 * b + (kind == schedules.BWD)
 
-  def _duration(self, i: int, s: int, op: Op) -> float:
+  def _stalled(self, i: int, s: int, op: Op) -> bool:
+    if self._position_stalls is not None:
+      return bool(self._position_stalls[self.started[i][s], i, s])
     op_id = self._op_id(s, op)
     chunk = op_id // _CHUNK
     if chunk not in self._stalls:
       draws = np.random.default_rng([int(self.seed), chunk]).random((_CHUNK, self.N, self.S))
       self._stalls[chunk] = draws < self.hetero.probability
+    return bool(self._stalls[chunk][op_id % _CHUNK, i, s])
+
+  def _duration(self, i: int, s: int, op: Op) -> float:
     base = self.hetero.fwd_s if op[0] == schedules.FWD else self.hetero.bwd_s
     if self.schedule == "gpipe":
       base = base / self.M
-    stall = bool(self._stalls[chunk][op_id % _CHUNK, i, s])
-    return base * self.slowdown[i][s] + self.hetero.delay_s * stall
+    return base * self.slowdown[i][s] + self.hetero.delay_s * self._stalled(i, s, op)
 
   def _update_of(self, s: int, op: Op) -> int:
     """The update op ends (its mini-batch), or -1."""
@@ -165,6 +181,7 @@ class Timeline:
     self.pos[i][s] = k + 1
     self.current[i][s], self.waiting[i][s] = None, None
     heapq.heappush(self.heap, (start + self._duration(i, s, op), 0, i, s, k, op))
+    self.started[i][s] += 1
 
   def advance(self, until: Callable[[], bool]) -> None:
     """Processes events in virtual-time order until `until()` holds (checked before each)."""
@@ -252,6 +269,7 @@ class Timeline:
     for t, s, window_id in outcome.deadlines:
       heapq.heappush(self.heap, (t, 1, s, window_id, 0, None))
     for window in outcome.windows:
+      self.windows.append(window)
       for group in window:
         self._formed(group)
 

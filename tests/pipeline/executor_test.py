@@ -21,7 +21,7 @@ import ml_dtypes
 from jax.sharding import PartitionSpec as P
 
 import jlp.compression as jc
-from jlp.pipeline import HetPipe, Hetero, Pipeline, pipeline_mesh
+from jlp.pipeline import HetPipe, Hetero, Pipeline, PReduce, pipeline_mesh
 from jlp.sync import GradSync, reduce_gradients
 from draw_recorder import DrawRecorder
 
@@ -446,6 +446,16 @@ def test_bad_configuration_is_rejected(mesh):
     Pipeline(STAGES, loss_fn, opt, jax.make_mesh((8,), ("data",)))
   with pytest.raises(ValueError, match="grad_sync="):
     Pipeline(STAGES, loss_fn, opt, mesh, sync="none", grad_sync=GradSync(fmt="e4m3"))
+  # The cost model and the scheduler against N = 2 pipelines x S = 4 stages.
+  slow = Hetero(slowdown=((1.0,) * S,) * 3)
+  with pytest.raises(ValueError, match=r"Hetero.slowdown=.* a \[num_pipelines=2\]\[num_stages=4\]"):
+    Pipeline(STAGES, loss_fn, opt, mesh, hetero=slow)
+  with pytest.raises(ValueError, match=r"PReduce.max_group=3 .* \[1, num_pipelines=2\]"):
+    Pipeline(STAGES, loss_fn, opt, mesh, sync="preduce", preduce=PReduce(max_group=3))
+  pipe = Pipeline(STAGES, loss_fn, opt, mesh)
+  xs, ys = _data(1)
+  with pytest.raises(ValueError, match="Hetero.slowdown="):
+    pipe.run(pipe.init(_params()), xs, ys, hetero=slow)
 
 
 def test_bad_inputs_are_rejected(mesh):
