@@ -81,9 +81,14 @@ def make_layout(schedule: str, num_stages: int, num_batches: int, num_microbatch
           g_starts[(s - 1, index)] = t
         if s < S - 1:
           g_ends[(s, index)] = t
-  return Layout(num_batches, table, act, act_dtypes, ring_slots(table, x_starts, x_ends),
-                ring_slots(table, w_starts, w_ends), ring_slots(table, g_starts, g_ends),
-                metric_names)
+  x_slots, w_slots = ring_slots(table, x_starts, x_ends), ring_slots(table, w_starts, w_ends)
+  g_slots = ring_slots(table, g_starts, g_ends)
+  if schedule == "1f1b":
+    # Pipelines that progress by their own clocks: a stage holds at most S - s + 1 received
+    # activations, S - s stashed versions and S - s received gradients (1F1B's order bounds them,
+    # whatever the timing), consecutive mini-batches each.
+    x_slots, w_slots, g_slots = max(x_slots, S), max(w_slots, S), max(g_slots, S)
+  return Layout(num_batches, table, act, act_dtypes, x_slots, w_slots, g_slots, metric_names)
 
 
 def write_slot(buffers: Any, slot: jax.Array, values: Any, when: jax.Array) -> Any:

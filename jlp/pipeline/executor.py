@@ -52,14 +52,24 @@ Synchronisation across the N pipelines, per stage, at every update (`jlp.pipelin
                copy, otherwise the local weights take the local delta (§3.2). The seed's extra
                pull at the last batch of an epoch is not made.
 
-Pipelines run in lockstep on the devices (all do mini-batch b at the same tick); speed and
-stragglers live in virtual time (sdpipe.md §7.4): the pipeline advances one timeline of its fill
-(`jlp.pipeline.timeline`: the `hetero` cost model, seeded by (seed, the fill's first mini-batch),
-with no last mini-batch until `flush`) as far as each run's updates need, takes the syncs'
-decisions from it and reports metrics["virtual_time"], the virtual seconds at which each
-completed mini-batch's update finished. The scheduler's state (adaptive windows, union-find,
-counts) therefore lives from one run to the next like the pipeline's; after a restore the
-timeline is replayed from the fill's start (its clocks are in the state).
+Speed and stragglers live in virtual time (sdpipe.md §7.4): the pipeline advances one timeline
+of its fill (`jlp.pipeline.timeline`: the `hetero` cost model, seeded by (seed, the fill's first
+mini-batch), with no last mini-batch until `flush`) and reports metrics["virtual_time"].
+GPipe's pipelines run in lockstep (all do mini-batch b at the same tick; the timeline gives the
+syncs' decisions and clocks). 1F1B's pipelines progress by their own clocks
+(`jlp.pipeline.placement`): every op, group average, push and pull of the timeline is placed on
+the devices' ticks in the order the timeline gives them, so a pipeline that is slower in virtual
+time idles in the ticks it has no op and makes fewer updates; groups average the models their
+members have at the group's close; HetPipe's server takes each delta when it arrives and a pull
+reads it as it stands then. The N pipelines draw their mini-batches from the one stream of
+xs, ys in the order their first stages start them: chunk c (pipeline c mod N's rows of
+mini-batch c // N, as a lockstep run would) goes to the c-th forward of stage 0 in virtual time;
+a run fed B mini-batches executes everything before the forward that takes chunk B*N. `run`
+reports "updates" [N] (each pipeline's completed mini-batches) and, as "batch", every N
+completions in completion order as one mini-batch (with equal speeds: the N pipelines' rows of
+one mini-batch, and every number as the lockstep executor's). The scheduler's state (adaptive
+windows, union-find, counts) lives from one run to the next like the pipeline's; after a restore
+the timeline is replayed from the fill's start (its clocks are in the state).
 
 Stages: `stage(params, x) -> y`, or with `stateful=True` `stage(params, x, state) -> (y,
 new_state)` (BatchNorm statistics, RNG counters: `jlp.pipeline.split_model` builds such stages
@@ -71,6 +81,7 @@ stage 0 (xs) and the targets (ys) may be any arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,7 +97,9 @@ from jlp.pipeline import schedules as sched
 from jlp.pipeline.buffers import Layout, make_layout
 from jlp.pipeline.costs import check_sizes
 from jlp.pipeline.packing import Packer
+from jlp.pipeline.placement import Placement
 from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
+from jlp.pipeline.run_tables import bucket, make_run_tables
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce
 from jlp.pipeline.sync_modes import sync_mode
 from jlp.pipeline.timeline import Timeline
@@ -474,11 +487,14 @@ class Pipeline:
     this run's updates need, so they too do not depend on where runs end. `plan` replaces them:
     any object with `mix` [T, S, N, N], `times` [T] and `finish` [T, N, S] indexed by mini-batch
     over the whole training (T >= the mini-batches fed by the end of this run), e.g. a
-    `jlp.pipeline.simulate` result.
+    `jlp.pipeline.simulate` result; with 1F1B the pipelines then run in lockstep (equal speeds)
+    and every update averages with the plan's matrix.
 
     Returns the new state and the metrics of the mini-batches that completed in this run (their
-    last update, at stage 0, ran): "batch" [C] (their indices, counted over the whole training),
+    last update, at stage 0, ran; with 1F1B every N completions, in completion order, count as
+    one, module docstring): "batch" [C] (their indices, counted over the whole training),
     "loss" [C] (mean over pipelines of each one's loss; likewise every entry of loss_fn's aux),
+    "updates" [N] (1F1B: the mini-batches each pipeline completed in this run),
     with sync="allreduce" the gradient sync's report ("wire_bytes" and "payload_bytes" [C]: per
     device, averaged over all devices; "nonfinite" [C]: summed over the stages;
     `jlp.sync.reduce_gradients`), "virtual_time" [C] (float64: virtual seconds at which each
@@ -498,15 +514,21 @@ class Pipeline:
           raise ValueError(f"mini-batches of shapes {given} are not allowed while the pipeline "
                            f"holds mini-batches of shapes {ring} in flight; expected the same "
                            "shapes (or `flush` first).")
-        state = state._replace(inflight={})  # empty: the new fill lays out its own buffers
+        # Empty: the new fill lays out its own buffers, and keeps the counts.
+        inflight = self._inflight_zeros(layout, xs, ys, state.virtual_time)
+        inflight.update(fed_start=state.inflight["fed_start"], pending=state.inflight["pending"])
+        state = state._replace(inflight=inflight)
     if hetero is not None:
       if not isinstance(hetero, Hetero):
         raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
       check_sizes(self.sync, hetero, self.preduce, self.num_pipelines, self.num_stages)
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
+    hetero = self.hetero if hetero is None else hetero
+    if self.schedule == "1f1b":
+      return self._execute_1f1b(state, layout, xs, ys, plan, hetero)
     xs = jax.device_put(xs, batch_sharding)
     ys = jax.device_put(ys, batch_sharding)
-    return self._execute(state, layout, xs, ys, plan, self.hetero if hetero is None else hetero)
+    return self._execute(state, layout, xs, ys, plan, hetero)
 
   def flush(self, state: PipelineState, *, plan: Any = None, hetero: Hetero | None = None
             ) -> tuple[PipelineState, dict[str, Any]]:
@@ -518,16 +540,8 @@ class Pipeline:
     self.check_state(state)
     if not state.inflight or int(np.asarray(state.step)) == int(np.asarray(state.fill_start)):
       return state, self._no_metrics()
-    xs = jax.tree.map(lambda a: jax.ShapeDtypeStruct((0,) + a.shape[1:], a.dtype),
-                      state.inflight["xs"])
-    ys = jax.tree.map(lambda a: jax.ShapeDtypeStruct((0,) + a.shape[1:], a.dtype),
-                      state.inflight["ys"])
-    layout = self._layout(xs, ys, num_batches=0)
-    state, metrics = self._execute(state, layout, None, None, plan,
-                                   self.hetero if hetero is None else hetero)
-    # An empty pipeline: zero buffers of the same shapes, the next fill starting here.
-    inflight = self._inflight_zeros(layout, xs, ys, state.virtual_time)
-    return state._replace(inflight=inflight, fill_start=self._scalar(state.step)), metrics
+    return self._execute_1f1b(state, None, None, None, plan,
+                              self.hetero if hetero is None else hetero)
 
   def _scalar(self, value: Any) -> jax.Array:
     """A replicated int32 scalar of its own (a copy: a donated state must not hold one buffer
@@ -540,39 +554,25 @@ class Pipeline:
     if self.sync == "allreduce":
       out.update({name: np.zeros((0,), dtype) for name, dtype in SYNC_REPORT.items()})
     return dict(out, batch=np.zeros((0,), np.int64), virtual_time=np.zeros((0,)),
+                updates=np.zeros((self.num_pipelines,), np.int64),
                 group_sizes=np.zeros((0,), np.int32), bubble_fraction=float("nan"),
                 idle_fraction=float("nan"), ticks=0)
 
   def _execute(self, state: PipelineState, layout: Layout, xs: Any, ys: Any, plan: Any,
                hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
-    """Runs the compiled program on the B new mini-batches (B = 0: the drain), with the
-    decisions of the updates it makes, and picks the metrics of the completed mini-batches."""
+    """GPipe: runs the compiled program on the B new mini-batches in lockstep, with the
+    decisions of the updates it makes, and picks the metrics of the mini-batches (1F1B:
+    `_execute_1f1b`)."""
     B, S, N = layout.num_batches, self.num_stages, self.num_pipelines
     step = int(np.asarray(state.step))
     ticks: dict[str, Any] = {}
-    if self.schedule == "1f1b":
-      if not state.inflight:  # laid out by the first run (or init's batch)
-        state = state._replace(inflight=self._inflight_zeros(layout, xs, ys, state.virtual_time),
-                               fill_start=self._scalar(state.step))
-      fed = step - int(np.asarray(state.fill_start))  # mini-batches fed in this fill
-      base = fed - S  # slot 0's mini-batch in the fill
-      table = (sched.continuous_1f1b(S, fed, B) if B else sched.drain_1f1b(S, fed))
-      slot = np.where(table.kind == sched.IDLE, 0, table.batch - base).astype(np.int32)
-      ticks = dict(kind=jnp.asarray(table.kind), slot=jnp.asarray(slot),
-                   base=jnp.int32(base))
-      done = np.sort(slot[table.kind[:, 0] == sched.BWD, 0])  # a mini-batch ends at stage 0
-      first = step - S  # slot 0's index over the whole training
-      updates = [(int(slot[t, s]), s) for t, s in zip(*np.nonzero(table.kind == sched.BWD))]
-      slots = S + B
-    else:
-      table = layout.table
-      done, first, slots = np.arange(B), step, B
-      updates = [(b, s) for b in range(B) for s in range(S)]
+    table = layout.table
+    done, first, slots = np.arange(B), step, B
+    updates = [(b, s) for b in range(B) for s in range(S)]
     # The decisions of this run's updates, by slot; the clocks after them.
     fill_start = int(np.asarray(state.fill_start))
     if plan is None:
-      total = None if B or self.schedule == "gpipe" else step - fill_start
-      timeline = self._timeline(state, hetero, total)
+      timeline = self._timeline(state, hetero)
       timeline.decide([(first + p - fill_start, s) for p, s in updates])
       mix_of = lambda g, s: timeline.mix(g - fill_start, s)
       finish_of = lambda g: timeline.finish[g - fill_start]
@@ -603,8 +603,7 @@ class Pipeline:
 
     shapes = lambda tree: (jax.tree.structure(tree), tuple(
         (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
-    key = (shapes((xs, ys)), shapes(state.inflight.get("xs")), B,
-           len(table.kind) if self.schedule == "1f1b" else None)
+    key = ("gpipe", shapes((xs, ys)), B)
     if key not in self._compiled:
       self._compiled[key] = self._build(layout, state)
     # The host keeps the clocks: the program neither reads nor changes them.
@@ -616,52 +615,274 @@ class Pipeline:
     whole = np.floor(clocks)
     new_state = new_state._replace(virtual_time=jax.device_put(
         np.stack([whole, clocks - whole], -1).astype(np.float32), NamedSharding(self.mesh, P())))
-    if "fill_clock" in state.inflight:
-      new_state = new_state._replace(inflight=dict(new_state.inflight,
-                                                   fill_clock=state.inflight["fill_clock"]))
-    ticks = len(table.kind) * (B if self.schedule == "gpipe" else 1)
+    ticks = len(table.kind) * B
     computed = int(np.asarray(means.pop("computed_slots")))
     metrics = {name: np.asarray(v)[done] for name, v in means.items()}
     metrics.update(batch=first + done, virtual_time=times, group_sizes=group_sizes,
+                   updates=np.full((N,), B, np.int64),
                    bubble_fraction=sched.bubble_fraction(table),
                    idle_fraction=1.0 - computed / (N * S * ticks) if ticks else float("nan"),
                    ticks=ticks)
     return new_state, metrics
 
-  def _inflight_zeros(self, layout: Layout, xs: Any, ys: Any, clock: jax.Array
-                      ) -> dict[str, Any]:
-    """An empty 1F1B pipeline's in-flight state, on the devices; its fill begins at `clock`."""
+  # -- 1F1B: every pipeline by its own clock ---------------------------------------------------------
+  def _placement(self, state: PipelineState, hetero: Hetero, plan: Any,
+                 total: list[int] | None = None) -> Placement:
+    """The placed timeline of the state's fill (`jlp.pipeline.placement`): the one this pipeline
+    has been advancing, or a new one replayed from the fill's start (after a restore, for another
+    cost model or a plan, or with the fill's end for a flush). With a plan the pipelines run in
+    lockstep with equal speeds (a plan gives the matrices, times and finishes by mini-batch)."""
+    fill_start = int(np.asarray(state.fill_start))
+    clock = self._fill_clock(state)
+    fed_start = [int(v) for v in np.asarray(state.inflight["fed_start"])]
+    key = (fill_start, clock.tobytes(), hetero, plan is not None, tuple(fed_start),
+           None if total is None else tuple(total))
+    if self._timeline_cache is None or self._timeline_cache[0] != key:
+      seed = int(np.random.SeedSequence([self.seed, fill_start]).generate_state(1)[0])
+      sync = self.sync
+      if plan is not None:
+        hetero = Hetero(delay_s=0.0)
+        sync = "allreduce" if sync in ("preduce", "adpsgd") else sync
+      timeline = Timeline(self.schedule, sync, self.num_pipelines, self.num_stages, 1,
+                          seed=seed, hetero=hetero, preduce=self.preduce, hetpipe=self.hetpipe,
+                          first_batch=fed_start, start=clock, total=total, log=True)
+      placement = Placement(timeline, aligned=sync == "allreduce")
+      self._timeline_cache = (key, placement)
+    return self._timeline_cache[1]
+
+  def _execute_1f1b(self, state: PipelineState, layout: Layout | None, xs: Any, ys: Any,
+                    plan: Any, hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
+    """A 1F1B run of the B mini-batches of xs, ys, or the flush (xs None)."""
     N, S = self.num_pipelines, self.num_stages
-    host = self._program(layout).inflight_zeros(xs, ys, (N, S))
+    flush = xs is None
+    if not state.inflight:  # laid out by the first run (or init's batch)
+      state = state._replace(inflight=self._inflight_zeros(layout, xs, ys, state.virtual_time),
+                             fill_start=self._scalar(state.step))
+    B = 0 if flush else layout.num_batches
+    step, fill_start = int(np.asarray(state.step)), int(np.asarray(state.fill_start))
+    fed_start = [int(v) for v in np.asarray(state.inflight["fed_start"])]
+    before = (step - fill_start) * N  # chunks (one pipeline's rows of a mini-batch) fed
+    endless = self._placement(state, hetero, plan)
+    cut_before = endless.chunk_cut(before) if before else None
+    chunks_before = endless.chunks_below(cut_before) if before else []
+    taken_before = [sum(1 for i, _ in chunks_before if i == p) for p in range(N)]
+    if flush:
+      placement = self._placement(state, hetero, plan, total=taken_before)
+      placement.finish()
+      done = {node for node in endless.ticks if node[0] in ("op", "mix", "pull") and
+              endless.sortkey(node) < cut_before}
+      nodes = [node for node in placement.take(None) if node not in done]
+      chunks, taken_after = [], taken_before
+      self._timeline_cache = None
+    else:
+      placement = endless
+      if endless.taken_cut != cut_before:  # a replayed timeline: drop what ran before
+        endless.take(cut_before)
+      cut = endless.chunk_cut(before + B * N)
+      nodes = endless.take(cut)
+      endless.taken_cut = cut
+      chunks = endless.chunks_below(cut)[before:]
+      taken_after = [taken_before[p] + sum(1 for i, _ in chunks if i == p) for p in range(N)]
+    plan_mix = None
+    if plan is not None:
+      mix_all, times_all, finish_all = (np.asarray(plan.mix, np.float32),
+                                        np.asarray(plan.times, np.float64),
+                                        np.asarray(plan.finish, np.float64))
+      needed = step + B
+      if mix_all.shape[1:] != (S, N, N) or len(mix_all) < needed or len(times_all) < needed or \
+          finish_all.shape[1:] != (N, S) or len(finish_all) < needed:
+        raise ValueError(f"plan with mix {mix_all.shape}, times {times_all.shape}, finish "
+                         f"{finish_all.shape} is not allowed; expected [T, {S}, {N}, {N}], [T] "
+                         f"and [T, {N}, {S}] by mini-batch with T >= {needed}.")
+      if self.sync in ("preduce", "adpsgd"):
+        plan_mix = lambda g, s: mix_all[g, s]
+    tables = make_run_tables(placement, nodes, taken_before, taken_after, fed_start, self.sync,
+                             plan_mix)
+    timeline = placement.timeline
+
+    def left_at(i: int, m: int) -> np.ndarray:  # [S] when pipeline i's update m left (nan: not yet)
+      if plan is not None:
+        return finish_all[fed_start[i] + m, i]
+      return timeline.finish[m][i] if m in timeline.finish else np.full((S,), np.nan)
+
+    def time_of(i: int, m: int) -> float:
+      if plan is not None:
+        return float(times_all[fed_start[i] + m])
+      return float(np.max(timeline.finish[m][i]))
+
+    # A clock is where its device's last update left its sync; one still in it, its arrival.
+    clocks = self.virtual_clocks(state)
+    for i, s, m in tables.updates:
+      leave = left_at(i, m)[s]
+      if np.isnan(leave):
+        leave = placement.times[("op", i, s, sched.BWD, m)][1]
+      clocks[i, s] = max(clocks[i, s], leave)
+
+    # Each pipeline's new mini-batches: chunk q of the run is rows [q % N] of mini-batch q // N.
+    K = bucket(max([len(n) for n in tables.new] + [1]))
+    rows = None
+    if not flush:
+      rows = int(np.shape(jax.tree.leaves(xs)[0])[1]) // N
+      order = {(i, m): q for q, (i, m) in enumerate(chunks)}
+
+      def arrange(a):
+        a = np.asarray(a)
+        out = np.zeros((K,) + a.shape[1:], a.dtype)
+        for i in range(N):
+          for k, m in enumerate(tables.new[i]):
+            q = order[(i, m)]
+            out[k, i * rows:(i + 1) * rows] = a[q // N, (q % N) * rows:(q % N + 1) * rows]
+        return out
+      xs, ys = jax.tree.map(arrange, xs), jax.tree.map(arrange, ys)
+    else:
+      xs = jax.tree.map(lambda a: np.zeros((K,) + a.shape[1:], a.dtype), state.inflight["xs"])
+      ys = jax.tree.map(lambda a: np.zeros((K,) + a.shape[1:], a.dtype), state.inflight["ys"])
+    batch_sharding = NamedSharding(self.mesh, P(None, DATA))
+    xs, ys = jax.device_put(xs, batch_sharding), jax.device_put(ys, batch_sharding)
+    ticks = dict(kind=tables.kind, m=tables.m, slot=tables.slot, keep=tables.keep,
+                 events=tables.events, **{"global": tables.global_batch})
+
+    if layout is None:
+      shapes = lambda tree: jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), tree)
+      layout = self._layout(shapes(state.inflight["xs"]), shapes(state.inflight["ys"]),
+                            num_batches=0)
+    layout = dataclasses.replace(layout, num_batches=B)
+    shape_key = lambda tree: (jax.tree.structure(tree), tuple(
+        (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
+    key = ("1f1b", shape_key((xs, ys)), B, len(tables.kind))
+    if key not in self._compiled:
+      self._compiled[key] = self._build(layout, state)
+    program_state = state._replace(virtual_time=None, inflight={
+        k: v for k, v in state.inflight.items() if k in ("buffers", "xs", "ys", "metrics",
+                                                         "sync_report")})
+    new_state, out = self._compiled[key](program_state, xs, ys, ticks, None)
+    computed = int(np.asarray(out.pop("computed_slots")))
+    per_slot = {name: np.asarray(v) for name, v in out.items()}  # [N, S + K]
+
+    # Report every N completions (in completion order) as one mini-batch: with equal speeds,
+    # the N pipelines' rows of one mini-batch. A mini-batch is reported once its updates have
+    # all left their syncs (its virtual time is known), and after the ones before it.
+    pending = {k: np.asarray(v) for k, v in state.inflight["pending"].items()}
+    count, done_units = int(pending["count"]), int(pending["done"])
+    items = [(int(pending["pipeline"][k]), int(pending["m"][k]),
+              {name: pending[name][k] for name in per_slot}) for k in range(count)]
+    slot_of = lambda i, m: m % S if m < taken_before[i] else S + m - taken_before[i]
+    items += [(i, m, {name: v[i, slot_of(i, m)] for name, v in per_slot.items()})
+              for i, m in tables.completed]
+    units = 0
+    while len(items) >= (units + 1) * N and all(
+        not np.isnan(left_at(i, m)).any() for i, m, _ in items[units * N:(units + 1) * N]):
+      units += 1
+    metrics: dict[str, Any] = {}
+    for name, v in per_slot.items():
+      values = np.array([[item[2][name] for item in items[u * N:(u + 1) * N]]
+                         for u in range(units)], v.dtype).reshape(units, N)
+      if name in SYNC_REPORT:
+        total = values.sum(axis=1, dtype=v.dtype)
+        metrics[name] = (total // N if name == "nonfinite" else
+                         (total / (N * S)).astype(v.dtype))
+      else:
+        summed = values[:, 0].copy()
+        for j in range(1, N):
+          summed = summed + values[:, j]
+        metrics[name] = (summed / np.float32(N)).astype(np.float32)
+    metrics.update(
+        batch=np.arange(done_units, done_units + units, dtype=np.int64),
+        virtual_time=np.array([max(time_of(i, m) for i, m, _ in items[u * N:(u + 1) * N])
+                               for u in range(units)], np.float64),
+        group_sizes=np.array(tables.group_sizes, np.int32),
+        updates=np.bincount([i for i, _ in tables.completed], minlength=N).astype(np.int64),
+        bubble_fraction=float(np.mean(tables.kind[:tables.ticks] == sched.IDLE))
+        if tables.ticks else float("nan"),
+        idle_fraction=1.0 - computed / (N * S * tables.ticks) if tables.ticks else float("nan"),
+        ticks=tables.ticks)
+    left = items[units * N:]
+    capacity = self._pending_capacity
+    if len(left) > capacity:
+      raise AssertionError(f"{len(left)} completions wait to be reported, more than the "
+                           f"{capacity} the state holds")  # a bug, not input
+    replicated = NamedSharding(self.mesh, P())
+    pad = [0] * (capacity - len(left))
+    new_pending = {"count": np.int32(len(left)), "done": np.int32(done_units + units),
+                   "pipeline": np.array([i for i, _, _ in left] + pad, np.int32),
+                   "m": np.array([m for _, m, _ in left] + pad, np.int32)}
+    for name, v in per_slot.items():
+      new_pending[name] = np.array([item[2][name] for item in left] + pad, v.dtype)
+    whole = np.floor(clocks)
+    new_state = new_state._replace(virtual_time=jax.device_put(
+        np.stack([whole, clocks - whole], -1).astype(np.float32), replicated))
+    inflight = dict(new_state.inflight, fill_clock=state.inflight["fill_clock"],
+                    fed_start=state.inflight["fed_start"],
+                    pending={k: jax.device_put(v, replicated) for k, v in new_pending.items()})
+    new_state = new_state._replace(inflight=inflight)
+    if flush:  # an empty pipeline: the next fill starts here
+      zeros = self._inflight_zeros(layout, None, None, new_state.virtual_time,
+                                   like=new_state.inflight)
+      zeros["fed_start"] = jax.device_put(
+          np.array(fed_start, np.int32) + np.array(taken_after, np.int32), replicated)
+      zeros["pending"]["done"] = jax.device_put(np.int32(done_units + units), replicated)
+      new_state = new_state._replace(inflight=zeros, fill_start=self._scalar(new_state.step))
+    return new_state, metrics
+
+  @property
+  def _pending_capacity(self) -> int:
+    """How many completed mini-batches the state holds until they are reported: fewer than N
+    waiting for a whole group of N, and those waiting for a sync to decide (a device has at most
+    one update in its sync), with room to spare."""
+    return 4 * self.num_pipelines * (self.num_stages + 1)
+
+  def _inflight_zeros(self, layout: Layout, xs: Any, ys: Any, clock: jax.Array, *,
+                      like: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An empty 1F1B pipeline's in-flight state, on the devices (mini-batches like xs, ys, or
+    like the rings of `like`); its fill begins at `clock`, every pipeline's count of mini-batches
+    before it 0 and no completion pending."""
+    N, S = self.num_pipelines, self.num_stages
+    if like is not None:
+      xs, ys = like["xs"], like["ys"]
+    program = self._program(layout)
+    host = program.inflight_zeros(xs, ys, (N, S))
     per = NamedSharding(self.mesh, P(DATA, STAGE))
+    replicated = NamedSharding(self.mesh, P())
     put = lambda a, sharding: jax.device_put(a, sharding)
     out = {k: jax.tree.map(lambda a: put(a, per), host[k])
            for k in ("buffers", "metrics", "sync_report")}
     for k in ("xs", "ys"):
       out[k] = jax.tree.map(lambda a: put(a, NamedSharding(self.mesh, P(None, DATA))), host[k])
-    out["fill_clock"] = put(np.asarray(clock), NamedSharding(self.mesh, P()))
+    out["fill_clock"] = put(np.asarray(clock), replicated)
+    out["fed_start"] = put(np.zeros((N,), np.int32), replicated)
+    capacity = self._pending_capacity
+    pending = {"count": np.int32(0), "done": np.int32(0),
+               "pipeline": np.zeros((capacity,), np.int32), "m": np.zeros((capacity,), np.int32)}
+    pending.update({name: np.zeros((capacity,), np.float32) for name in layout.metric_names})
+    if program.mode.reports:
+      pending.update({name: np.zeros((capacity,), dtype) for name, dtype in SYNC_REPORT.items()})
+    out["pending"] = {k: put(v, replicated) for k, v in pending.items()}
     return out
 
   def _program(self, layout: Layout) -> Program:
     mode = sync_mode(self.sync, num_pipelines=self.num_pipelines, grad_sync=self.grad_sync,
                      lengths=tuple(self._stage_grads(s)["stage"].shape[0]
                                    for s in range(self.num_stages)),
-                     state_packer=self._sync_packer, pull_every=self.hetpipe.pull_every)
+                     state_packer=self._sync_packer)
     return Program(self._apply, self._loss_metrics, self.optimizer, self._require_init(), mode,
                    self.schedule, self.num_pipelines, self.num_stages, self.num_microbatches,
-                   layout)
+                   layout, self.hetpipe.pull_every)
 
   def _build(self, layout: Layout, state: PipelineState):
     per = P(DATA, STAGE)
     inflight_spec = {}
+    out_spec: Any = P()
     if self.schedule == "1f1b":
       inflight_spec = {k: jax.tree.map(lambda _: per, state.inflight[k])
                        for k in ("buffers", "metrics", "sync_report")}
       inflight_spec.update(xs=jax.tree.map(lambda _: P(None, DATA), state.inflight["xs"]),
                            ys=jax.tree.map(lambda _: P(None, DATA), state.inflight["ys"]))
+      names = list(state.inflight["metrics"]) + list(state.inflight["sync_report"])
+      out_spec = dict({name: P(DATA) for name in names}, computed_slots=P())
     state_spec = PipelineState(P(), per, per, per, per, per, P(), P(), inflight_spec)
     mapped = jax.shard_map(
         self._program(layout), mesh=self.mesh,
         in_specs=(state_spec, P(None, DATA), P(None, DATA), P(), P()),
-        out_specs=(state_spec, P()), check_vma=False)
+        out_specs=(state_spec, out_spec), check_vma=False)
     return jax.jit(mapped, donate_argnums=(0,) if self.donate else ())

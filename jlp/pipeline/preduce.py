@@ -134,14 +134,19 @@ class _Stage:
 
 class Scheduler:
   """The scheduler of every stage (module docstring) for N pipelines x S stages x B updates.
+  (B: one count for every pipeline or one per pipeline: its last update ends its arrivals).
   `cost_s[m]`: the seconds a group of m members takes to average (jlp.pipeline.costs.group_costs),
   m = 0..N. Raises when config.max_group > N."""
 
-  def __init__(self, config: PReduce, num_pipelines: int, num_stages: int, num_batches: int,
+  def __init__(self, config: PReduce, num_pipelines: int, num_stages: int,
+               num_batches: int | Sequence[int],
                cost_s: Sequence[float]):
     N = num_pipelines
     check_max_group(config, N)
-    self.config, self.N, self.S, self.last_batch = config, N, num_stages, num_batches - 1
+    self.config, self.N, self.S = config, N, num_stages
+    # Each pipeline's last update (num_batches: one count for all, or one per pipeline).
+    self.last_batch = ([int(num_batches) - 1] * N if isinstance(num_batches, int)
+                       else [int(b) - 1 for b in num_batches])
     self.cost_s = cost_s
     self.stages = [_Stage(N) for _ in range(num_stages)]
     self.max_group = N if config.max_group is None else config.max_group
@@ -177,7 +182,7 @@ class Scheduler:
           self._close(s, t, out)
       elif len(stage.ready) >= self.max_group:
         self._close(s, t, out)
-    if b == self.last_batch:
+    if b == self.last_batch[i]:
       stage.retired.add(i)
     if stage.ready and stage.window_kind == FORCED and all(
         j in stage.retired or j in stage.ready for j in range(self.N)):

@@ -80,20 +80,24 @@ class Program:
   num_stages: int
   num_microbatches: int
   layout: Layout
+  pull_every: int  # GPipe's HetPipe pulls (1F1B's come with the events)
 
   def __call__(self, state: PipelineState, xs: Any, ys: Any, ticks: dict[str, jax.Array],
                mix: jax.Array | None) -> tuple[PipelineState, dict[str, jax.Array]]:
     """The per-device program (inside `jax.shard_map`): the run's ticks, then the new state and
-    the run's metrics, means over the pipelines (sync reports: per device, averaged over the
-    devices), one entry per mini-batch slot of the run (`Pipeline.run` picks the completed ones).
+    the run's metrics (`Pipeline.run` picks the completed mini-batches').
 
-    GPipe: xs, ys [B, rows, ...], one entry per mini-batch, `ticks` {}. 1F1B: xs, ys the B new
-    mini-batches; `ticks` {"kind": [T, S], "slot": [T, S], "base": int32}: the run's rows of the
-    never-ending 1F1B table (`schedules.continuous_1f1b` / `drain_1f1b`), each op's mini-batch
-    as its slot in [0, S + B): slots [0, S) are the mini-batches in flight (their inputs and
-    metrics come from state.inflight), slot S + k the k-th new one; mini-batch slot + base of
-    the current fill (the ring buffers' index). `mix`: [slots, S, N, N] (the mixing matrix of
-    each update the run makes, by its mini-batch's slot) or None."""
+    GPipe: xs, ys [B, rows, ...], `ticks` {}, `mix` [B, S, N, N] or None; metrics: means over the
+    pipelines (sync reports: per device, averaged over the devices), one entry per mini-batch.
+
+    1F1B: xs, ys [K, rows, ...]: each pipeline's new mini-batches of the run, in the order it
+    takes them (padded); `ticks`: the run's table, [T, N, S] per device: "kind" (IDLE, FWD,
+    BWD), "m" (the op's mini-batch, counted in its pipeline's fill: ring-buffer entries),
+    "slot" (where its input and metrics are: [0, S) the pipeline's ring of its last S
+    mini-batches, S + k its k-th new one), "global" (the mini-batch over its pipeline's whole
+    training: the sync's random stream); "keep" [N, S] (the slots that make the new ring); and
+    "events" (the sync mode's, [T, ...]: `jlp.pipeline.sync_modes`). Metrics: per pipeline and
+    slot, [1, S + K] per device (the last stage's values and the stages' summed reports)."""
     squeeze = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)
     stage = lax.axis_index(STAGE)
     carry = dict(params=squeeze(state.params), opt=squeeze(state.opt_state),
@@ -103,11 +107,21 @@ class Program:
                  computed=jnp.int32(0))  # ticks in which this device ran its stage
     inflight = dict(state.inflight)
     if self.schedule == "1f1b":
-      carry, inflight = self._run_1f1b(carry, inflight, stage, state.fill_start, xs, ys, ticks,
-                                       mix)
-    else:
-      carry = self._run_gpipe(self._with_metrics(carry, self.layout.num_batches), stage,
-                              state.step, xs, ys, mix)
+      carry, inflight = self._run_1f1b(carry, inflight, stage, xs, ys, ticks)
+      last = stage == self.num_stages - 1
+      out = {name: lax.psum(jnp.where(last, v, 0.0), STAGE)[None]
+             for name, v in carry["metrics"].items()}
+      out.update({name: lax.psum(v, STAGE)[None] for name, v in carry["sync_report"].items()})
+      out["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
+      expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
+      new_state = state._replace(
+          step=state.step + self.layout.num_batches, params=expand(carry["params"]),
+          opt_state=expand(carry["opt"]), model_state=expand(carry["model_state"]),
+          global_params=expand(carry["global_params"]), sync_state=expand(carry["sync_state"]),
+          inflight=inflight)
+      return new_state, out
+    carry = self._run_gpipe(self._with_metrics(carry, self.layout.num_batches), stage,
+                            state.step, xs, ys, mix)
     last = stage == self.num_stages - 1
     means = {name: lax.psum(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA) / self.num_pipelines
              for name, v in carry["metrics"].items()}
@@ -253,7 +267,7 @@ class Program:
     bufs["recv_g"] = write_slot(bufs["recv_g"], slot(id_g, self.layout.g_slots), grad, id_g > 0)
     return bufs
 
-  def _update(self, carry, stage, grads, do_update, batch_index, global_batch, mix):
+  def _update(self, carry, stage, grads, do_update, batch_index, global_batch, events):
     """The optimizer step of this device's stage between the sync mode's hooks
     (`jlp.pipeline.sync_modes`)."""
     param_packer, opt_packer, _ = self.packers
@@ -277,34 +291,30 @@ class Program:
     index = jnp.where(do_update, stage + 1, 0)
     params, opt, delta = lax.switch(index, [keep] + [step(s) for s in range(self.num_stages)])
     params, carry = self.mode.after_update(carry, stage, params["float32"], delta["float32"],
-                                           do_update, batch_index, global_batch, mix)
+                                           events)
     return dict(carry, params={"float32": params}, opt=opt)
 
-  def _run_1f1b(self, carry, inflight, stage, fill_start, xs, ys, ticks, mix):
-    """The run's ticks of the never-ending 1F1B table (`__call__`); returns (carry, the new
-    in-flight state: ring buffers, the last S slots' inputs, metrics and mixing rows)."""
-    S, B = self.num_stages, self.layout.num_batches
+  def _run_1f1b(self, carry, inflight, stage, xs, ys, ticks):
+    """The run's ticks (`__call__`); returns (carry, the new in-flight state: ring buffers, each
+    pipeline's last S mini-batches' inputs and partial metrics)."""
+    S = self.num_stages
     squeeze = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)
+    pipeline = lax.axis_index(DATA)
     bufs = squeeze(inflight["buffers"])
-    # A drain (B = 0) passes no xs, ys or mix: zero-size operands of the program crash
-    # jax 0.11's Shardy.
-    x_all = inflight["xs"] if B == 0 else jax.tree.map(lambda r, x: jnp.concatenate([r, x]),
-                                                        inflight["xs"], xs)
-    y_all = inflight["ys"] if B == 0 else jax.tree.map(lambda r, y: jnp.concatenate([r, y]),
-                                                        inflight["ys"], ys)
-    # The in-flight slots' partial metrics, then zeros for the new ones (a concatenation: jax
-    # 0.11's Shardy crashes compiling an update that covers a whole buffer, as B = 0 would).
+    K = jax.tree.leaves(xs)[0].shape[0]
+    # Each pipeline's own mini-batches: its ring of the last S, then this run's new ones.
+    x_all = jax.tree.map(lambda r, x: jnp.concatenate([r, x]), inflight["xs"], xs)
+    y_all = jax.tree.map(lambda r, y: jnp.concatenate([r, y]), inflight["ys"], ys)
     carry = dict(carry, **{
-        group: {name: jnp.concatenate([ring[0, 0], jnp.zeros((B,), ring.dtype)])
+        group: {name: jnp.concatenate([ring[0, 0], jnp.zeros((K,), ring.dtype)])
                 for name, ring in inflight[group].items()}
         for group in ("metrics", "sync_report")})
-    base = ticks["base"]
+    events = ticks["events"]
 
     def tick(state, row):
       carry, bufs = state
-      kinds, slots = row
-      kind, slot = kinds[stage], jnp.maximum(slots[stage], 0)
-      index = slot + base  # the mini-batch in the fill: its ring-buffer entries
+      kind, index, slot, global_batch = (row[k][pipeline, stage]
+                                         for k in ("kind", "m", "slot", "global"))
       x_in = jax.tree.map(lambda a: a[slot], x_all)
       y_in = jax.tree.map(lambda a: a[slot], y_all)
       slot_w = index % self.layout.w_slots
@@ -322,12 +332,16 @@ class Program:
       carry["metrics"] = {name: v.at[slot].set(jnp.where(kind == sched.BWD, loss[name], v[slot]))
                           for name, v in carry["metrics"].items()}
       bufs = self._exchange(bufs, stage, kind, index, act_out, grad_out)
-      carry = self._update(carry, stage, grads, kind == sched.BWD, slot, fill_start + index, mix)
+      carry = self._update(carry, stage, grads, kind == sched.BWD, slot, global_batch,
+                           row["events"])
       return (carry, bufs), None
 
-    (carry, bufs), _ = lax.scan(tick, (carry, bufs), (ticks["kind"], ticks["slot"]))
+    rows = dict(kind=ticks["kind"], m=ticks["m"], slot=ticks["slot"], events=events,
+                **{"global": ticks["global"]})
+    (carry, bufs), _ = lax.scan(tick, (carry, bufs), rows)
     expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
-    keep = lambda a: a[B:B + S]
+    keep_index = ticks["keep"][pipeline]  # [S]: where each ring position's mini-batch is
+    keep = lambda a: a[keep_index]
     inflight = dict(
         buffers=expand(bufs), xs=jax.tree.map(keep, x_all), ys=jax.tree.map(keep, y_all),
         metrics={name: expand(keep(v)) for name, v in carry["metrics"].items()},
@@ -351,6 +365,19 @@ class Program:
                          for name in self.layout.metric_names},
                 sync_report={name: np.zeros(lead + (S,), dtype) for name, dtype in
                              SYNC_REPORT.items()} if self.mode.reports else {})
+
+  def _lockstep_events(self, mix, b, global_batch):
+    """GPipe's events at the update of its mini-batch b: every pipeline averages with mix[b],
+    pushes (in pipeline order) and, every pull_every-th mini-batch, pulls."""
+    N, S = self.num_pipelines, self.num_stages
+    events = {}
+    if mix is not None:
+      events.update(mix=mix[b], has_mix=jnp.ones((S,), bool))
+    if self.mode.uses_server:
+      pull = (global_batch + 1) % self.pull_every == 0
+      events.update(push=jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (S, N)),
+                    pull=jnp.broadcast_to(pull, (N, S)))
+    return events
 
   def _run_gpipe(self, carry, stage, step, xs, ys, mix):
     table = self.layout.table
@@ -384,7 +411,8 @@ class Program:
 
       zero = {name: jnp.float32(0) for name in self.layout.metric_names}
       (carry, _, grads, loss_sum), _ = lax.scan(tick, (carry, bufs, grads, zero), rows)
-      carry = self._update(carry, stage, grads, jnp.bool_(True), b, step + b, mix)
+      carry = self._update(carry, stage, grads, jnp.bool_(True), b, step + b,
+                           self._lockstep_events(mix, b, step + b))
       carry["metrics"] = {name: v.at[b].set(loss_sum[name] / M)
                           for name, v in carry["metrics"].items()}
       return carry, None

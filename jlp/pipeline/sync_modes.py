@@ -6,9 +6,11 @@ small strategy object per `Pipeline(sync=...)` mode, called by the jitted progra
 Each mode has two hooks around the stage's optimizer step:
   `gradients`     the gradient the step applies (default: the pipeline's own);
   `after_update`  the weights the stage keeps after the step (default: the stepped ones).
-Both take `do_update` (whether this tick updates the stage: a backward of 1F1B, the end of a GPipe
-mini-batch). The pipelines of one stage update at the same ticks, so every collective over "data"
-runs inside `lax.cond(do_update, ...)`: on the ticks that update only, and met by every pipeline.
+`gradients` takes `do_update` (whether this tick updates the stage: a backward of 1F1B, the end of
+a GPipe mini-batch); with "allreduce" the pipelines of one stage update at the same ticks, so its
+collective runs inside `lax.cond(do_update, ...)`, met by every pipeline. `after_update` runs at
+every tick with the tick's events; its collectives run inside a `lax.cond` on an event that is the
+same on every pipeline of the stage.
 
 Modes:
   "allreduce"  `AllReduce`: the step uses sum_i gradient_i / N, summed by
@@ -16,12 +18,13 @@ Modes:
                gradient (one flat leaf of its own length, never the padded buffer) and the
                stage's own compression state.
   "none"       `Local`: every pipeline trains alone.
-  "preduce", "adpsgd"  `Mixing`: after the local step, x_i <- sum_j mix[b, s, i, j] x_j with the
-               mixing matrix of update b of stage s (a jitted input, one compile for every
+  "preduce", "adpsgd"  `Mixing`: at the ticks a group averages (after the step), x_i <- sum_j
+               mix[i, j] x_j with the tick's mixing matrix (a jitted input, one compile for every
                grouping); optimizer states and stashed weights are never mixed (§2.1).
-  "hetpipe"    `HetPipeServer`: a parameter-server copy per stage takes every pipeline's delta / N
-               in pipeline order; every `pull_every`-th mini-batch (counted over the whole
-               training) the local weights are replaced by the copy (§3.2).
+  "hetpipe"    `HetPipeServer`: a parameter-server copy per stage takes each pushed delta / N in
+               arrival order; a pull replaces the local weights by the copy (§3.2).
+The ticks of the averages, pushes and pulls are the events of `after_update`, inputs of the
+program (`jlp.pipeline.placement` places them from the virtual-time timeline).
 """
 
 from __future__ import annotations
@@ -64,12 +67,13 @@ class SyncMode:
     return grads, carry
 
   def after_update(self, carry: dict[str, Any], stage: jax.Array, params: jax.Array,
-                   delta: jax.Array, do_update: jax.Array, batch_index: jax.Array,
-                   global_batch: jax.Array, mix: jax.Array | None
+                   delta: jax.Array, events: dict[str, jax.Array]
                    ) -> tuple[jax.Array, dict[str, Any]]:
     """(the packed float32 weights the stage keeps, carry), given the stepped weights and the
-    step's delta (zeros where the tick does not update)."""
-    del stage, delta, do_update, batch_index, global_batch, mix
+    step's delta (zeros where the tick does not update), at every tick, updating or not.
+    `events`: the tick's row of the mode's events (`Mixing`, `HetPipeServer`), the same on every
+    device."""
+    del stage, delta, events
     return params, carry
 
 
@@ -126,55 +130,59 @@ class AllReduce(SyncMode):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Mixing(SyncMode):
-  """sync="preduce" / "adpsgd": model averaging with the plan's mixing matrices."""
+  """sync="preduce" / "adpsgd": model averaging. events: "has_mix" bool [S] (stage s averages at
+  this tick) and "mix" float32 [S, N, N] (its matrix: the groups' rows, identity elsewhere)."""
   num_pipelines: int
   uses_mix = True
 
-  def after_update(self, carry, stage, params, delta, do_update, batch_index, global_batch, mix):
-    del delta, global_batch
+  def after_update(self, carry, stage, params, delta, events):
+    del delta
 
     def mixed(params):
       everyone = lax.all_gather(params, DATA)  # [N, L]
-      row = mix[batch_index, stage, lax.axis_index(DATA)]
+      row = events["mix"][stage, lax.axis_index(DATA)]
       out = everyone[0] * row[0]
       for j in range(1, self.num_pipelines):
         out = out + everyone[j] * row[j]
       return out
 
-    return lax.cond(do_update, mixed, lambda params: params, params), carry
+    return lax.cond(events["has_mix"][stage], mixed, lambda params: params, params), carry
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HetPipeServer(SyncMode):
-  """sync="hetpipe": the parameter-server copy and the periodic pull."""
+  """sync="hetpipe": the parameter-server copy. events: "push" int32 [S, N] (the pipelines whose
+  update of this tick pushes its delta, in arrival order, then -1) and "pull" bool [N, S] (the
+  local weights become the server's, after the pushes)."""
   num_pipelines: int
-  pull_every: int
   uses_server = True
 
-  def after_update(self, carry, stage, params, delta, do_update, batch_index, global_batch, mix):
-    del stage, batch_index, mix
+  def after_update(self, carry, stage, params, delta, events):
     N = self.num_pipelines
+    order = events["push"][stage]
 
     def push(server, delta):
       deltas = lax.all_gather(delta, DATA)
-      for j in range(N):
-        server = server + deltas[j] * np.float32(1.0 / N)
+      for k in range(N):
+        j = order[k]
+        server = jnp.where(j >= 0, server + deltas[jnp.maximum(j, 0)] * np.float32(1.0 / N),
+                           server)
       return server
 
-    server = lax.cond(do_update, push, lambda server, delta: server,
+    server = lax.cond(order[0] >= 0, push, lambda server, delta: server,
                       carry["global_params"]["float32"], delta)
     carry = dict(carry, global_params={"float32": server})
-    pull = jnp.logical_and(do_update, (global_batch + 1) % self.pull_every == 0)
+    pull = events["pull"][lax.axis_index(DATA), stage]
     return jnp.where(pull, server, params), carry
 
 
 def sync_mode(sync: str, *, num_pipelines: int, grad_sync: GradSync, lengths: tuple[int, ...],
-              state_packer: Packer | None, pull_every: int) -> SyncMode:
+              state_packer: Packer | None) -> SyncMode:
   """The strategy object of `sync` (one of jlp.pipeline.SYNC_MODES, checked by Pipeline)."""
   if sync == "allreduce":
     return AllReduce(grad_sync, num_pipelines, lengths, state_packer)
   if sync in ("preduce", "adpsgd"):
     return Mixing(num_pipelines)
   if sync == "hetpipe":
-    return HetPipeServer(num_pipelines, pull_every)
+    return HetPipeServer(num_pipelines)
   return Local()

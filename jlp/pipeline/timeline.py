@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -52,9 +52,16 @@ class Timeline:
     schedule, sync, num_pipelines, num_stages, num_microbatches: as `Pipeline`'s.
     seed: this fill's seed (op costs, AD-PSGD's matchings).
     hetero, preduce, hetpipe: the cost model and the syncs' knobs (jlp.pipeline.costs).
-    first_batch: the fill's first mini-batch over the whole training (HetPipe's pulls).
+    first_batch: the mini-batches each pipeline trained before the fill (an int, or one per
+      pipeline: HetPipe's pulls count a pipeline's own mini-batches over the whole training).
     start: [N, S] virtual seconds at which each (pipeline, stage) is free.
-    total: None (mini-batches keep coming) or the number of mini-batches in the fill.
+    total: None (mini-batches keep coming) or the number of mini-batches in the fill (an int, or
+      one per pipeline: each pipeline's own count).
+    log: keep `log`, the record `jlp.pipeline.placement` places on the executor's ticks: in
+      processing order, ("op", i, s, op, start, end) when an op starts, ("arrive", i, s, b, t)
+      when an update reaches its sync, ("group", Group, {member: its update}) when a group forms
+      (before its members leave), ("pull", i, s, b, t) when HetPipe decides that pipeline i's
+      stage s pulls at t after update b, and ("leave", i, s, b, t).
     stalls_by_position: draw the stalls as `jlp.pipeline.simulate` does (it runs this model with an
       end): per op position k in its stage's order, `default_rng(seed).random((K, N, S))[k, i, s]`
       for the K ops of a stage; needs `total`. Default: per op id (module docstring).
@@ -62,23 +69,30 @@ class Timeline:
 
   def __init__(self, schedule: str, sync: str, num_pipelines: int, num_stages: int,
                num_microbatches: int, *, seed: int, hetero: Hetero, preduce: PReduce,
-               hetpipe: HetPipe, first_batch: int, start: np.ndarray, total: int | None = None,
-               stalls_by_position: bool = False):
+               hetpipe: HetPipe, first_batch: int | Sequence[int], start: np.ndarray,
+               total: int | Sequence[int] | None = None, stalls_by_position: bool = False,
+               log: bool = False):
     N, S, M = num_pipelines, num_stages, num_microbatches
     self.schedule, self.sync, self.N, self.S, self.M = schedule, sync, N, S, M
-    self.seed, self.hetero, self.hetpipe, self.first_batch = seed, hetero, hetpipe, first_batch
+    self.seed, self.hetero, self.hetpipe = seed, hetero, hetpipe
+    per_pipeline = lambda v: [int(v)] * N if np.ndim(v) == 0 else [int(x) for x in v]
+    self.first_batch = per_pipeline(first_batch)
     self.total = total
+    self.totals = None if total is None else per_pipeline(total)
+    self.log: list[tuple] | None = [] if log else None
+    self.now = -np.inf  # the time of the last event processed
     self.slowdown = (np.ones((N, S)) if hetero.slowdown is None
                      else np.asarray(hetero.slowdown, np.float64)).tolist()
     self.cost = group_costs(hetero, N)
-    last = _ENDLESS if total is None else total
+    last = [_ENDLESS] * N if total is None else self.totals
     self.scheduler = Scheduler(preduce, N, S, last, self.cost) if sync == "preduce" else None
     self.base_order = schedules.stage_order("gpipe", S, 1, M) if schedule == "gpipe" else None
     self._stalls: dict[int, np.ndarray] = {}
     self._position_stalls: np.ndarray | None = None
     if stalls_by_position:
       per = len(self.base_order[0]) if schedule == "gpipe" else 2
-      self._position_stalls = (np.random.default_rng(int(seed)).random((per * total, N, S))
+      self._position_stalls = (np.random.default_rng(int(seed)).random((per * max(self.totals),
+                                                                         N, S))
                                < hetero.probability)
     self.started = [[0] * S for _ in range(N)]  # ops started: the position of the next one
     self._rng = random.Random(int(seed))  # AD-PSGD: one shuffle per round, in round order
@@ -115,13 +129,13 @@ class Timeline:
       return (schedules.BWD, (k - warm) // 2, 0)
     return (schedules.FWD, warm + (k - warm) // 2, 0)
 
-  def _next(self, s: int, k: int) -> int | None:
-    """The first position >= k of an op in the fill (None: the fill's ops are over). With an
-    end, 1F1B's forwards of later mini-batches are left out, so the backwards that followed them
-    come one after the other (the drain); the first later backward ends the order."""
+  def _next(self, i: int, s: int, k: int) -> int | None:
+    """The first position >= k of an op of pipeline i in the fill (None: its ops are over). With
+    an end, 1F1B's forwards of later mini-batches are left out, so the backwards that followed
+    them come one after the other (the drain); the first later backward ends the order."""
     while True:
       kind, b, _ = self._endless_op(s, k)
-      if self.total is None or b < self.total:
+      if self.totals is None or b < self.totals[i]:
         return k
       if self.schedule == "gpipe" or kind == schedules.BWD:
         return None
@@ -166,7 +180,7 @@ class Timeline:
   def _start(self, i: int, s: int, free: float) -> None:
     """Starts (pipeline i, stage s)'s next op, free from `free` on, once its dependency is done
     (else it waits for it)."""
-    k = self._next(s, self.pos[i][s])
+    k = self._next(i, s, self.pos[i][s])
     if k is None:
       return
     op = self._endless_op(s, k)
@@ -180,7 +194,10 @@ class Timeline:
       start = max(free, ready + self.hetero.p2p_s)
     self.pos[i][s] = k + 1
     self.current[i][s], self.waiting[i][s] = None, None
-    heapq.heappush(self.heap, (start + self._duration(i, s, op), 0, i, s, k, op))
+    end = start + self._duration(i, s, op)
+    heapq.heappush(self.heap, (end, 0, i, s, k, op))
+    if self.log is not None:
+      self.log.append(("op", i, s, op, start, end))
     self.started[i][s] += 1
 
   def advance(self, until: Callable[[], bool]) -> None:
@@ -189,6 +206,7 @@ class Timeline:
       if not self.heap:
         raise AssertionError("the timeline ran out of events")  # a bug, not input
       t, event, a, s, _, op = heapq.heappop(self.heap)
+      self.now = t
       if event == 1:  # a deadline: a = stage, s = window id
         self._carry_out(self.scheduler.deadline(a, s, t))
         continue
@@ -212,6 +230,8 @@ class Timeline:
       self.finish[b] = np.full((self.N, self.S), np.nan)
       self._waiting_for[b] = [self.N] * self.S
     self.finish[b][i, s] = t
+    if self.log is not None:
+      self.log.append(("leave", i, s, b, t))
     self._waiting_for[b][s] -= 1
     if self._waiting_for[b][s] == 0:
       self._needed.discard((b, s))
@@ -233,6 +253,8 @@ class Timeline:
 
   def _arrive(self, i: int, s: int, b: int, t: float) -> None:
     N = self.N
+    if self.log is not None:
+      self.log.append(("arrive", i, s, b, t))
     if self.sync == "allreduce":
       count = self.arrived[(s, b)] = self.arrived.get((s, b), 0) + 1
       if count == N:
@@ -244,38 +266,49 @@ class Timeline:
       other_batch, other_time = self.pending[s][j]
       if other_batch == b:
         self.pending[s][j] = (-1, 0.0)
-        self._formed(Group((min(i, j), max(i, j)), s, b, other_time, t, ORDINARY))
+        self._formed(Group((min(i, j), max(i, j)), s, b, other_time, t, ORDINARY), {i: b, j: b})
         self._leave(i, s, b, t + self.cost[2])
         self._leave(j, s, b, t + self.cost[2])
       else:
         self.pending[s][i] = (b, t)
     elif self.sync == "hetpipe":
-      pull = (self.first_batch + b + 1) % self.hetpipe.pull_every == 0
+      pull = (self.first_batch[i] + b + 1) % self.hetpipe.pull_every == 0
       if self.hetpipe.barrier and pull:
         count = self.arrived[(-1, b)] = self.arrived.get((-1, b), 0) + 1
         if count == N * self.S:
           del self.arrived[(-1, b)]
           for j in range(N):
             for s2 in range(self.S):
+              self._pull(j, s2, b, t + self.cost[1])
               self._leave(j, s2, b, t + self.cost[1])
       else:
+        if pull:
+          self._pull(i, s, b, t + self.cost[1])
         self._leave(i, s, b, t + self.cost[1])
     else:
       self._carry_out(self.scheduler.arrive(i, s, b, t))
 
+  def _pull(self, i: int, s: int, b: int, t: float) -> None:
+    if self.log is not None:
+      self.log.append(("pull", i, s, b, t))
+
   def _carry_out(self, outcome: Outcome) -> None:
+    # The groups first: a member's next op starts when it leaves, after its group.
+    update = {(i, s): b for i, s, b, _ in outcome.departures}
+    for window in outcome.windows:
+      self.windows.append(window)
+      for group in window:
+        self._formed(group, {i: update[(i, group.stage)] for i in group.members})
     for i, s, b, t in outcome.departures:
       self._leave(i, s, b, t)
     for t, s, window_id in outcome.deadlines:
       heapq.heappush(self.heap, (t, 1, s, window_id, 0, None))
-    for window in outcome.windows:
-      self.windows.append(window)
-      for group in window:
-        self._formed(group)
 
-  def _formed(self, group: Group) -> None:
+  def _formed(self, group: Group, updates: dict[int, int]) -> None:
     self.groups.append(group)
     self.groups_at.setdefault((group.round, group.stage), []).append(group)
+    if self.log is not None:
+      self.log.append(("group", group, updates))
 
   # -- what the executor asks ----------------------------------------------------------------------
   def decided(self, b: int, s: int) -> bool:

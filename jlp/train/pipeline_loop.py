@@ -272,7 +272,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 def _joined(first: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
   """The metrics of a run followed by those of a flush; the idle shares over both's ticks."""
-  out = {k: np.concatenate([v, rest[k]]) for k, v in first.items() if np.ndim(v)}
+  out = {k: np.concatenate([v, rest[k]]) for k, v in first.items()
+         if np.ndim(v) and k != "updates"}
+  out["updates"] = first["updates"] + rest["updates"]
   ticks = first["ticks"] + rest["ticks"]
   for k in ("bubble_fraction", "idle_fraction"):
     out[k] = (first[k] * first["ticks"] + (rest[k] * rest["ticks"] if rest["ticks"] else 0.0)

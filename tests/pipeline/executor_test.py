@@ -10,6 +10,8 @@ Float32 throughout, so agreement is to float32 rounding (the pipeline sums the s
 another order).
 """
 
+import os
+import sys
 import types
 
 import jax
@@ -653,3 +655,64 @@ def test_syncs_see_each_stages_own_gradient(mesh, case):
         jax.tree.map(lambda a, b, i=i: np.testing.assert_array_equal(a[i], np.asarray(b[i])),
                      kept[s], new_state)
   np.testing.assert_allclose(metrics["wire_bytes"][0], wire / S, rtol=1e-6)
+
+
+GOLDENS = os.path.join(os.path.dirname(__file__), "..", "data", "pipeline_equal_speeds.npz")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("sync", ["allreduce", "none", "preduce", "adpsgd", "hetpipe"])
+def test_equal_speeds_reduce_to_the_lockstep_numbers(mesh, schedule, sync):
+  """With equal speeds and no stalls, pipelines that progress by their own clocks run in step:
+  one run of 6 mini-batches and the flush give, bit for bit, what the lockstep executor gave
+  (tests/data/make_pipeline_goldens.py, made at the commit before the clocks drove progress)."""
+  sys.path.insert(0, os.path.dirname(GOLDENS))
+  import make_pipeline_goldens  # pylint: disable=g-import-not-at-top
+  golden = np.load(GOLDENS)
+  got = make_pipeline_goldens.run_case(schedule, sync, mesh)
+  name = make_pipeline_goldens.case_name(schedule, sync)
+  assert sorted(got) == sorted(k.split("/")[1] for k in golden.files if k.startswith(name + "/"))
+  for k, v in got.items():
+    np.testing.assert_array_equal(v, golden[f"{name}/{k}"], err_msg=k)
+
+
+@pytest.mark.parametrize("sync", ["none", "hetpipe", "preduce"])
+def test_a_pipeline_twice_as_slow_makes_about_half_the_updates(mesh, sync):
+  """Pipeline 1 is 2x slower at every stage (virtual time): over 40 mini-batches in runs of 10 it
+  completes 40-60 % of pipeline 0's updates (`updates`), takes fewer of the stream's rows, and
+  the mini-batches reported are every N = 2 completions, all of them after the flush."""
+  xs, ys = _data(40)
+  pipe = Pipeline(STAGES, loss_fn, optax.sgd(0.05), mesh, schedule="1f1b", sync=sync,
+                  hetero=Hetero(slowdown=((1.0,) * S, (2.0,) * S)))
+  state = pipe.init(_params())
+  updates, batches = np.zeros(N, np.int64), []
+  for first in range(0, 40, 10):
+    state, metrics = pipe.run(state, xs[first:first + 10], ys[first:first + 10])
+    updates += metrics["updates"]
+    batches += list(metrics["batch"])
+    assert np.all(np.isfinite(metrics["loss"]))
+  assert 0.4 <= updates[1] / updates[0] <= 0.6, updates
+  state, metrics = pipe.flush(state)
+  updates += metrics["updates"]
+  batches += list(metrics["batch"])
+  assert updates.sum() == 40 * N and batches == list(range(40))
+  assert int(np.asarray(state.inflight["fed_start"]).sum()) == 40 * N
+  assert np.asarray(state.inflight["fed_start"])[1] < 40
+
+
+def test_runs_by_the_clock_are_one_run_under_a_slowdown(mesh):
+  """A persistent slowdown makes the pipelines take different mini-batches at different ticks;
+  runs of [9], [4, 5] and [1] * 9 still give bit-identical states (PReduce, whose groups then
+  average models of different progress)."""
+  xs, ys = _data(9)
+  pipe = Pipeline(STAGES, loss_fn, optax.sgd(0.1, momentum=0.9), mesh, schedule="1f1b",
+                  sync="preduce", hetero=Hetero(slowdown=((1.0,) * S, (1.7,) * S)))
+  results = [_in_runs(pipe, pipe.init(_params()), xs, ys, lengths)
+             for lengths in ([9], [4, 5], [1] * 9)]
+  (state, metrics), others = results[0], results[1:]
+  for other_state, other_metrics in others:
+    for k in metrics:
+      order = np.sort if k == "group_sizes" else np.asarray
+      np.testing.assert_array_equal(order(other_metrics[k]), order(metrics[k]), err_msg=k)
+    for a, b in zip(jax.tree.leaves(other_state), jax.tree.leaves(state), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
