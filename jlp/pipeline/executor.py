@@ -740,7 +740,8 @@ class Pipeline:
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
     xs, ys = jax.device_put(xs, batch_sharding), jax.device_put(ys, batch_sharding)
     ticks = dict(kind=tables.kind, m=tables.m, slot=tables.slot, keep=tables.keep,
-                 events=tables.events, **{"global": tables.global_batch})
+                 events=tables.events, count=np.int32(tables.ticks),
+                 **{"global": tables.global_batch})
 
     if layout is None:
       shapes = lambda tree: jax.tree.map(

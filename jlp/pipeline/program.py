@@ -1,11 +1,11 @@
 """The jitted program of `jlp.pipeline.Pipeline`: what every device (pipeline i, stage s) of the
 ("data", "stage") mesh runs inside one `jax.shard_map` for one `Pipeline.run` (sdpipe.md §1, §7).
 
-A `lax.scan` over the ticks of the schedule (GPipe: its static one-mini-batch table, one scan per
-mini-batch inside a scan over the mini-batches; 1F1B: the run's rows of the never-ending table,
-`schedules.continuous_1f1b`, an input, with what is in flight carried in the state from one run
-to the next): at each tick the device runs its
-stage's op of that tick (a `lax.switch` over stage x {idle, forward, backward}), then the
+A loop over the ticks of the schedule (GPipe: a `lax.scan` over its static one-mini-batch table,
+inside a scan over the mini-batches; 1F1B: a `lax.fori_loop` over the run's table, an input
+placed from the virtual-time timeline by `jlp.pipeline.placement` / `run_tables`, one row per
+device, with what is in flight carried in the state from one run to the next): at each tick the
+device runs its stage's op of that tick (a `lax.switch` over stage x {idle, forward, backward}), then the
 activations go one stage down and the input gradients one stage up with `lax.ppermute` over
 "stage" (the collectives sit after the switch, so every device issues the same ones, sdpipe.md
 §7.6), and what arrives is stored in the ring slots of its (micro-)batch (`jlp.pipeline.buffers`).
@@ -95,8 +95,9 @@ class Program:
     BWD), "m" (the op's mini-batch, counted in its pipeline's fill: ring-buffer entries),
     "slot" (where its input and metrics are: [0, S) the pipeline's ring of its last S
     mini-batches, S + k its k-th new one), "global" (the mini-batch over its pipeline's whole
-    training: the sync's random stream); "keep" [N, S] (the slots that make the new ring); and
-    "events" (the sync mode's, [T, ...]: `jlp.pipeline.sync_modes`). Metrics: per pipeline and
+    training: the sync's random stream); "count" (the ticks run: the table is padded); "keep"
+    [N, S] (the slots that make the new ring); and "events" (the sync mode's, [T, ...]:
+    `jlp.pipeline.sync_modes`). Metrics: per pipeline and
     slot, [1, S + K] per device (the last stage's values and the stages' summed reports)."""
     squeeze = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)
     stage = lax.axis_index(STAGE)
@@ -338,7 +339,12 @@ class Program:
 
     rows = dict(kind=ticks["kind"], m=ticks["m"], slot=ticks["slot"], events=events,
                 **{"global": ticks["global"]})
-    (carry, bufs), _ = lax.scan(tick, (carry, bufs), rows)
+
+    # The table is padded to a few lengths (one compile each); the loop stops at its last tick.
+    def body(t, state):
+      return tick(state, jax.tree.map(lambda a: a[t], rows))[0]
+
+    carry, bufs = lax.fori_loop(0, ticks["count"], body, (carry, bufs))
     expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
     keep_index = ticks["keep"][pipeline]  # [S]: where each ring position's mini-batch is
     keep = lambda a: a[keep_index]
