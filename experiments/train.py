@@ -6,7 +6,9 @@ r"""Train an experiment config: python -m experiments.train --config=configs/NAM
 
 Running the same command on the same workdir resumes from its last checkpoint (bit-exact). Ctrl-C
 writes a checkpoint and exits (status 130). `--multiprocess` joins a multi-process run first
-(jax.distributed: SLURM is detected under srun; else --coordinator, --num_processes, --process_id).
+(jax.distributed: SLURM is detected under srun; else --coordinator, --num_processes, --process_id);
+under the cluster launcher (`python -m experiments.cluster ... -- experiments.train ...`) it joins
+without the flag.
 The logic lives in jlp.train.loop.train_and_evaluate, which notebooks call directly.
 """
 
@@ -31,8 +33,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
-  if _MULTIPROCESS.value:
-    from jlp.train import distributed  # pylint: disable=g-import-not-at-top
+  from jlp.train import distributed  # pylint: disable=g-import-not-at-top
+  if _MULTIPROCESS.value or distributed.launched():
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from jlp.train import loop  # pylint: disable=g-import-not-at-top
   progress = {"auto": None, "bar": True, "lines": False}[_PROGRESS.value]

@@ -45,8 +45,8 @@ from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import validate
-from jlp.train.loop_common import (Interrupt, QuantPlan, checkpoint_due, close_run, log_line,
-                                   progress as progress_bar, report_interrupt)
+from jlp.train.loop_common import (HostStall, Interrupt, QuantPlan, checkpoint_due, close_run,
+                                   log_line, progress as progress_bar, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
 from jlp.train.step import TrainState, TrainStep, init_train_state, merge_model, split_model
@@ -207,6 +207,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     f.write(config.to_json_best_effort(indent=2))
 
   bar = progress_bar(progress, config.max_steps, start)
+  stall = HostStall()
   row: dict[str, Any] = {}
   interrupted = False
   last_time, last_step = time.perf_counter(), start
@@ -219,6 +220,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           preset = run.quant.preset_at(step // spe)
           if preset != run.preset:
             state = run.switch_preset(state, preset)
+        stall()
         state, metrics = run.step_fn(state, batch)
         step += 1
         zse = metrics.pop("zse", None)
@@ -252,7 +254,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
           else:
             print(log_line(step, config.max_steps, row), flush=True)
-        interrupted = stop.event.is_set()
+        interrupted = stop.agreed()
         if checkpoint_due(config, step, interrupted):
           _save(checkpoints, step, state, run, config)
         if interrupted:

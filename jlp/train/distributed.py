@@ -6,6 +6,9 @@ other JAX call that touches devices. Afterwards `jax.devices()` lists the device
 feeds its own share of the batch (`jlp.train.shard_batch`).
 
 How the process group is found (`jax.distributed.initialize`):
+  * the cluster launcher (`python -m experiments.cluster`, `jlp.train.cluster`): `initialize()`
+    with no arguments reads JLP_COORDINATOR, JLP_NUM_PROCESSES and JLP_PROCESS_ID, which the
+    launcher exports to every host (`launched()` says whether they are set);
   * explicit: `initialize("host0:1234", num_processes=P, process_id=i)` on every process i
     (the coordinator, process 0, listens on host0:1234);
   * SLURM: `initialize()` with no arguments under `srun`: JAX reads SLURM_JOB_ID, SLURM_NTASKS
@@ -18,14 +21,20 @@ ignored by GPU/TPU backends, which use NCCL / ICI).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "launched"]
 
 CPU_COLLECTIVES = ("gloo", "mpi")
+
+
+def launched() -> bool:
+  """Whether this process is a host of the cluster launcher (its variables are set)."""
+  return "JLP_COORDINATOR" in os.environ
 
 
 def _invalid(field: str, given: Any, allowed: str) -> ValueError:
@@ -53,6 +62,11 @@ def initialize(coordinator_address: str | None = None,
   Returns:
     {"process_index", "process_count", "local_devices", "global_devices"}.
   """
+  if coordinator_address is None and num_processes is None and process_id is None and \
+      launched():
+    coordinator_address = os.environ["JLP_COORDINATOR"]
+    num_processes = int(os.environ["JLP_NUM_PROCESSES"])
+    process_id = int(os.environ["JLP_PROCESS_ID"])
   explicit = {"coordinator_address": coordinator_address, "num_processes": num_processes,
               "process_id": process_id}
   given = [k for k, v in explicit.items() if v is not None]

@@ -7,13 +7,16 @@ closing of a run. Neither loop imports the other; `jlp.train.loop.train_and_eval
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from jlp.nn import bfpsim, controller as bfp_controller, rules as nn_rules
@@ -91,6 +94,29 @@ class Interrupt:
     if self._previous is not None:
       signal.signal(signal.SIGINT, self._previous)
 
+  def agreed(self) -> bool:
+    """Whether any process was interrupted: every process of a multi-process run stops after the
+    same step (one host stopping alone would leave the others in a collective)."""
+    if jax.process_count() == 1:
+      return self.event.is_set()
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    flags = multihost_utils.process_allgather(np.int32(self.event.is_set()))
+    return bool(np.any(flags))
+
+
+class HostStall:
+  """The cluster launcher's `--hetero h` (exported as JLP_HETERO): before every training step
+  this process sleeps h wall-clock seconds with probability 0.1, SD-PIPE's `--hetero` made real
+  (draws seeded by the process index)."""
+
+  def __init__(self):
+    self.seconds = float(os.environ.get("JLP_HETERO", "0") or 0)
+    self._rng = random.Random(jax.process_index())
+
+  def __call__(self) -> None:
+    if self.seconds and self._rng.random() < 0.1:
+      time.sleep(self.seconds)
+
 
 def checkpoint_due(config: ml_collections.ConfigDict, step: int, interrupted: bool) -> bool:
   """Whether the loop writes a checkpoint after `step`: every checkpoint_every steps, at the end
@@ -114,7 +140,9 @@ def report_interrupt(step: int, checkpoints: Checkpointer) -> None:
 
 def progress(enabled: bool | None, total: int, initial: int):
   if enabled is None:
-    enabled = sys.stderr.isatty() and jax.process_index() == 0
+    # Under the cluster launcher host 0's output reaches the terminal through a pipe.
+    enabled = (sys.stderr.isatty() or os.environ.get("JLP_PROGRESS_BAR") == "1") and \
+        jax.process_index() == 0
   if not enabled:
     return None
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top

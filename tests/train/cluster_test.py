@@ -1,0 +1,158 @@
+"""The cluster launcher (`python -m experiments.cluster`, `jlp.train.cluster`): argument checks,
+the network it makes and removes, and (as root, with iproute2: the multi-host tier, which CI runs)
+data-parallel training with onebit on 2 hosts x 2 devices over shaped links, bit for bit the
+single-process run on 4 devices, through a Ctrl-C and a `kill -9` of a host, each followed by a
+resume with the same command."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jlp.train import cluster
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NEEDS_ROOT = pytest.mark.skipif(not cluster.can_make_namespaces(),
+                                reason="needs root (or CAP_NET_ADMIN), iproute2 and unshare")
+
+
+@pytest.mark.parametrize("bandwidth, ok", [("none", None), ("1gbit", "1gbit"),
+                                           ("100MBIT", "100mbit"), ("2.5mbit", "2.5mbit")])
+def test_bandwidth_is_a_tc_rate(bandwidth, ok):
+  assert cluster.check_bandwidth(bandwidth) == ok
+
+
+@pytest.mark.parametrize("bandwidth", ["fast", "100", "0mbit", "1 gbit", "-1gbit"])
+def test_bad_bandwidth_names_the_flag(bandwidth):
+  with pytest.raises(ValueError, match=r"--bandwidth=.* is not allowed; expected 'none' or"):
+    cluster.check_bandwidth(bandwidth)
+
+
+def test_shaping_without_namespaces_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match=r"--bandwidth=1gbit is not allowed without network "):
+    cluster.launch("experiments.train", [], hosts=2, devices_per_host=1, bandwidth="1gbit",
+                   workdir=str(tmp_path), namespaces=False)
+  with pytest.raises(ValueError, match=r"--hosts=0 is not allowed"):
+    cluster.launch("experiments.train", [], hosts=0, devices_per_host=1, bandwidth="none",
+                   workdir=str(tmp_path), namespaces=False)
+
+
+def test_a_failing_host_is_named_with_its_log_on_localhost(tmp_path):
+  """Without namespaces the hosts run on localhost; host 1 fails at once, host 0 would sleep:
+  the launcher stops it and names host 1, its status and its log, in one line."""
+  script = tmp_path / "fail.py"
+  script.write_text("import os, sys, time\n"
+                    "if os.environ['JLP_PROCESS_ID'] == '1': sys.exit(3)\n"
+                    "time.sleep(120)\n")
+  start = time.monotonic()
+  with pytest.raises(cluster.ClusterError) as info:
+    cluster.launch(str(script), [], hosts=2, devices_per_host=1, bandwidth="none",
+                   workdir=str(tmp_path / "w"), namespaces=False)
+  assert time.monotonic() - start < 30
+  assert str(info.value) == (f"host 1 exited with status 3; see {tmp_path / 'w' / 'host1.log'}")
+  assert (tmp_path / "w" / "host0.pid").read_text().strip().isdigit()
+
+
+def _netns() -> set[str]:
+  return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            check=False).stdout.split())
+
+
+@NEEDS_ROOT
+def test_the_network_is_made_shaped_and_removed():
+  before = _netns()
+  with cluster.Network(2, "100mbit") as network:
+    names = {h.namespace for h in network.hosts}
+    assert names <= {n for n in _netns()}
+    qdisc = subprocess.run(["ip", "netns", "exec", network.hosts[0].namespace, "tc", "qdisc",
+                            "show", "dev", "eth0"], capture_output=True, text=True, check=True)
+    assert "tbf" in qdisc.stdout and "100Mbit" in qdisc.stdout
+    hosts = open(f"/etc/netns/{network.hosts[1].namespace}/hosts").read()
+    assert f"{network.hosts[0].address} h0" in hosts
+    routes = subprocess.run(["ip", "netns", "exec", network.hosts[0].namespace, "ip", "route"],
+                            capture_output=True, text=True, check=True).stdout
+    assert "default" not in routes  # nothing leaves the run's /24
+  assert not names & _netns() and _netns() <= before | _netns()
+  assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
+
+
+def _metrics(workdir):
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [{k: v for k, v in row.items() if k not in ("time", "throughput")} for row in rows]
+
+
+def _train_args(workdir, steps=20):
+  return ["experiments.train", "--config=configs/digits.py:local", f"--workdir={workdir}",
+          "--config.compression.name=onebit", f"--config.max_steps={steps}",
+          "--config.checkpoint_every=5", "--progress=lines"]
+
+
+def _launcher(workdir, args, **kwargs):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen([sys.executable, "-m", "experiments.cluster", "--hosts=2",
+                           "--devices_per_host=2", "--bandwidth=1gbit", f"--workdir={workdir}",
+                           "--", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _wait_for(path, text, timeout=120):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if os.path.exists(path) and text in open(path, errors="replace").read():
+      return
+    time.sleep(0.2)
+  raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+@NEEDS_ROOT
+def test_two_hosts_train_as_one_process_through_ctrl_c_and_kill_9(tmp_path):
+  """onebit data-parallel training on 2 namespaced hosts x 2 devices at 1 Gbit/s: interrupted
+  with Ctrl-C (exit 130, checkpoint), resumed, a host killed with -9 (the launcher names it and
+  exits 1 within 30 s), resumed again to the end: the metrics equal, bit for bit, one process
+  with 4 devices running the same config without interruption (the evaluation loss, a psum, to
+  float32 rounding); no namespace is left behind."""
+  reference = tmp_path / "one_process"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  subprocess.run([sys.executable, "-m", *_train_args(reference, 30)], cwd=REPO, env=env,
+                 check=True, capture_output=True)
+  work, run = tmp_path / "cluster", tmp_path / "cluster" / "run"
+  namespaces = _netns()
+
+  launcher = _launcher(work, _train_args(run, 30))
+  _wait_for(work / "host0.log", "step 10/30")
+  launcher.send_signal(signal.SIGINT)
+  out, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 130, err[-2000:]
+  assert _netns() <= namespaces | _netns() and not (_netns() - namespaces)
+
+  launcher = _launcher(work, _train_args(run, 30))
+  _wait_for(work / "host0.log", "step 20/30")
+  os.kill(int((work / "host1.pid").read_text()), signal.SIGKILL)
+  killed = time.monotonic()
+  out, err = launcher.communicate(timeout=120)
+  assert time.monotonic() - killed < 30
+  assert launcher.returncode == 1
+  assert err.strip().splitlines()[-1] == (
+      f"error: host 1 exited with signal 9; see {work / 'host1.log'}")
+  assert not (_netns() - namespaces)
+
+  launcher = _launcher(work, _train_args(run, 30))
+  out, err = launcher.communicate(timeout=300)
+  assert launcher.returncode == 0, err[-2000:]
+  assert "step 30/30" in out
+  got, expected = _metrics(run), _metrics(reference)
+  assert [r["step"] for r in got][-len(expected):] == [r["step"] for r in expected]
+  by_step = {r["step"]: r for r in got}  # a resumed run rewrites the rows after its checkpoint
+  for row in expected:
+    # The evaluation's mean over the devices is a psum, whose float32 order differs between 2 x 2
+    # and 1 x 4 devices; training (its all-reduce is onebit's fixed order) is bit for bit.
+    mine = dict(by_step[row["step"]])
+    if "eval_loss" in row:
+      assert mine.pop("eval_loss") == pytest.approx(row["eval_loss"], rel=1e-6)
+      row = {k: v for k, v in row.items() if k != "eval_loss"}
+    assert mine == row
