@@ -108,10 +108,40 @@ from jlp.sync import SYNC_REPORT, GradSync
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
 
 
+def _host(array: jax.Array) -> np.ndarray:
+  """A whole array on the host, also when its shards live in several processes."""
+  if isinstance(array, jax.Array) and not array.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+  return np.asarray(array)
+
+
+def _stages_across_hosts(devices: list[jax.Device], num_pipelines: int,
+                         num_stages: int) -> list[jax.Device]:
+  """With P processes (hosts) that divide S and hold N * S / P devices each: stage s of every
+  pipeline on host s // (S / P), so that each pipeline spans the hosts (its activations cross
+  them) and each stage's all-reduce across the pipelines stays on one host (SD-PIPE's pipe_4_4
+  layout). Device (i, s) is host h's local device i * (S / P) + s % (S / P)."""
+  by_host: dict[int, list[jax.Device]] = {}
+  for d in devices:
+    by_host.setdefault(d.process_index, []).append(d)
+  hosts = sorted(by_host)
+  P = len(hosts)
+  per_host = num_pipelines * num_stages // P if P else 0
+  if P <= 1 or num_stages % P or any(len(by_host[h]) < per_host for h in hosts):
+    return devices
+  span = num_stages // P
+  return [by_host[hosts[s // span]][i * span + s % span]
+          for i in range(num_pipelines) for s in range(num_stages)]
+
+
 def pipeline_mesh(num_pipelines: int, num_stages: int,
                   devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (num_pipelines, num_stages) mesh with axes ("data", "stage"), Auto axis types; device
-  (i, s) is devices[i * num_stages + s] (default: jax.devices())."""
+  """A (num_pipelines, num_stages) mesh with axes ("data", "stage"), Auto axis types. One
+  process: device (i, s) is devices[i * num_stages + s] (default: jax.devices()). Several
+  processes whose number divides S, each with N * S / P of the devices: stage s on process
+  s // (S / P), so every pipeline spans the processes (hosts) and each stage's sync across the
+  pipelines stays on one host (SD-PIPE's pipe_4_4); otherwise the devices in order."""
   devices = jax.devices() if devices is None else list(devices)
   for name, value in (("num_pipelines", num_pipelines), ("num_stages", num_stages)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -119,6 +149,7 @@ def pipeline_mesh(num_pipelines: int, num_stages: int,
   if num_pipelines * num_stages > len(devices):
     raise ValueError(f"num_pipelines * num_stages={num_pipelines * num_stages} is not allowed; "
                      f"expected at most the {len(devices)} devices.")
+  devices = _stages_across_hosts(devices, num_pipelines, num_stages)
   grid = np.asarray(devices[:num_pipelines * num_stages], dtype=object)
   return Mesh(grid.reshape(num_pipelines, num_stages), (DATA, STAGE),
               axis_types=(AxisType.Auto, AxisType.Auto))
@@ -325,14 +356,14 @@ class Pipeline:
   def stage_params(self, state: PipelineState) -> list[Any]:
     """The latest weights: S pytrees (host numpy), each leaf with a leading [N] pipeline axis."""
     packer = self._require_init()[0]
-    host = {d: np.asarray(v) for d, v in state.params.items()}
+    host = {d: _host(v) for d, v in state.params.items()}
     return [packer.unpack(s, {d: v[:, s] for d, v in host.items()})
             for s in range(self.num_stages)]
 
   def stage_state(self, state: PipelineState) -> list[Any]:
     """The stateful stages' state: S pytrees (host numpy) with a leading [N] pipeline axis."""
     packer = self._require_init()[2]
-    host = {d: np.asarray(v) for d, v in state.model_state.items()}
+    host = {d: _host(v) for d, v in state.model_state.items()}
     return [packer.unpack(s, {d: v[:, s] for d, v in host.items()})
             for s in range(self.num_stages)]
 
@@ -342,7 +373,7 @@ class Pipeline:
     if state.sync_state is None:
       return None
     self._require_init()
-    host = {d: np.asarray(v) for d, v in state.sync_state.items()}
+    host = {d: _host(v) for d, v in state.sync_state.items()}
     return [self._sync_packer.unpack(s, {d: v[:, s] for d, v in host.items()})
             for s in range(self.num_stages)]
 
@@ -880,7 +911,7 @@ class Pipeline:
       inflight_spec.update(xs=jax.tree.map(lambda _: P(None, DATA), state.inflight["xs"]),
                            ys=jax.tree.map(lambda _: P(None, DATA), state.inflight["ys"]))
       names = list(state.inflight["metrics"]) + list(state.inflight["sync_report"])
-      out_spec = dict({name: P(DATA) for name in names}, computed_slots=P())
+      out_spec = dict({name: P() for name in names}, computed_slots=P())
     state_spec = PipelineState(P(), per, per, per, per, per, P(), P(), inflight_spec)
     mapped = jax.shard_map(
         self._program(layout), mesh=self.mesh,

@@ -110,9 +110,11 @@ class Program:
     if self.schedule == "1f1b":
       carry, inflight = self._run_1f1b(carry, inflight, stage, xs, ys, ticks)
       last = stage == self.num_stages - 1
-      out = {name: lax.psum(jnp.where(last, v, 0.0), STAGE)[None]
+      # Gathered over the pipelines, so every process holds all of them.
+      out = {name: lax.all_gather(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA)
              for name, v in carry["metrics"].items()}
-      out.update({name: lax.psum(v, STAGE)[None] for name, v in carry["sync_report"].items()})
+      out.update({name: lax.all_gather(lax.psum(v, STAGE), DATA)
+                  for name, v in carry["sync_report"].items()})
       out["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
       expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
       new_state = state._replace(

@@ -24,6 +24,7 @@ error).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import re
@@ -248,6 +249,9 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
       network.__enter__()
       specs = network.hosts
       coordinator = f"{specs[0].address}:{COORDINATOR_PORT}"
+      with open(os.path.join(workdir, "network.json"), "w") as f:
+        json.dump({"bridge": network.bridge, "bandwidth": rate,
+                   "hosts": [dataclasses.asdict(h) for h in specs]}, f, indent=1)
     else:
       import socket  # pylint: disable=g-import-not-at-top
       with socket.socket() as s:

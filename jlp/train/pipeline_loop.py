@@ -62,8 +62,8 @@ from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import pipeline_size, validate
-from jlp.train.loop_common import (Interrupt, QuantPlan, checkpoint_due, close_run, log_line,
-                                   progress as progress_bar, report_interrupt)
+from jlp.train.loop_common import (Interrupt, QuantPlan, checkpoint_due, close_run,
+                                   log_line, progress as progress_bar, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
 
@@ -153,14 +153,11 @@ def setup(config: ml_collections.ConfigDict) -> PipelineRun:
   """Checks the config (devices included) and builds data, model, stages and the Pipeline;
   compiles nothing yet."""
   validate(config)
-  if jax.process_count() != 1:
-    raise ValueError(f"config.pipeline.schedule={config.pipeline.schedule!r} is not allowed in a "
-                     f"{jax.process_count()}-process run; expected one process (pipelined "
-                     "training runs on one host's devices).")
   p = config.pipeline
   num_pipelines, num_stages = pipeline_size(config, jax.device_count())
   train_ds, eval_ds = recipe.datasets(config)
-  train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
+  # Every process feeds the global mini-batches (each device takes its pipeline's rows).
+  train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds, global_train_batches=True)
   spe = max(1, train_pipe.steps_per_epoch)
   lr = recipe.schedule(config, spe, train_ds.size)
   grad_sync = recipe.grad_sync(config, num_pipelines) if p.sync == "allreduce" else None
@@ -200,7 +197,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     state, meta = checkpoints.restore(start, state)
     pending = {int(k): v for k, v in (meta.get("pending_eval") or {}).items()}
     completed = int(meta.get("completed", start))
-  writer = MetricsWriter(workdir, resume_step=completed if start else None)
+  writer = MetricsWriter(workdir, resume_step=completed if start else None,
+                         enabled=jax.process_index() == 0)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
 
@@ -254,7 +252,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           if row:
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
         last_time = time.perf_counter()
-        interrupted = stop.event.is_set()
+        interrupted = stop.agreed()
         if checkpoint_due(config, end, interrupted):
           meta = {"step": end, "completed": completed,
                   "virtual_time": run.pipe.virtual_seconds(state),

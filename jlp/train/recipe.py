@@ -64,11 +64,14 @@ def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Da
   return train, evaluation
 
 
-def pipelines(config: ml_collections.ConfigDict, train: jdata.Dataset, evaluation: jdata.Dataset
-              ) -> tuple[jdata.Pipeline, jdata.Pipeline]:
+def pipelines(config: ml_collections.ConfigDict, train: jdata.Dataset, evaluation: jdata.Dataset,
+              *, global_train_batches: bool = False) -> tuple[jdata.Pipeline, jdata.Pipeline]:
   """The training pipeline (reshuffled every epoch, drop_last) and the evaluation one
-  (sequential, last batch padded and masked); both pure functions of (seed, step)."""
-  train_pipe = jdata.Pipeline(train, config.batch_size, seed=config.seed)
+  (sequential, last batch padded and masked); both pure functions of (seed, step). With
+  `global_train_batches` every process loads the whole training batch (the pipelined runner
+  feeds global mini-batches), else its own slice."""
+  single = dict(process_index=0, process_count=1) if global_train_batches else {}
+  train_pipe = jdata.Pipeline(train, config.batch_size, seed=config.seed, **single)
   eval_pipe = jdata.Pipeline(evaluation, config.eval_batch_size, seed=config.seed,
                              sampler="sequential", drop_last=False)
   return train_pipe, eval_pipe
