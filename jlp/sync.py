@@ -66,6 +66,7 @@ import numpy as np
 from jax import lax
 
 from jlp import collectives
+from jlp.collectives.allreduce import packed_wire
 from jlp._checks import invalid, is_int
 from jlp.collectives import ALGORITHMS, APS_MODES, FORMS
 from jlp.compression import COMPRESSORS, Compressor, get as get_compressor
@@ -144,6 +145,7 @@ class GradSync:
   min_size: int = DEFAULT_MIN_SIZE
   plan: Plan | dict | None = None
   seed: int = 0
+  wire: str | None = None
 
   def __post_init__(self):
     fmt = self.fmt
@@ -173,7 +175,16 @@ class GradSync:
       raise invalid("node_map", self.node_map, f"one of {NODE_MAPS}")
     if not isinstance(self.axis_name, str) or not self.axis_name:
       raise invalid("axis_name", self.axis_name, "a mesh axis name such as 'data'")
+    # Which values cross devices as the format's codes (raises for an impossible "packed").
+    packed_wire(fmt, self.algorithm, self.aps, self.wire)
     self._check_compression()
+
+  @property
+  def packed(self) -> bool:
+    """Whether the (uncompressed) reduction sends the format's codes (`wire`)."""
+    if self.uses_emulation and self.form == "flat":
+      return False
+    return packed_wire(self.fmt, self.algorithm, self.aps, self.wire)
 
   def _check_compression(self) -> None:
     compressor = self.compression
@@ -255,7 +266,8 @@ class GradSync:
       emulated nodes, form="flat":  the all_gather of the N stacked nodes: (W-1) * 4 * N * n
       emulated nodes, form="cpd":   the local fold sends nothing; then as above over W devices
     with n = sum(sizes). APS's exponent agreement (one pmax of one scalar per leaf) is not
-    counted. Values of a low-precision fmt travel as float32 in this emulation and count 4 bytes.
+    counted. With a packed wire (`packed`: the values that cross are the format's, sent as its
+    codes) each value counts ceil(fmt.bits / 8) bytes instead of 4.
     """
     w = int(num_devices)
     if w <= 1:
@@ -263,10 +275,11 @@ class GradSync:
     total = sum(int(s) for s in sizes)
     if self.uses_emulation and self.form == "flat":
       return 4 * (w - 1) * self.emulate_nodes * total
+    size = -(-self.fmt.bits // 8) if self.packed else 4
     if self.algorithm == "sequential":
-      return 4 * (w - 1) * total
+      return size * (w - 1) * total
     chunks = sum(-(-int(s) // w) if s else 1 for s in sizes)
-    return 4 * (w - 1) * chunks * (3 if self.kahan else 2)
+    return size * (w - 1) * chunks * (3 if self.kahan else 2)
 
 
 def reduce_gradients(grads: Any, sync: GradSync, sync_state: Any = None,
@@ -310,7 +323,8 @@ def reduce_gradients(grads: Any, sync: GradSync, sync_state: Any = None,
                                             mean=False,
                                             form=sync.form,
                                             axis_name=sync.axis_name,
-                                            cast_single=sync.cast_single)
+                                            cast_single=sync.cast_single,
+                                            wire=sync.wire if sync.packed else "float32")
   else:
     sizes = [x.size for x in jax.tree.leaves(grads)]
     summed = collectives.allreduce(grads,
@@ -319,7 +333,8 @@ def reduce_gradients(grads: Any, sync: GradSync, sync_state: Any = None,
                                    algorithm=sync.algorithm,
                                    kahan=sync.kahan,
                                    aps=sync.aps,
-                                   mean=False)
+                                   mean=False,
+                                   wire=sync.wire)
   wire = jnp.float32(sync.allreduce_wire_bytes(sizes, num_devices))
   nonfinite = sum((jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in jax.tree.leaves(summed)),
                   jnp.zeros((), jnp.int32))

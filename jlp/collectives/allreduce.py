@@ -36,6 +36,14 @@ by an `all_gather` of its own.
 With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
 rounding (psum's own order is the backend's).
 
+wire="packed" (the default where it applies, `packed_wire`): the values that cross devices are
+values of fmt (the ring's partial sums and compensations, its reduced chunks, and with APS the
+scaled gradients of the sequential gather), so they travel as fmt's codes, ceil(bits / 8) bytes
+each (`jlp.collectives.wire`: 1 for e4m3 and e5m2, 2 for bfloat16- or float16-like formats);
+with APS or mean the reduced chunks are gathered as codes and unscaled after the gather (the same
+float32 operations on the same values). The APS exponents are agreed by every rank before (one
+pmax) and need not travel with the codes. The bits of the result are those of wire="float32".
+
 aps=True / "cpd": see `jlp.collectives.aps`: one exponent per leaf, all leaves'
 exponents agreed in a single `lax.pmax`, q(g · 2^shift) summed as above, the sum
 divided by 2^shift in float32. mean=True divides the (unscaled) float32 sum by W.
@@ -54,6 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jlp.collectives import aps as aps_lib
+from jlp.collectives import wire as wire_lib
 from jlp.formats import FloatFormat, as_format
 from jlp.numerics.float_cast import float_cast
 from jlp.numerics.sums import kahan_step, kahan_sum, sequential_sum
@@ -136,17 +145,22 @@ def fold_stacked(xs: jax.Array, fmt: FloatFormat | None, kahan: bool) -> jax.Arr
 
 
 def fold_leaves(stacked: list[jax.Array], fmt: FloatFormat | None, kahan: bool,
-                axis_name: Any = None) -> list[jax.Array]:
+                axis_name: Any = None, codes: bool = False) -> list[jax.Array]:
   """`fold_stacked` of every leaf (each (N, ...)) over its leading axis, all leaves packed side
   by side into one (N, total) array: the fold is elementwise, so packing changes no bit, and
   the whole tree costs one scan. With `axis_name`, the packed arrays of the W ranks are first
-  all-gathered along the leading axis (rank-major: (W·N, total))."""
+  all-gathered along the leading axis (rank-major: (W·N, total)); with `codes` (values of fmt)
+  as fmt's codes (`jlp.collectives.wire`)."""
   if not stacked:
     return []
   n = stacked[0].shape[0]
   packed = jnp.concatenate([x.reshape(n, -1) for x in stacked], axis=1)
   if axis_name is not None:
-    packed = lax.all_gather(packed, axis_name, tiled=True)
+    if codes:
+      packed = wire_lib.decode(lax.all_gather(wire_lib.encode(packed, fmt), axis_name,
+                                              tiled=True), fmt)
+    else:
+      packed = lax.all_gather(packed, axis_name, tiled=True)
   sums = fold_stacked(packed, fmt, kahan)
   out, start = [], 0
   for x in stacked:
@@ -165,7 +179,8 @@ def ring_chunks(flat: jax.Array, n: int) -> tuple[jax.Array, int]:
 
 def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatFormat | None,
                     kahan: bool, prepares: list[Callable[[jax.Array], jax.Array]],
-                    finishes: list[Callable[[jax.Array], jax.Array]]) -> list[jax.Array]:
+                    finishes: list[Callable[[jax.Array], jax.Array]], codes: bool = False
+                    ) -> list[jax.Array]:
   """The ring of the module docstring for every leaf, all leaves in the same hops: each hop
   sends every leaf's chunk side by side in one `ppermute` (the hop arithmetic is elementwise
   and each leaf keeps its own chunks, so the bits are those of one ring per leaf; only the
@@ -174,7 +189,8 @@ def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatF
   `prepares[i]` maps leaf i's own chunks just before their add (the APS cast q(g · 2^shift),
   chunk by chunk rather than in a pass of its own); `finishes[i]` maps its reduced chunk before
   the all-gather (the unscale and the mean: each element goes through the same float32
-  operations as after a gather, on 1/W of the data)."""
+  operations as after a gather, on 1/W of the data). With `codes` every hop and the gather
+  carry fmt's codes (`jlp.collectives.wire`) and `finishes` run after the gather."""
   chunked = [ring_chunks(x.reshape(-1), n) for x in leaves]
   widths = [chunks.shape[1] for chunks, _ in chunked]
   step = fold_step(fmt, kahan)
@@ -187,8 +203,15 @@ def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatF
   carry = step((zeros, zeros), own(rank - 1))  # rank r starts chunk r - 1
   to_next = [(i, (i + 1) % n) for i in range(n)]
 
+  def send(values):
+    if not codes:
+      return lax.ppermute(values, axis_name, to_next)
+    return jax.tree.map(lambda v: wire_lib.decode(v, fmt),
+                        lax.ppermute(jax.tree.map(lambda v: wire_lib.encode(v, fmt), values),
+                                     axis_name, to_next))
+
   def hop(t, carry):  # receives chunk r - 2 - t from rank r - 1; without Kahan carry = s
-    wire = lax.ppermute(carry, axis_name, to_next)
+    wire = send(carry)
     out = step(wire if kahan else (wire, zeros), own(rank - 2 - t))
     return out if kahan else out[0]
   if n > 1:
@@ -197,13 +220,34 @@ def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatF
   # Rank r now holds the reduced chunk r of every leaf; one all_gather per leaf puts each leaf's
   # chunks in order without a copy (one gather of all of them would need a transpose).
   offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+  if codes:  # the reduced chunks are values of fmt: gather their codes, then finish
+    return [finish(wire_lib.decode(lax.all_gather(wire_lib.encode(reduced[a:b], fmt), axis_name),
+                                   fmt).reshape(-1)[:size].reshape(x.shape))
+            for x, finish, (_, size), a, b in zip(leaves, finishes, chunked, offsets, offsets[1:])]
   return [lax.all_gather(finish(reduced[a:b]), axis_name).reshape(-1)[:size].reshape(x.shape)
           for x, finish, (_, size), a, b in zip(leaves, finishes, chunked, offsets, offsets[1:])]
 
 
+WIRES = ("packed", "float32")
+
+
+def packed_wire(fmt: FloatFormat | None, algorithm: str, aps: Any, wire: str | None) -> bool:
+  """Whether the reduction sends fmt's codes: `wire` ("packed", "float32", or None: packed
+  where it can be). The values that cross devices are fmt's in the ring, and in the sequential
+  gather only with APS (without it the raw gradients are gathered); `wire_lib.packable(fmt)`."""
+  if wire is not None and wire not in WIRES:
+    raise _invalid("wire", wire, "None, 'packed' or 'float32'")
+  possible = wire_lib.packable(fmt) and (algorithm == "ring" or bool(aps))
+  if wire == "packed" and not possible:
+    raise _invalid("wire", wire, "'float32' or None here: a packed wire needs a format of at most "
+                   "16 bits without compat (and, with 'ieee' specials, man >= 1), and the ring "
+                   "or APS (the sequential gather of raw gradients carries float32)")
+  return possible if wire is None else wire == "packed"
+
+
 def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None,
               algorithm: str = "sequential", kahan: bool = False,
-              aps: aps_lib.ApsMode = False, mean: bool = False) -> Any:
+              aps: aps_lib.ApsMode = False, mean: bool = False, wire: str | None = None) -> Any:
   """Sum (or mean) over `axis_name` of a pytree of float32 leaves, inside jax.shard_map.
 
   Args:
@@ -215,11 +259,15 @@ def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None
     kahan: Kahan-compensated fold (the compensation travels in fmt in the ring).
     aps: False, True (exact guarded APS) or "cpd" (CPD's log2f rule, bugs included).
     mean: divide the float32 result by the number of ranks.
+    wire: "packed" (the values that cross devices travel as fmt's codes, ceil(fmt.bits / 8)
+      bytes each: `jlp.collectives.wire`), "float32", or None (packed where it can be:
+      `packed_wire`). The result is the same bits either way.
 
   Returns:
     The reduced tree, bit-identical on every rank (see the module docstring).
   """
   fmt = check_options(fmt, algorithm, kahan, aps, mean)
+  codes = packed_wire(fmt, algorithm, aps, wire)
   leaves, treedef = check_leaves(tree)
   n = axis_size(axis_name)
   if aps:
@@ -236,8 +284,10 @@ def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None
       return s / jnp.float32(n) if mean else s
     finishes.append(finish)
   if algorithm == "sequential":
-    sums = fold_leaves([p(g)[None] for p, g in zip(prepares, leaves)], fmt, kahan, axis_name)
+    sums = fold_leaves([p(g)[None] for p, g in zip(prepares, leaves)], fmt, kahan, axis_name,
+                       codes=codes)
     out = [f(x) for f, x in zip(finishes, sums)]
   else:
-    out = _ring_allreduce(leaves, axis_name, n, fmt, kahan, prepares, finishes) if leaves else []
+    out = (_ring_allreduce(leaves, axis_name, n, fmt, kahan, prepares, finishes, codes)
+           if leaves else [])
   return jax.tree.unflatten(treedef, out)

@@ -108,13 +108,16 @@ def _cpd_local(leaves: list[jax.Array], fmt: FloatFormat | None, aps: aps_lib.Ap
 def emulated_allreduce(stacked_tree: Any, *, fmt: FloatFormat | str | None = None,
                        algorithm: str = "sequential", kahan: bool = False,
                        aps: aps_lib.ApsMode = False, mean: bool = False, form: str = "flat",
-                       axis_name: Any = None, cast_single: bool = False) -> Any:
+                       axis_name: Any = None, cast_single: bool = False,
+                       wire: str | None = "float32") -> Any:
   """All-reduce over N virtual nodes stacked on each leaf's leading axis (module docstring).
 
   Args:
     stacked_tree: float32 leaves of shape (N, ...), the same N in every leaf.
     fmt, algorithm, kahan, aps, mean: as `jlp.collectives.allreduce`.
     form: "flat" (one reduction over all W·N nodes) or "cpd" (CPD's two-level form).
+    wire: form="cpd": the wire of its all-reduce over the W devices (`jlp.collectives.allreduce`;
+      the same bits either way).
     axis_name: None (this device's N nodes only) or a mesh axis of an enclosing
       jax.shard_map whose W devices each hold N nodes.
     cast_single: form="cpd" with N == 1: False skips the local cast (ResNet18's
@@ -138,7 +141,8 @@ def emulated_allreduce(stacked_tree: Any, *, fmt: FloatFormat | str | None = Non
   else:
     out = _cpd_local(leaves, fmt, aps, cast_single)
     if axis_name is not None:
-      out = allreduce(out, axis_name, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=aps)
+      out = allreduce(out, axis_name, fmt=fmt, algorithm=algorithm, kahan=kahan, aps=aps,
+                      wire=wire)
   if mean:
     out = [s / jnp.float32(w * n) for s in out]
   return jax.tree.unflatten(treedef, out)

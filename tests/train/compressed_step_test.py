@@ -147,7 +147,9 @@ def _wire_bytes(sync, devices=W):
 @pytest.mark.parametrize("sync, devices, want", [
     (jt.GradSync(), 8, 7 * 4 * 438),  # all_gather: (W-1) * 4 * n
     (jt.GradSync(algorithm="ring"), 8, 7 * 4 * 57 * 2),  # W-1 hops + all_gather of the chunks
-    (jt.GradSync(algorithm="ring", kahan=True, fmt="e5m2"), 8, 7 * 4 * 57 * 3),  # + compensation
+    # + the compensation; e5m2's values travel as their 1-byte codes (the packed wire)
+    (jt.GradSync(algorithm="ring", kahan=True, fmt="e5m2"), 8, 7 * 1 * 57 * 3),
+    (jt.GradSync(algorithm="ring", kahan=True, fmt="e5m2", wire="float32"), 8, 7 * 4 * 57 * 3),
     (jt.GradSync(emulate_nodes=2), 4, 3 * 4 * 2 * 438),  # all_gather of 2 stacked nodes
     (jt.GradSync(emulate_nodes=2, form="cpd", fmt="e4m3"), 4, 3 * 4 * 438),  # local fold first
     (jt.GradSync(), 1, 0),
@@ -161,7 +163,7 @@ def _wire_bytes(sync, devices=W):
     # devices: 2 * 7 per device; conv2 c = 36 -> 9 bytes, linear kernel c = 10 -> 3 bytes.
     (jt.GradSync(compression=jc.get("tbq"), topology="ring", min_size=50), 8,
      2 * 7 * (9 + 3) + 504 + 28),
-], ids=["sequential", "ring", "ring-kahan", "nodes-flat", "nodes-cpd", "one-device", "onebit-ps",
+], ids=["sequential", "ring", "ring-kahan", "ring-kahan-float32-wire", "nodes-flat", "nodes-cpd", "one-device", "onebit-ps",
         "tbq-ring"])
 def test_wire_bytes(sync, devices, want):
   assert _wire_bytes(sync, devices) == want
