@@ -200,3 +200,34 @@ def test_a_packed_wire_allreduce_across_hosts(tmp_path):
   expected = driver.reduce_all(jax.devices()[:4])
   assert np.array_equal(got["packed"].view(np.uint32), got["float32"].view(np.uint32))
   assert np.array_equal(got["packed"].view(np.uint32), expected["packed"].view(np.uint32))
+
+
+def test_sync_timing_rows_on_this_processes_devices(fast_compile):
+  """time_syncs over the 8 devices of this process: one row per case, positive times, and the
+  syncs' own byte counts (the packed e4m3 ring a quarter of the float32 ring's)."""
+  from jlp.train import sync_timing  # pylint: disable=g-import-not-at-top
+  cases = [c for c in sync_timing.CASES if c[0] in ("float32 psum", "float32 ring",
+                                                    "e4m3 ring, packed wire", "onebit PS")]
+  rows = {r["case"]: r for r in sync_timing.time_syncs(4096, repeats=2, cases=cases)}
+  assert sorted(rows) == sorted(name for name, _ in cases)
+  assert all(r["ms"] > 0 and len(r["ms_all"]) == 2 for r in rows.values())
+  assert rows["float32 ring"]["wire_bytes"] == 2 * 7 * 4 * 512
+  assert rows["e4m3 ring, packed wire"]["wire_bytes"] == rows["float32 ring"]["wire_bytes"] / 4
+  assert rows["float32 psum"]["wire_bytes"] == rows["float32 ring"]["wire_bytes"]
+  assert 0 < rows["onebit PS"]["wire_bytes"] < rows["float32 ring"]["wire_bytes"] / 16
+
+
+@NEEDS_ROOT
+def test_the_cluster_study_writes_its_table(tmp_path):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, "-m", "experiments.cluster_study", "--hosts=2",
+                        "--devices_per_host=1", "--bandwidths=1gbit", "--size=16K",
+                        "--repeats=1", f"--workdir={tmp_path}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  table = (tmp_path / "sync_time.md").read_text()
+  assert "| float32 psum | " in table and "| dgc ring | " in table and "1gbit" in table
+  assert (tmp_path / "sync_time.png").stat().st_size > 0
+  rows = json.load(open(tmp_path / "1gbit.json"))["rows"]
+  assert len(rows) == 10 and rows[0]["case"] == "float32 psum"
