@@ -31,8 +31,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where the hosts' logs and pid f
                                "usually, the command's own --workdir).")
 _HETERO = flags.DEFINE_float("hetero", 0.0, "Before every training step each host sleeps this "
                              "many seconds with probability 0.1 (SD-PIPE's --hetero, real).")
-_CLEANUP = flags.DEFINE_bool("cleanup", False, "Remove what launchers left (after a kill -9) and "
-                             "exit.")
+_CLEANUP = flags.DEFINE_bool("cleanup", False, "Stop the hosts and remove the namespaces, links "
+                             "and /etc/netns entries of every launcher (after a kill -9; run it "
+                             "when no launcher runs) and exit.")
 
 
 def main(argv):

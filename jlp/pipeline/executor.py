@@ -751,7 +751,6 @@ class Pipeline:
 
     # Each pipeline's new mini-batches: chunk q of the run is rows [q % N] of mini-batch q // N.
     K = bucket(max([len(n) for n in tables.new] + [1]))
-    rows = None
     if not flush:
       rows = int(np.shape(jax.tree.leaves(xs)[0])[1]) // N
       order = {(i, m): q for q, (i, m) in enumerate(chunks)}

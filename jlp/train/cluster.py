@@ -158,12 +158,18 @@ class Network:
 
 
 def remove_leftovers() -> list[str]:
-  """Removes every namespace, link and /etc/netns entry a launcher left (e.g. after kill -9);
-  returns their names."""
+  """Stops the hosts a launcher left running (e.g. after its kill -9) and removes every
+  namespace, link and /etc/netns entry it left; returns their names."""
   removed = []
   names = _run("ip", "netns", "list", check=False).stdout.split()
   for name in names:
     if re.match(rf"^{PREFIX}\d{{6}}h\d+$", name):
+      # The hosts of a killed launcher may still run inside: stop them first.
+      for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+        try:
+          os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+          pass
       _run("ip", "netns", "del", name, check=False)
       removed.append(name)
   links = _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
