@@ -118,23 +118,23 @@ def test_two_hosts_train_as_one_process_through_ctrl_c_and_kill_9(tmp_path):
   float32 rounding); no namespace is left behind."""
   reference = tmp_path / "one_process"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  subprocess.run([sys.executable, "-m", *_train_args(reference, 30)], cwd=REPO, env=env,
+  subprocess.run([sys.executable, "-m", *_train_args(reference, 20)], cwd=REPO, env=env,
                  check=True, capture_output=True)
   work, run = tmp_path / "cluster", tmp_path / "cluster" / "run"
 
   def made():  # this launch's namespaces (DIR/network.json names them)
     return {h["namespace"] for h in json.load(open(work / "network.json"))["hosts"]}
 
-  launcher = _launcher(work, _train_args(run, 30))
-  _wait_for(work / "host0.log", "step 10/30")
+  launcher = _launcher(work, _train_args(run, 20))
+  _wait_for(work / "host0.log", "step 5/20")
   assert made() <= _netns()
   launcher.send_signal(signal.SIGINT)
   out, err = launcher.communicate(timeout=120)
   assert launcher.returncode == 130, err[-2000:]
   assert not made() & _netns()
 
-  launcher = _launcher(work, _train_args(run, 30))
-  _wait_for(work / "host0.log", "step 20/30")
+  launcher = _launcher(work, _train_args(run, 20))
+  _wait_for(work / "host0.log", "step 15/20")
   os.kill(int((work / "host1.pid").read_text()), signal.SIGKILL)
   killed = time.monotonic()
   out, err = launcher.communicate(timeout=120)
@@ -144,10 +144,10 @@ def test_two_hosts_train_as_one_process_through_ctrl_c_and_kill_9(tmp_path):
       f"error: host 1 exited with signal 9; see {work / 'host1.log'}")
   assert not made() & _netns()
 
-  launcher = _launcher(work, _train_args(run, 30))
+  launcher = _launcher(work, _train_args(run, 20))
   out, err = launcher.communicate(timeout=300)
   assert launcher.returncode == 0, err[-2000:]
-  assert "step 30/30" in out
+  assert "step 20/20" in out
   _rows_match(run, reference)  # a resumed run rewrote the rows after its checkpoint
 
 
@@ -217,6 +217,7 @@ def test_sync_timing_rows_on_this_processes_devices(fast_compile):
   assert 0 < rows["onebit PS"]["wire_bytes"] < rows["float32 ring"]["wire_bytes"] / 16
 
 
+@pytest.mark.slow
 @NEEDS_ROOT
 def test_the_cluster_study_writes_its_table(tmp_path):
   env = dict(os.environ)
@@ -231,3 +232,21 @@ def test_the_cluster_study_writes_its_table(tmp_path):
   assert (tmp_path / "sync_time.png").stat().st_size > 0
   rows = json.load(open(tmp_path / "1gbit.json"))["rows"]
   assert len(rows) == 10 and rows[0]["case"] == "float32 psum"
+
+
+def test_hetero_sleeps_with_probability_one_tenth(monkeypatch):
+  """--hetero=h (JLP_HETERO): before a step the host sleeps h seconds with probability 0.1."""
+  from jlp.train import loop_common  # pylint: disable=g-import-not-at-top
+  slept = []
+  monkeypatch.setattr(loop_common.time, "sleep", slept.append)
+  monkeypatch.setenv("JLP_HETERO", "0.25")
+  stall = loop_common.HostStall()
+  for _ in range(2000):
+    stall()
+  assert set(slept) == {0.25} and 150 <= len(slept) <= 250
+  monkeypatch.delenv("JLP_HETERO")
+  slept.clear()
+  stall = loop_common.HostStall()
+  for _ in range(100):
+    stall()
+  assert not slept
