@@ -656,7 +656,7 @@ class Pipeline:
                    ticks=ticks)
     return new_state, metrics
 
-  # -- 1F1B: every pipeline by its own clock ---------------------------------------------------------
+  # -- 1F1B: every pipeline by its own clock -------------------------------------------------
   def _placement(self, state: PipelineState, hetero: Hetero, plan: Any,
                  total: list[int] | None = None) -> Placement:
     """The placed timeline of the state's fill (`jlp.pipeline.placement`): the one this pipeline

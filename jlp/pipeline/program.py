@@ -5,9 +5,9 @@ A loop over the ticks of the schedule (GPipe: a `lax.scan` over its static one-m
 inside a scan over the mini-batches; 1F1B: a `lax.fori_loop` over the run's table, an input
 placed from the virtual-time timeline by `jlp.pipeline.placement` / `run_tables`, one row per
 device, with what is in flight carried in the state from one run to the next): at each tick the
-device runs its stage's op of that tick (a `lax.switch` over stage x {idle, forward, backward}), then the
-activations go one stage down and the input gradients one stage up with `lax.ppermute` over
-"stage" (the collectives sit after the switch, so every device issues the same ones, sdpipe.md
+device runs its stage's op of that tick (a `lax.switch` over stage x {idle, forward,
+backward}), then the activations go one stage down and the input gradients one stage up with
+`lax.ppermute` over "stage" (the collectives sit after the switch, so every device issues the same ones, sdpipe.md
 §7.6), and what arrives is stored in the ring slots of its (micro-)batch (`jlp.pipeline.buffers`).
 A backward recomputes its stage's forward from the stashed input and weights (`jax.vjp`;
 activation memory is one input per in-flight micro-batch), except 1F1B's last stage, whose
@@ -97,8 +97,8 @@ class Program:
     mini-batches, S + k its k-th new one), "global" (the mini-batch over its pipeline's whole
     training: the sync's random stream); "count" (the ticks run: the table is padded); "keep"
     [N, S] (the slots that make the new ring); and "events" (the sync mode's, [T, ...]:
-    `jlp.pipeline.sync_modes`). Metrics: per pipeline and
-    slot, [1, S + K] per device (the last stage's values and the stages' summed reports)."""
+    `jlp.pipeline.sync_modes`). Metrics: per pipeline and slot, [N, S + K] on every device (the
+    last stage's values and the stages' summed reports, gathered over the pipelines)."""
     squeeze = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)
     stage = lax.axis_index(STAGE)
     carry = dict(params=squeeze(state.params), opt=squeeze(state.opt_state),

@@ -109,7 +109,8 @@ class Timeline:
     self.groups: list[Group] = []
     self.windows: list[tuple[Group, ...]] = []  # preduce: the groups of every window closed
     self.groups_at: dict[tuple[int, int], list[Group]] = {}  # (round, stage) -> its groups
-    self.arrived: dict[tuple[int, int], int] = {}  # (stage or -1: every stage, update) -> count
+    self.arrived: dict[tuple[int, int], int] = {}  # (stage, update) -> count
+    self._at_barrier: dict[tuple[int, int], list] = {}  # HetPipe's pull: who waits there
     self.pending = [[(-1, 0.0)] * N for _ in range(S)]
     for i in range(N):
       for s in range(S):
@@ -272,15 +273,16 @@ class Timeline:
       else:
         self.pending[s][i] = (b, t)
     elif self.sync == "hetpipe":
-      pull = (self.first_batch[i] + b + 1) % self.hetpipe.pull_every == 0
+      own = self.first_batch[i] + b + 1  # the pipeline's mini-batches over the training
+      pull = own % self.hetpipe.pull_every == 0
       if self.hetpipe.barrier and pull:
-        count = self.arrived[(-1, b)] = self.arrived.get((-1, b), 0) + 1
-        if count == N * self.S:
-          del self.arrived[(-1, b)]
-          for j in range(N):
-            for s2 in range(self.S):
-              self._pull(j, s2, b, t + self.cost[1])
-              self._leave(j, s2, b, t + self.cost[1])
+        # Every (pipeline, stage) meets at the same pull, whatever its count in this fill.
+        key = (-1, own // self.hetpipe.pull_every)
+        self._at_barrier.setdefault(key, []).append((i, s, b))
+        if len(self._at_barrier[key]) == N * self.S:
+          for j, s2, b2 in self._at_barrier.pop(key):
+            self._pull(j, s2, b2, t + self.cost[1])
+            self._leave(j, s2, b2, t + self.cost[1])
       else:
         if pull:
           self._pull(i, s, b, t + self.cost[1])

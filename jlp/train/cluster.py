@@ -269,7 +269,8 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
     for h in specs:
       host_env = dict(env, **{ENV_COORDINATOR: coordinator, ENV_PROCESS_ID: str(h.index)})
       command = network.command(h, argv) if network is not None else argv
-      log = open(os.path.join(workdir, f"host{h.index}.log"), "wb")  # pylint: disable=consider-using-with
+      path = os.path.join(workdir, f"host{h.index}.log")
+      log = open(path, "wb")  # pylint: disable=consider-using-with
       logs.append(log)
       proc = subprocess.Popen(command, env=host_env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, start_new_session=True)

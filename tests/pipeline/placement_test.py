@@ -29,7 +29,8 @@ def _placed(sync, hetero, runs=6, per_run=4):
 
 @pytest.mark.parametrize("sync", ["none", "allreduce", "preduce", "adpsgd", "hetpipe"])
 @pytest.mark.parametrize("hetero", [Hetero(delay_s=0.04, probability=0.3),
-                                    Hetero(slowdown=((1.0,) * S, (2.0,) * S, (1.3,) * S, (1.0,) * S))])
+                                    Hetero(slowdown=((1.0,) * S, (2.0,) * S, (1.3,) * S,
+                                                     (1.0,) * S))])
 def test_ticks_keep_the_timelines_order(sync, hetero):
   timeline, placement, ticks, n = _placed(sync, hetero)
   ops = {node: placement.times[node] for node in ticks if node[0] == "op"}

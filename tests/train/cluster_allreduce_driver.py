@@ -17,7 +17,8 @@ def inputs(num_devices: int) -> np.ndarray:
 def reduce_all(devices) -> dict[str, np.ndarray]:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import (  # pylint: disable=g-import-not-at-top
+      Mesh, NamedSharding, PartitionSpec as P)
   from jlp.collectives import allreduce  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(devices), ("r",))
   x = inputs(len(devices))
