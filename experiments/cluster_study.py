@@ -8,9 +8,11 @@ For each bandwidth the cluster launcher (`jlp.train.cluster`) starts --hosts pro
 --devices_per_host devices, each in its own namespace with its link shaped (tbf; `none`:
 unshaped), and every host runs `jlp.train.sync_timing.time_syncs`: one float32 gradient of --size
 elements per device synced by float32 psum, the float32 ring, CPD's e4m3 ring on the packed and
-the float32 wire, and HiPress's onebit, TBQ and DGC on PS and ring. Writes WORKDIR/<bandwidth>.json
+the float32 wire, and HiPress's onebit, TBQ and DGC on PS and ring, then fits SeCoPa's cost model
+on the same hosts (`jlp.compression.profile.fit_cost_model`, as `experiments.secopa --fit` does,
+once per compressor) and predicts each sync with it. Writes WORKDIR/<bandwidth>.json
 (host 0's rows), WORKDIR/sync_time.md (the table: median ms per sync and bandwidth, ratio to
-float32 psum, wire bytes per device) and WORKDIR/sync_time.png. Needs root (see
+float32 psum, SeCoPa's prediction, wire bytes per device) and WORKDIR/sync_time.png. Needs root (see
 `experiments.cluster`); without it the hosts share localhost and only `none` runs.
 """
 
@@ -39,10 +41,34 @@ def _elements(text: str) -> int:
   return int(number) * scale
 
 
+FIT_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18)
+
+
+def _predictions(size: int, num_devices: int) -> dict[str, float]:
+  """SeCoPa's predicted ms per case, from cost models fitted here (one per compressor: its
+  encode and decode; the collectives the same), K = W partitions as the syncs use; the float32
+  rows are its uncompressed ring formula; the e4m3 rows have no SeCoPa formula."""
+  from jlp.compression import profile, secopa  # pylint: disable=g-import-not-at-top
+  out = {}
+  for codec in ("onebit", "tbq", "dgc"):
+    model = profile.fit_cost_model(sizes=FIT_SIZES, compressor=codec, repeats=3)
+    for topology, label in (("ps", "PS"), ("ring", "ring")):
+      costs = secopa.sync_costs(size, num_nodes=num_devices, topology=topology, cost_model=model,
+                                compressor=codec)
+      out[f"{codec} {label}"] = costs.comp[num_devices - 1]
+    ring = secopa.sync_costs(size, num_nodes=num_devices, topology="ring", cost_model=model)
+    out.setdefault("float32 psum", ring.orig[num_devices - 1])
+    out.setdefault("float32 ring", ring.orig[num_devices - 1])
+  return out
+
+
 def _host(size: int) -> None:
   from jlp.train import distributed, sync_timing  # pylint: disable=g-import-not-at-top
   info = distributed.initialize()
   rows = sync_timing.time_syncs(size, _REPEATS.value)
+  predicted = _predictions(size, info["global_devices"])
+  for row in rows:
+    row["secopa_ms"] = predicted.get(row["case"])
   if info["process_index"] == 0:
     with open(_HOST_OUT.value, "w") as f:
       json.dump({"devices": info["global_devices"], "size": size, "rows": rows}, f, indent=1)
@@ -51,17 +77,28 @@ def _host(size: int) -> None:
 def _table(results: dict[str, dict]) -> str:
   bandwidths = list(results)
   cases = [r["case"] for r in next(iter(results.values()))["rows"]]
-  head = "| sync | " + " | ".join(f"{b}: ms (vs psum)" for b in bandwidths) + \
+  head = "| sync | " + " | ".join(f"{b}: ms (vs psum) / SeCoPa" for b in bandwidths) + \
       " | wire bytes / device |"
   lines = [head, "| --- " * (len(bandwidths) + 2) + "|"]
+  within = total = 0
   for case in cases:
     cells = []
     for b in bandwidths:
       rows = {r["case"]: r for r in results[b]["rows"]}
-      ratio = rows[case]["ms"] / rows["float32 psum"]["ms"]
-      cells.append(f"{rows[case]['ms']:.1f} ({ratio:.2f}×)")
+      row = rows[case]
+      ratio = row["ms"] / rows["float32 psum"]["ms"]
+      predicted = row.get("secopa_ms")
+      cell = f"{row['ms']:.1f} ({ratio:.2f}×)"
+      if predicted is not None:
+        cell += f" / {predicted:.1f}"
+        total += 1
+        within += abs(predicted - row["ms"]) <= 0.3 * row["ms"]
+      cells.append(cell)
     wire = {r["case"]: r for r in results[bandwidths[0]]["rows"]}[case]["wire_bytes"]
     lines.append(f"| {case} | " + " | ".join(cells) + f" | {wire / 1e6:.2f} MB |")
+  if total:
+    lines.append(f"\nSeCoPa's prediction within ±30 % of the measured time: {within} of {total} "
+                 f"cells ({100 * within / total:.0f} %; target: at least 80 %).")
   return "\n".join(lines)
 
 

@@ -128,7 +128,9 @@ def fit_cost_model(mesh: Mesh | None = None, axis: str | None = None, *,
     raise base.invalid("compressor", compressor,
                        "a jlp.compression Compressor or a registered name")
 
-  one = devices[0]
+  # Encode, decode and the add run on this process's first device on the axis (each process of
+  # a multi-process run times its own; they run the same collectives).
+  one = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
   key = jax.device_put(jax.random.key(0), one) if codec.needs_key else None
   encode = jax.jit(lambda v, s, k: codec.encode(v, s, k))
   add = jax.jit(jnp.add)
