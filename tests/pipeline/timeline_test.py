@@ -52,3 +52,24 @@ def test_an_end_changes_only_what_comes_after_the_last_forward():
     for b in range(12 - (4 - j)):  # B(b) at stage j comes before F(12) iff b < 12 - (S - j)
       np.testing.assert_array_equal(ended.finish[b][:, j], endless.finish[b][:, j])
   assert ended.time(11) <= endless.time(11)
+
+
+def test_hetpipe_barrier_meets_at_the_same_pull_whatever_each_pipelines_count():
+  """After a flush the pipelines may have trained different numbers of mini-batches (7 and 6):
+  with pull_every = 3 pipeline 0 pulls after its updates 1, 4, ... of the fill and pipeline 1
+  after 2, 5, ...; the barrier of every pull gathers both at their own update of that pull, and
+  every (pipeline, stage) leaves it at one time."""
+  timeline = Timeline("1f1b", "hetpipe", 2, 2, 1, seed=0, hetero=Hetero(), preduce=PReduce(),
+                      hetpipe=HetPipe(pull_every=3, barrier=True), first_batch=[7, 6],
+                      start=np.zeros((2, 2)), log=True)
+  timeline.decide([(b, s) for b in range(9) for s in range(2)])
+  pulls = {}
+  for event in timeline.log:
+    if event[0] == "pull":
+      _, i, s, b, t = event
+      pulls.setdefault(((7, 6)[i] + b + 1) // 3, []).append((i, s, b, t))
+  assert sorted((i, b) for i, s, b, _ in pulls[3] if s == 0) == [(0, 1), (1, 2)]
+  for members in pulls.values():
+    if len(members) == 4:
+      assert len({t for *_, t in members}) == 1
+  assert sum(len(m) == 4 for m in pulls.values()) >= 2
