@@ -574,6 +574,20 @@ class Pipeline:
     return self._execute_1f1b(state, None, None, None, plan,
                               self.hetero if hetero is None else hetero)
 
+  def _plan_arrays(self, plan: Any, needed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mix, times, finish) of a `run(plan=...)` as float32 / float64 arrays, checked to cover
+    the first `needed` mini-batches."""
+    S, N = self.num_stages, self.num_pipelines
+    mix_all, times_all, finish_all = (np.asarray(plan.mix, np.float32),
+                                      np.asarray(plan.times, np.float64),
+                                      np.asarray(plan.finish, np.float64))
+    if mix_all.shape[1:] != (S, N, N) or len(mix_all) < needed or len(times_all) < needed or \
+        finish_all.shape[1:] != (N, S) or len(finish_all) < needed:
+      raise ValueError(f"plan with mix {mix_all.shape}, times {times_all.shape}, finish "
+                       f"{finish_all.shape} is not allowed; expected [T, {S}, {N}, {N}], [T] "
+                       f"and [T, {N}, {S}] by mini-batch with T >= {needed}.")
+    return mix_all, times_all, finish_all
+
   def _scalar(self, value: Any) -> jax.Array:
     """A replicated int32 scalar of its own (a copy: a donated state must not hold one buffer
     twice)."""
@@ -612,15 +626,7 @@ class Pipeline:
       group_sizes = np.array([len(g.members) for key in made
                               for g in timeline.groups_at.get(key, ())], np.int32)
     else:
-      mix_all, times_all, finish_all = (np.asarray(plan.mix, np.float32),
-                                        np.asarray(plan.times, np.float64),
-                                        np.asarray(plan.finish, np.float64))
-      needed = step + B
-      if mix_all.shape[1:] != (S, N, N) or len(mix_all) < needed or len(times_all) < needed or \
-          finish_all.shape[1:] != (N, S) or len(finish_all) < needed:
-        raise ValueError(f"plan with mix {mix_all.shape}, times {times_all.shape}, finish "
-                         f"{finish_all.shape} is not allowed; expected [T, {S}, {N}, {N}], [T] "
-                         f"and [T, {N}, {S}] by mini-batch with T >= {needed}.")
+      mix_all, times_all, finish_all = self._plan_arrays(plan, step + B)
       mix_of, finish_of, time_of = (lambda g, s: mix_all[g, s], lambda g: finish_all[g],
                                     lambda g: times_all[g])
       group_sizes = np.zeros((0,), np.int32)
@@ -716,15 +722,7 @@ class Pipeline:
       taken_after = [taken_before[p] + sum(1 for i, _ in chunks if i == p) for p in range(N)]
     plan_mix = None
     if plan is not None:
-      mix_all, times_all, finish_all = (np.asarray(plan.mix, np.float32),
-                                        np.asarray(plan.times, np.float64),
-                                        np.asarray(plan.finish, np.float64))
-      needed = step + B
-      if mix_all.shape[1:] != (S, N, N) or len(mix_all) < needed or len(times_all) < needed or \
-          finish_all.shape[1:] != (N, S) or len(finish_all) < needed:
-        raise ValueError(f"plan with mix {mix_all.shape}, times {times_all.shape}, finish "
-                         f"{finish_all.shape} is not allowed; expected [T, {S}, {N}, {N}], [T] "
-                         f"and [T, {N}, {S}] by mini-batch with T >= {needed}.")
+      mix_all, times_all, finish_all = self._plan_arrays(plan, step + B)
       if self.sync in ("preduce", "adpsgd"):
         plan_mix = lambda g, s: mix_all[g, s]
     tables = make_run_tables(placement, nodes, taken_before, taken_after, fed_start, self.sync,

@@ -107,41 +107,33 @@ class Program:
                  sync_state=squeeze(state.sync_state),
                  computed=jnp.int32(0))  # ticks in which this device ran its stage
     inflight = dict(state.inflight)
+    last = stage == self.num_stages - 1
     if self.schedule == "1f1b":
       carry, inflight = self._run_1f1b(carry, inflight, stage, xs, ys, ticks)
-      last = stage == self.num_stages - 1
       # Gathered over the pipelines, so every process holds all of them.
       out = {name: lax.all_gather(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA)
              for name, v in carry["metrics"].items()}
       out.update({name: lax.all_gather(lax.psum(v, STAGE), DATA)
                   for name, v in carry["sync_report"].items()})
-      out["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
-      expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
-      new_state = state._replace(
-          step=state.step + self.layout.num_batches, params=expand(carry["params"]),
-          opt_state=expand(carry["opt"]), model_state=expand(carry["model_state"]),
-          global_params=expand(carry["global_params"]), sync_state=expand(carry["sync_state"]),
-          inflight=inflight)
-      return new_state, out
-    carry = self._run_gpipe(self._with_metrics(carry, self.layout.num_batches), stage,
-                            state.step, xs, ys, mix)
-    last = stage == self.num_stages - 1
-    means = {name: lax.psum(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA) / self.num_pipelines
+    else:
+      carry = self._run_gpipe(self._with_metrics(carry, self.layout.num_batches), stage,
+                              state.step, xs, ys, mix)
+      out = {name: lax.psum(lax.psum(jnp.where(last, v, 0.0), STAGE), DATA) / self.num_pipelines
              for name, v in carry["metrics"].items()}
-    # The sync's bytes per device, averaged over all N*S devices (each stage's devices sync their
-    # own stage's gradient); non-finite elements summed over the stages.
-    for name, v in carry["sync_report"].items():
-      total = lax.psum(lax.psum(v, STAGE), DATA)
-      means[name] = total // self.num_pipelines if name == "nonfinite" else total / (
-          self.num_pipelines * self.num_stages)
-    means["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
+      # The sync's bytes per device, averaged over all N*S devices (each stage's devices sync
+      # their own stage's gradient); non-finite elements summed over the stages.
+      for name, v in carry["sync_report"].items():
+        total = lax.psum(lax.psum(v, STAGE), DATA)
+        out[name] = total // self.num_pipelines if name == "nonfinite" else total / (
+            self.num_pipelines * self.num_stages)
+    out["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
     expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
     new_state = state._replace(
         step=state.step + self.layout.num_batches, params=expand(carry["params"]),
         opt_state=expand(carry["opt"]), model_state=expand(carry["model_state"]),
         global_params=expand(carry["global_params"]), sync_state=expand(carry["sync_state"]),
         inflight=inflight)
-    return new_state, means
+    return new_state, out
 
   def _with_metrics(self, carry: dict[str, Any], slots: int) -> dict[str, Any]:
     """carry with zero per-mini-batch metrics and sync reports for `slots` mini-batches."""
