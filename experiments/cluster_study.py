@@ -14,6 +14,19 @@ once per compressor) and predicts each sync with it. Writes WORKDIR/<bandwidth>.
 (host 0's rows), WORKDIR/sync_time.md (the table: median ms per sync and bandwidth, ratio to
 float32 psum, SeCoPa's prediction, wire bytes per device) and WORKDIR/sync_time.png. Needs root (see
 `experiments.cluster`); without it the hosts share localhost and only `none` runs.
+
+Then it trains `configs/digits_wide.py` (a 4.8M-parameter MLP on digits) on the same cluster
+with `experiments.train`, and reads each run's metrics (`jlp.train.run_timing`):
+  * pipelines (every bandwidth): wall seconds per mini-batch of data parallelism (float32
+    psum), GPipe and 1F1B with --stages stages spanning the hosts (stage s on host
+    s // (stages / hosts), each stage's all-reduce across the pipelines inside one host), over
+    --train_steps steps; writes WORKDIR/step_time.md;
+  * time to accuracy (--accuracy_bandwidths, default 100mbit): float32, onebit (PS) and CPD's
+    e4m3 ring on the packed wire with APS, each stopped at the first evaluation (every 5 steps)
+    reaching --target: steps, seconds per step, training seconds to the target; writes
+    WORKDIR/time_to_accuracy.md and time_to_accuracy.png.
+--sections picks the parts (sync, pipelines, accuracy); --train_override adds
+--config.FIELD=VALUE arguments to every training run (the tests shrink the model with it).
 """
 
 import json
@@ -30,6 +43,25 @@ _BANDWIDTHS = flags.DEFINE_list("bandwidths", ["100mbit", "1gbit", "none"],
 _SIZE = flags.DEFINE_string("size", "4M", "Gradient elements per device (K/M suffixes).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per sync (median).")
 _HOST_OUT = flags.DEFINE_string("host_out", None, "Internal: run as a host, write rows here.")
+_SECTIONS = flags.DEFINE_multi_enum("sections", ["sync", "pipelines", "accuracy"],
+                                    ["sync", "pipelines", "accuracy"], "Parts of the study to run.")
+_ACCURACY_BANDWIDTHS = flags.DEFINE_list("accuracy_bandwidths", ["100mbit"],
+                                         "Bandwidths of the time-to-accuracy runs.")
+_TARGET = flags.DEFINE_float("target", 0.97, "Test accuracy of the time-to-accuracy runs.")
+_STAGES = flags.DEFINE_integer("stages", 4, "Stages of the pipelined runs.")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 20, "Steps of the step-time runs.")
+_TRAIN_OVERRIDES = flags.DEFINE_multi_string("train_override", [],
+                                             "--config.FIELD=VALUE for every training run.")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_CONFIG = os.path.join(REPO, "configs", "digits_wide.py")
+#: The time-to-accuracy runs: name -> experiments.train config arguments.
+ACCURACY_RUNS = {
+    "float32 psum": [],
+    "onebit PS": ["--config.compression.name=onebit"],
+    "e4m3 ring, packed wire + APS": ["--config.grad_exp=4", "--config.grad_man=3",
+                                     "--config.grad_algorithm=ring", "--config.use_aps"],
+}
 
 
 def _elements(text: str) -> int:
@@ -41,7 +73,8 @@ def _elements(text: str) -> int:
   return int(number) * scale
 
 
-FIT_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18)
+#: The cost model's fit sizes reach the synced size (4M elements): nothing extrapolates.
+FIT_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 
 
 def _predictions(size: int, num_devices: int) -> dict[str, float]:
@@ -123,27 +156,115 @@ def _plot(results: dict[str, dict], path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  size = _elements(_SIZE.value)
-  if _HOST_OUT.value:
-    _host(size)
-    return
+def _train(bandwidth: str, name: str, args: list[str]) -> tuple[list[dict], dict]:
+  """Runs experiments.train on the cluster in a fresh workdir; (metrics rows, config)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from jlp.train import cluster, metrics  # pylint: disable=g-import-not-at-top
+  slug = "".join(c if c.isalnum() else "_" for c in name)
+  workdir = os.path.abspath(os.path.join(_WORKDIR.value, "train", f"{bandwidth}_{slug}"))
+  shutil.rmtree(workdir, ignore_errors=True)
+  cluster.launch("experiments.train",
+                 [f"--config={TRAIN_CONFIG}", f"--workdir={workdir}", *args,
+                  *_TRAIN_OVERRIDES.value],
+                 hosts=_HOSTS.value, devices_per_host=_DEVICES.value, bandwidth=bandwidth,
+                 workdir=os.path.join(workdir, "hosts"))
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = json.load(f)
+  return metrics.read_metrics(workdir), config
+
+
+def _step_times(bandwidth: str) -> dict[str, dict]:
+  """Seconds per mini-batch of data parallelism, GPipe and 1F1B on `bandwidth`."""
+  from jlp.train import run_timing  # pylint: disable=g-import-not-at-top
+  steps = _TRAIN_STEPS.value
+  common = [f"--config.max_steps={steps}", "--config.eval_every=0", "--config.log_every=5",
+            "--config.checkpoint_every=0", "--config.stop_at_accuracy=0"]
+  pipelined = [f"--config.pipeline.stages={_STAGES.value}", "--config.pipeline.batches_per_call=5"]
+  runs = {"data parallel, float32 psum": ([], 5),
+          "GPipe (4 micro-batches)": (["--config.pipeline.schedule=gpipe",
+                                       "--config.pipeline.microbatches=4", *pipelined], 5),
+          "1F1B": (["--config.pipeline.schedule=1f1b", *pipelined], 5)}
+  out = {}
+  for name, (args, warmup) in runs.items():
+    rows, config = _train(bandwidth, name, common + args)
+    out[name] = {"s_per_step": run_timing.seconds_per_step(rows, config["batch_size"], warmup)}
+    print(f"{bandwidth}: {name} {out[name]['s_per_step']:.3f} s/step", flush=True)
+  return out
+
+
+def _accuracy_runs(bandwidth: str) -> dict[str, dict]:
+  """Time to --target of each ACCURACY_RUNS entry on `bandwidth`."""
+  from jlp.train import run_timing  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, args in ACCURACY_RUNS.items():
+    rows, config = _train(bandwidth, name, [*args, f"--config.stop_at_accuracy={_TARGET.value}"])
+    per_step = run_timing.seconds_per_step(rows, config["batch_size"], config["log_every"])
+    steps = run_timing.steps_to_accuracy(rows, _TARGET.value)
+    out[name] = {"steps": steps, "s_per_step": per_step,
+                 "seconds": None if steps is None else steps * per_step,
+                 "curve": [(r["step"] * per_step, r["eval_accuracy"]) for r in rows
+                           if r.get("eval_accuracy") is not None]}
+    print(f"{bandwidth}: {name} reached {_TARGET.value} at step {steps} "
+          f"({per_step:.3f} s/step)", flush=True)
+  return out
+
+
+def _step_table(results: dict[str, dict]) -> str:
+  bandwidths = list(results)
+  names = list(next(iter(results.values())))
+  lines = ["| run | " + " | ".join(f"{b}: s / mini-batch (vs DP)" for b in bandwidths) + " |",
+           "| --- " * (len(bandwidths) + 1) + "|"]
+  for name in names:
+    cells = []
+    for b in bandwidths:
+      base = next(iter(results[b].values()))["s_per_step"]
+      t = results[b][name]["s_per_step"]
+      cells.append(f"{t:.3f} ({t / base:.2f}×)")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _accuracy_table(results: dict[str, dict]) -> str:
+  lines = [f"| bandwidth | run | steps to {_TARGET.value:g} | s / step | seconds to "
+           f"{_TARGET.value:g} (vs float32) |", "| --- | --- | --- | --- | --- |"]
+  for b, runs in results.items():
+    base = runs["float32 psum"]["seconds"]
+    for name, r in runs.items():
+      if r["seconds"] is None:
+        seconds = "not reached"
+      else:
+        seconds = f"{r['seconds']:.1f}" + (f" ({r['seconds'] / base:.2f}×)" if base else "")
+      lines.append(f"| {b} | {name} | {r['steps']} | {r['s_per_step']:.3f} | {seconds} |")
+  return "\n".join(lines)
+
+
+def _plot_accuracy(results: dict[str, dict], path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+  for ax, (b, runs) in zip(axes[0], results.items()):
+    for name, r in runs.items():
+      xs, ys = zip(*r["curve"]) if r["curve"] else ((), ())
+      ax.plot(xs, ys, marker=".", label=name)
+    ax.axhline(_TARGET.value, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training seconds (steps x median s/step)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"digits_wide, {_HOSTS.value} hosts x {_DEVICES.value} devices, {b}")
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def _sync_section(size: int) -> None:
   from jlp.train import cluster  # pylint: disable=g-import-not-at-top
-  os.makedirs(_WORKDIR.value, exist_ok=True)
   results = {}
   for bandwidth in _BANDWIDTHS.value:
     out = os.path.abspath(os.path.join(_WORKDIR.value, f"{bandwidth}.json"))
-    try:
-      cluster.launch("experiments.cluster_study",
-                     [f"--host_out={out}", f"--size={_SIZE.value}",
-                      f"--repeats={_REPEATS.value}"],
-                     hosts=_HOSTS.value, devices_per_host=_DEVICES.value, bandwidth=bandwidth,
-                     workdir=os.path.join(_WORKDIR.value, f"hosts_{bandwidth}"))
-    except (ValueError, cluster.ClusterError) as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(2 if isinstance(e, ValueError) else 1)
+    cluster.launch("experiments.cluster_study",
+                   [f"--host_out={out}", f"--size={_SIZE.value}", f"--repeats={_REPEATS.value}"],
+                   hosts=_HOSTS.value, devices_per_host=_DEVICES.value, bandwidth=bandwidth,
+                   workdir=os.path.join(_WORKDIR.value, f"hosts_{bandwidth}"))
     with open(out) as f:
       results[bandwidth] = json.load(f)
     print(f"{bandwidth}: " + ", ".join(f"{r['case']} {r['ms']:.1f} ms"
@@ -155,8 +276,43 @@ def main(argv):
   with open(os.path.join(_WORKDIR.value, "sync_time.md"), "w") as f:
     f.write(header + "\n\n" + table + "\n")
   _plot(results, os.path.join(_WORKDIR.value, "sync_time.png"))
-  print("\n" + header + "\n\n" + table)
+  print("\n" + header + "\n\n" + table, flush=True)
 
+
+def _training_sections() -> None:
+  header = f"configs/digits_wide.py on {_HOSTS.value} hosts x {_DEVICES.value} devices"
+  if "pipelines" in _SECTIONS.value:
+    steps = {b: _step_times(b) for b in _BANDWIDTHS.value}
+    table = (f"{header}, {_TRAIN_STEPS.value} steps, {_STAGES.value} stages, median seconds per "
+             "mini-batch after the first interval\n\n" + _step_table(steps))
+    with open(os.path.join(_WORKDIR.value, "step_time.md"), "w") as f:
+      f.write(table + "\n")
+    print("\n" + table, flush=True)
+  if "accuracy" in _SECTIONS.value:
+    runs = {b: _accuracy_runs(b) for b in _ACCURACY_BANDWIDTHS.value}
+    table = f"{header}, evaluated every 5 steps\n\n" + _accuracy_table(runs)
+    with open(os.path.join(_WORKDIR.value, "time_to_accuracy.md"), "w") as f:
+      f.write(table + "\n")
+    _plot_accuracy(runs, os.path.join(_WORKDIR.value, "time_to_accuracy.png"))
+    print("\n" + table, flush=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  size = _elements(_SIZE.value)
+  if _HOST_OUT.value:
+    _host(size)
+    return
+  from jlp.train import cluster  # pylint: disable=g-import-not-at-top
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  try:
+    if "sync" in _SECTIONS.value:
+      _sync_section(size)
+    _training_sections()
+  except (ValueError, cluster.ClusterError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2 if isinstance(e, ValueError) else 1)
 
 if __name__ == "__main__":
   app.run(main)

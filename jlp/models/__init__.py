@@ -1,4 +1,5 @@
-"""jlp model zoo (Flax NNX): ResNet18 (CIFAR), ResNet50 (ImageNet), DavidNet, VGG19-BN, FCN, small BERT.
+"""jlp model zoo (Flax NNX): ResNet18 (CIFAR), ResNet50 (ImageNet), DavidNet, VGG19-BN, FCN, small BERT,
+the digits CNN and an MLP.
 
 All models take NHWC float32 images (BERT: int token ids), keep float32 params and compute every
 parameter GEMM in an `nnx.Linear`, `nnx.Conv` or `nnx.Einsum`, so quantization rules that replace a
@@ -9,7 +10,7 @@ Registry::
 
     model = jlp.models.get_model("resnet18", num_classes=10, width=8, rngs=nnx.Rngs(0))
 
-names: "resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small", "small_cnn" (`MODELS` maps
+names: "resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small", "small_cnn", "mlp" (`MODELS` maps
 each to its builder; `rngs` defaults to ``nnx.Rngs(0)``). Train/eval: ``model.train()`` /
 ``model.eval()`` (BatchNorm ``use_running_average``, Dropout ``deterministic``).
 
@@ -41,6 +42,7 @@ from flax import nnx
 from jlp.models.bert import Bert, bert_small
 from jlp.models.davidnet import DavidNet, davidnet
 from jlp.models.fcn import FCN, fcn
+from jlp.models.mlp import MLP, mlp
 from jlp.models.resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
 from jlp.models.small_cnn import SmallCNN, small_cnn
 from jlp.models.vgg import VGG, vgg19
@@ -53,6 +55,7 @@ __all__ = [
     "Bottleneck",
     "DavidNet",
     "FCN",
+    "MLP",
     "ResNet",
     "SmallCNN",
     "VGG",
@@ -62,6 +65,7 @@ __all__ = [
     "fcn",
     "gemm_modules",
     "get_model",
+    "mlp",
     "module_path",
     "named_modules",
     "resnet18",
@@ -81,6 +85,7 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
     "fcn": fcn,
     "bert_small": bert_small,
     "small_cnn": small_cnn,
+    "mlp": mlp,
 }
 
 

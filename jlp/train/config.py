@@ -16,6 +16,10 @@ Fields (see `base_config` for defaults):
   max_steps, log_every, eval_every, checkpoint_every
                                 loop cadence in steps (0 disables eval / periodic checkpoints; a
                                 checkpoint is always written at the end).
+  stop_at_accuracy              end the run at the first evaluation whose eval_accuracy reaches
+                                it (a checkpoint is written; re-running the workdir says it is
+                                finished); 0 (default): off. Data-parallel classification only:
+                                time-to-accuracy studies.
   lr, schedule                  peak learning rate and schedule (`schedule.name` plus its fields;
                                 see jlp.train.optim).
   optimizer                     "sgd" (torch-style SGD; LARS with use_lars) or "adamw" (optax.adamw:
@@ -146,6 +150,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10
   c.eval_every = 50
   c.checkpoint_every = 50
+  c.stop_at_accuracy = 0.0
 
   c.lr = 0.1
   c.schedule = ml_collections.ConfigDict({"name": "constant"})
@@ -296,6 +301,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field in ("eval_every", "checkpoint_every"):
     _check(_int(config[field]) and config[field] >= 0, field, config[field], "an int >= 0 (0: off)")
   _check(_int(config.seed), "seed", config.seed, "an int")
+  _check(isinstance(config.stop_at_accuracy, (int, float)) and 0 <= config.stop_at_accuracy <= 1,
+         "stop_at_accuracy", config.stop_at_accuracy, "a fraction in [0, 1] (0: off)")
+  if config.stop_at_accuracy:
+    _check(config.task == "classification" and config.pipeline.schedule == "none",
+           "stop_at_accuracy", config.stop_at_accuracy,
+           "0 unless task='classification' with pipeline.schedule='none' (pipelined runs "
+           "evaluate between calls and complete their mini-batches later)")
   _check(config.lr >= 0, "lr", config.lr, "a learning rate >= 0")
   _check(0 <= config.momentum < 1, "momentum", config.momentum, "a value in [0, 1)")
   _check(config.optimizer in OPTIMIZERS, "optimizer", config.optimizer, f"one of {OPTIMIZERS}")

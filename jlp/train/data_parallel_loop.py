@@ -11,7 +11,8 @@ One call runs (or resumes) an experiment config (jlp.train.config) in `workdir`:
      `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard; `wire_bytes` is
      the bytes one device sent for that step's gradient sync, see jlp.train.step), evaluation
      every `eval_every` steps and at the end, a checkpoint every `checkpoint_every` steps and at
-     the end.
+     the end. With `stop_at_accuracy`, the first evaluation that reaches it ends the run (with a
+     checkpoint); running the workdir again then says it is finished.
 
 Resume is bit-exact: the state (parameters, optimizer state, BatchNorm statistics, PRNG key data,
 BFP widths, the compressed sync's per-device state, saved sharded), the BFP controller's state
@@ -197,6 +198,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   _, state = init_train_state(run.model, run.optimizer, run.mesh, run.sync)  # graphdef: compile_step
   if start:
     saved, meta = checkpoints.restore(start, saveable(state))
+    if meta.get("reached_accuracy"):
+      checkpoints.close()
+      print(f"{workdir} is finished: eval_accuracy={meta['reached_accuracy']:.4g} reached "
+            f"config.stop_at_accuracy at step {start}.", flush=True)
+      return {"step": start, "interrupted": False, "eval_accuracy": meta["reached_accuracy"]}
     state = from_saveable(saved, state)
     if run.quant.controller is not None and meta.get("controller"):
       run.quant.controller.load_state_dict(meta["controller"])
@@ -210,6 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   stall = HostStall()
   row: dict[str, Any] = {}
   interrupted = False
+  reached = None  # eval_accuracy once it reaches config.stop_at_accuracy
   last_time, last_step = time.perf_counter(), start
   step = start
   try:
@@ -248,6 +255,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             row["bfp_preset"] = run.preset
           if evaluated:
             row.update(run.evaluate(state))
+            if config.stop_at_accuracy and row["eval_accuracy"] >= config.stop_at_accuracy:
+              reached = row["eval_accuracy"]
           row = writer.write(step, row)
           last_time, last_step = time.perf_counter(), step
           if bar is not None:
@@ -255,20 +264,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           else:
             print(log_line(step, config.max_steps, row), flush=True)
         interrupted = stop.agreed()
-        if checkpoint_due(config, step, interrupted):
-          _save(checkpoints, step, state, run, config)
-        if interrupted:
+        if checkpoint_due(config, step, interrupted) or reached:
+          _save(checkpoints, step, state, run, config, reached)
+        if interrupted or reached:
           break
   finally:
     close_run(bar, writer, checkpoints)
   if interrupted:
     report_interrupt(step, checkpoints)
+  elif reached is not None:
+    print(f"eval_accuracy={reached:.4g} reached config.stop_at_accuracy="
+          f"{config.stop_at_accuracy:g} at step {step}: stopped.", flush=True)
   return {**row, "step": step, "interrupted": interrupted}
 
 
 def _save(checkpoints: Checkpointer, step: int, state: TrainState, run: Run,
-          config: ml_collections.ConfigDict) -> None:
-  meta = {"step": step, "preset": run.preset,
+          config: ml_collections.ConfigDict, reached_accuracy: float | None = None) -> None:
+  meta = {"step": step, "preset": run.preset, "reached_accuracy": reached_accuracy,
           "config": json.loads(config.to_json_best_effort()),
           "controller": run.quant.controller.state_dict() if run.quant.controller else None}
   checkpoints.save(step, saveable(state), meta)

@@ -89,6 +89,8 @@ def model(config: ml_collections.ConfigDict, dataset: jdata.Dataset) -> nnx.Modu
   channels = dataset.image_shape[-1]
   if config.model.name == "small_cnn" or (config.model.name == "fcn" and channels != 3):
     kwargs.setdefault("in_channels", channels)
+  if config.model.name == "mlp":
+    kwargs.setdefault("in_features", int(np.prod(dataset.image_shape)))
   vocab = getattr(dataset, "vocab_size", None)
   if vocab is not None and config.model.name == "bert_small" and kwargs.get("vocab", 30522) < vocab:
     raise _bad("model.kwargs.vocab", kwargs.get("vocab", 30522),

@@ -38,6 +38,7 @@ TINY = {
         token_ids(8, 50),
         (B, 3),
     ),
+    "mlp": (dict(num_classes=10, hidden=(8, 6)), images(8, 1), (B, 10)),
 }
 
 
@@ -76,7 +77,10 @@ def test_forward_train_and_eval(name):
   # eval mode leaves the statistics alone
   for a, b in zip(stats1, _batch_stats(model), strict=True):
     np.testing.assert_array_equal(a, b)
-  assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))  # BN batch stats / dropout differ
+  if name == "mlp":  # neither BatchNorm nor dropout: both modes compute the same
+    np.testing.assert_array_equal(np.asarray(y_train), np.asarray(y_eval))
+  else:
+    assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))  # BN batch stats / dropout
 
   for p in jax.tree.leaves(nnx.state(model, nnx.Param)):
     assert p.dtype == jnp.float32
@@ -129,6 +133,7 @@ def _param_count(build):
         ("resnet18", dict(num_classes=1000, stem="imagenet"), 11_689_512),  # torchvision resnet18
         ("vgg19", {}, 20_040_522),  # kuangliu VGG19-BN, 10 classes
         ("davidnet", {}, 6_573_120),
+        ("mlp", {}, 64 * 1536 + 1536 + 2 * (1536 * 1536 + 1536) + 1536 * 10 + 10),  # 4,836,874
     ],
 )
 def test_full_size_param_counts(name, kwargs, expected):
@@ -165,7 +170,8 @@ def test_resnet18_paths_match_bfpsim_names():
 
 
 def test_registry():
-  assert set(zoo.MODELS) == {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small", "small_cnn"}
+  assert set(zoo.MODELS) == {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "bert_small", "small_cnn",
+                             "mlp"}
   with pytest.raises(ValueError, match="nope"):
     zoo.get_model("nope")
 

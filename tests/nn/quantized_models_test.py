@@ -37,6 +37,7 @@ TINY = {
             images(16)),
     "bert_small": (dict(vocab=50, max_len=16, hidden=16, num_layers=2, heads=2, num_classes=3), token_ids(8, 50)),
     "small_cnn": (dict(num_classes=10, width=4), images(8, 1)),
+    "mlp": (dict(num_classes=10, hidden=(8, 6)), images(8, 1)),
 }
 CONV_MODELS = {"resnet18", "resnet50", "davidnet", "vgg19", "fcn", "small_cnn"}
 

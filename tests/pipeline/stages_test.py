@@ -28,6 +28,7 @@ from tiny_models import build
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 SMALL_CNN = dict(width=4)
+MLP = dict(hidden=(8, 6, 4))
 RESNET18 = dict(num_classes=10, width=4)
 RESNET50 = dict(num_classes=10, width=2)
 VGG19 = dict(num_classes=10, width=2)
@@ -80,6 +81,8 @@ CASES = {
     "vgg19-S4": ("vgg19", VGG19, lambda: _images((2, 32, 32, 3)), 4, (4, 4, 4, 5)),
     "bert_small-S2": ("bert_small", BERT, _token_ids, 2, (3, 3)),
     "bert_small-S4": ("bert_small", BERT, _token_ids, 4, (2, 1, 1, 2)),
+    "mlp-S2": ("mlp", MLP, lambda: _images((4, 8, 8, 1)), 2, (2, 2)),
+    "mlp-S4": ("mlp", MLP, lambda: _images((4, 8, 8, 1)), 4, (1, 1, 1, 1)),
 }
 
 
@@ -298,4 +301,4 @@ def test_unsupported_model():
   with pytest.raises(ValueError, match=r"model=DavidNet is not allowed; expected one of the "
                      r"supported models: ResNet \(resnet18, resnet50\), Bert"):
     split_model(model, 2)
-  assert sorted(STAGE_RULES) == ["Bert", "ResNet", "SmallCNN", "VGG"]
+  assert sorted(STAGE_RULES) == ["Bert", "MLP", "ResNet", "SmallCNN", "VGG"]

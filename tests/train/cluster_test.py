@@ -223,15 +223,22 @@ def test_the_cluster_study_writes_its_table(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   out = subprocess.run([sys.executable, "-m", "experiments.cluster_study", "--hosts=2",
-                        "--devices_per_host=1", "--bandwidths=1gbit", "--size=16K",
-                        "--repeats=1", f"--workdir={tmp_path}"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+                        "--devices_per_host=2", "--bandwidths=1gbit", "--size=16K",
+                        "--repeats=1", "--accuracy_bandwidths=1gbit", "--target=0.5",
+                        "--train_steps=10", "--train_override=--config.model.kwargs.hidden=(32,32,32)",
+                        f"--workdir={tmp_path}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-2000:]
   table = (tmp_path / "sync_time.md").read_text()
   assert "| float32 psum | " in table and "| dgc ring | " in table and "1gbit" in table
   assert (tmp_path / "sync_time.png").stat().st_size > 0
   rows = json.load(open(tmp_path / "1gbit.json"))["rows"]
   assert len(rows) == 10 and rows[0]["case"] == "float32 psum"
+  steps = (tmp_path / "step_time.md").read_text()
+  assert "| data parallel, float32 psum | " in steps and "| 1F1B | " in steps
+  accuracy = (tmp_path / "time_to_accuracy.md").read_text()
+  assert accuracy.count("| 1gbit | ") == 3 and "not reached" not in accuracy
+  assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
 
 
 def test_hetero_sleeps_with_probability_one_tenth(monkeypatch):

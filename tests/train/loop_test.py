@@ -102,6 +102,28 @@ def test_ctrl_c_checkpoints_and_the_resumed_run_is_bit_exact(reference_run, tmp_
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
 
 
+def test_stop_at_accuracy_ends_the_run_at_the_first_evaluation_that_reaches_it(
+    reference_run, tmp_path, capsys):
+  """The uninterrupted run's step-6 accuracy as the target: the run stops there with a
+  checkpoint and the reference's rows up to step 6; running the workdir again says it is
+  finished and trains nothing."""
+  ref_dir, _ = reference_run
+  ref_rows = read_metrics(ref_dir)
+  target = next(r["eval_accuracy"] for r in ref_rows if r["step"] == 6)
+  assert target > 0
+  workdir = str(tmp_path)
+  result = loop.train_and_evaluate(small_config(stop_at_accuracy=target), workdir, progress=False)
+  assert result["step"] == 6 and not result["interrupted"]
+  assert "reached config.stop_at_accuracy" in capsys.readouterr().out
+  rows = read_metrics(workdir)
+  assert stable(rows) == stable([r for r in ref_rows if r["step"] <= 6])
+  assert final_checkpoint(workdir)[0] == 6
+  again = loop.train_and_evaluate(small_config(stop_at_accuracy=target), workdir, progress=False)
+  assert again["step"] == 6 and again["eval_accuracy"] == target
+  assert "is finished" in capsys.readouterr().out
+  assert len(read_metrics(workdir)) == len(rows)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"lr": -0.1}, r"config.lr=-0.1 is not allowed"),
     ({"grad_format": "e9m2"}, r"config.grad_format='e9m2' does not parse"),
@@ -114,6 +136,9 @@ def test_ctrl_c_checkpoints_and_the_resumed_run_is_bit_exact(reference_run, tmp_
     ({"quant_rules": ((".*", {"xx": "e4m3"}),)}, r"quant_rules\[0\].*no role 'xx'"),
     ({"schedule": {"name": "linear"}}, r"config.schedule.name='linear'"),
     ({"unscale_grads": None}, r"config.unscale_grads=None is not allowed; expected True or False"),
+    ({"stop_at_accuracy": 1.5}, r"config.stop_at_accuracy=1.5 is not allowed; expected a fraction"),
+    ({"stop_at_accuracy": 0.9, "task": "segmentation"},
+     r"config.stop_at_accuracy=0.9 .* task='classification'"),
 ])
 def test_bad_config_fails_before_the_model_is_built(overrides, message, monkeypatch, tmp_path):
   def no_model(*args, **kwargs):

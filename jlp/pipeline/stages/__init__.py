@@ -36,6 +36,8 @@ model family (its docstring has the details):
              for S=1..5 (S=2 (2, 3), S=4 (2, 1, 1, 1)).
   vgg        VGG (vgg19): every conv+BN+ReLU group of `features`, head. Default: the conv groups
              evenly, head with stage S-1.
+  mlp        MLP (mlp): every hidden Linear+ReLU, head. Default: the units evenly (the default
+             three hidden layers at S=4: one unit each).
 
 Errors (ValueError): a model type without a rule (lists the supported ones), num_stages not an
 integer from 1 to the unit count, boundaries not num_stages integers >= 1 summing to the unit

@@ -1,6 +1,6 @@
 """`split_model` and what it builds: the `STAGE_RULES` registry, `Stage`, `StageSplit`.
 
-`STAGE_RULES` gathers the family rules (`resnet`, `bert`, `small_cnn`, `vgg`); `split_model`
+`STAGE_RULES` gathers the family rules (`resnet`, `bert`, `small_cnn`, `vgg`, `mlp`); `split_model`
 looks the model's class up there, cuts its units into stages, and gives every stage its own NNX
 graph with its variables as flat dicts (`_slots`, `_to_flat`, `_from_flat`; the contract is in
 the `jlp.pipeline.stages` docstring).
@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jlp.pipeline.stages import bert, resnet, small_cnn, vgg
+from jlp.pipeline.stages import bert, mlp, resnet, small_cnn, vgg
 from jlp.pipeline.stages.base import StageRule, Unit
 
 #: Model class name -> its split rule (the family modules).
 STAGE_RULES: dict[str, StageRule] = {
     rule.model_type.__name__: rule
-    for rule in (resnet.RULE, bert.RULE, small_cnn.RULE, vgg.RULE)
+    for rule in (resnet.RULE, bert.RULE, small_cnn.RULE, vgg.RULE, mlp.RULE)
 }
 
 

@@ -1,0 +1,46 @@
+"""Wall-clock speed of a training run, read from its metrics rows (`jlp.train.metrics`): seconds
+per step and time to accuracy, as the cluster study (`python -m experiments.cluster_study`)
+reports them.
+
+Each logged row carries `throughput`: examples per wall-clock second since the previous row,
+evaluation, checkpoints and logging excluded (the data-parallel loop restarts its clock after
+them; the pipelined loop times each `Pipeline.run` call). A step's seconds are therefore
+`batch_size / throughput`. The rows of the first interval include compilation, so they are left
+out (`after_step`). Time to accuracy is the steps to the first evaluation that reaches the target
+times the median seconds per step: the training time, without compilation and evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["seconds_per_step", "steps_to_accuracy", "time_to_accuracy"]
+
+
+def seconds_per_step(rows: Sequence[dict[str, Any]], batch_size: int, after_step: int) -> float:
+  """Median wall seconds per step over the rows logged after `after_step` (ValueError if none)."""
+  times = [batch_size / r["throughput"] for r in rows
+           if r["step"] > after_step and r.get("throughput")]
+  if not times:
+    raise ValueError(f"after_step={after_step} is not allowed; expected a step before the last "
+                     f"logged row with a throughput (rows end at step "
+                     f"{rows[-1]['step'] if rows else None}).")
+  return float(np.median(times))
+
+
+def steps_to_accuracy(rows: Sequence[dict[str, Any]], target: float) -> int | None:
+  """The step of the first evaluation with eval_accuracy >= target; None if none reaches it."""
+  for r in rows:
+    if r.get("eval_accuracy") is not None and r["eval_accuracy"] >= target:
+      return int(r["step"])
+  return None
+
+
+def time_to_accuracy(rows: Sequence[dict[str, Any]], target: float, batch_size: int,
+                     after_step: int) -> float | None:
+  """Training seconds to `target`: steps_to_accuracy x seconds_per_step; None if not reached."""
+  steps = steps_to_accuracy(rows, target)
+  return None if steps is None else steps * seconds_per_step(rows, batch_size, after_step)
