@@ -64,6 +64,14 @@ def fit_line(xs: Sequence[float], ms: Sequence[float]) -> LinearCost:
   return LinearCost(float(w), float(b), float(np.min(ms)))
 
 
+def _zeros(shape: tuple[int, ...], sharding) -> jax.Array:
+  """float32 zeros laid out by `sharding`, each process making only its own shards (a global
+  host array per process would take n^2 x the gathered size in a multi-process fit)."""
+  return jax.make_array_from_callback(
+      shape, sharding, lambda index: np.zeros(
+          [len(range(*i.indices(d))) for i, d in zip(index, shape)], np.float32))
+
+
 def _time_ms(fn, *args, repeats: int) -> float:
   jax.block_until_ready(fn(*args))  # compile and warm
   times = []
@@ -150,17 +158,17 @@ def fit_cost_model(mesh: Mesh | None = None, axis: str | None = None, *,
     samples["decode"].append((codec.wire_bytes(x) / 4, _time_ms(decode, payload, repeats=repeats)))
     samples["aggregate"].append((x, _time_ms(add, v, v, repeats=repeats)))
     del v, state, payload
-    data = jax.device_put(np.zeros((size * x,), np.float32), send_sharding)
+    data = _zeros((size * x,), send_sharding)
     samples["ring_send"].append((x, _time_ms(send, data, repeats=repeats)))
     del data
     for n in node_counts:
       gather, sharding = _collective(devices[:n], axis,
                                      lambda v: lax.all_to_all(v, axis, 0, 0, tiled=True))
-      data = jax.device_put(np.zeros((n * n * x,), np.float32), sharding)
+      data = _zeros((n * n * x,), sharding)
       samples[f"gather{n}"].append((x, _time_ms(gather, data, repeats=repeats)))
       bcast, sharding = _collective(devices[:n], axis,
                                     lambda v: lax.all_gather(v, axis, tiled=True))
-      data = jax.device_put(np.zeros((n * x,), np.float32), sharding)
+      data = _zeros((n * x,), sharding)
       samples[f"broadcast{n}"].append((x, _time_ms(bcast, data, repeats=repeats)))
       del data
   lines = {k: fit_line(*zip(*pts)) for k, pts in samples.items()}
