@@ -17,11 +17,11 @@ float32 psum, SeCoPa's prediction, wire bytes per device) and WORKDIR/sync_time.
 
 Then it trains `configs/digits_wide.py` (a 4.8M-parameter MLP on digits) on the same cluster
 with `experiments.train`, and reads each run's metrics (`jlp.train.run_timing`):
-  * pipelines (every bandwidth): wall seconds per mini-batch of data parallelism (float32
-    psum), GPipe and 1F1B with --stages stages spanning the hosts (stage s on host
+  * pipelines (every bandwidth): wall seconds per mini-batch of data parallelism (the float32
+    ring, which moves psum's bytes; the default sequential all-reduce gathers W - 1 copies), GPipe and 1F1B with --stages stages spanning the hosts (stage s on host
     s // (stages / hosts), each stage's all-reduce across the pipelines inside one host), over
     --train_steps steps; writes WORKDIR/step_time.md;
-  * time to accuracy (--accuracy_bandwidths, default 100mbit): float32, onebit (PS) and CPD's
+  * time to accuracy (--accuracy_bandwidths, default 100mbit): the float32 ring, onebit (PS) and CPD's
     e4m3 ring on the packed wire with APS, each stopped at the first evaluation (every 5 steps)
     reaching --target: steps, seconds per step, training seconds to the target; writes
     WORKDIR/time_to_accuracy.md and time_to_accuracy.png.
@@ -57,7 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_CONFIG = os.path.join(REPO, "configs", "digits_wide.py")
 #: The time-to-accuracy runs: name -> experiments.train config arguments.
 ACCURACY_RUNS = {
-    "float32 psum": [],
+    "float32 ring": ["--config.grad_algorithm=ring"],
     "onebit PS": ["--config.compression.name=onebit"],
     "e4m3 ring, packed wire + APS": ["--config.grad_exp=4", "--config.grad_man=3",
                                      "--config.grad_algorithm=ring", "--config.use_aps"],
@@ -164,11 +164,13 @@ def _train(bandwidth: str, name: str, args: list[str]) -> tuple[list[dict], dict
   slug = "".join(c if c.isalnum() else "_" for c in name)
   workdir = os.path.abspath(os.path.join(_WORKDIR.value, "train", f"{bandwidth}_{slug}"))
   shutil.rmtree(workdir, ignore_errors=True)
-  cluster.launch("experiments.train",
-                 [f"--config={TRAIN_CONFIG}", f"--workdir={workdir}", *args,
-                  *_TRAIN_OVERRIDES.value],
-                 hosts=_HOSTS.value, devices_per_host=_DEVICES.value, bandwidth=bandwidth,
-                 workdir=os.path.join(workdir, "hosts"))
+  code = cluster.launch("experiments.train",
+                        [f"--config={TRAIN_CONFIG}", f"--workdir={workdir}", *args,
+                         *_TRAIN_OVERRIDES.value],
+                        hosts=_HOSTS.value, devices_per_host=_DEVICES.value,
+                        bandwidth=bandwidth, workdir=os.path.join(workdir, "hosts"))
+  if code:  # interrupted (SIGINT / SIGTERM passed to the hosts)
+    sys.exit(code)
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
   return metrics.read_metrics(workdir), config
@@ -181,7 +183,7 @@ def _step_times(bandwidth: str) -> dict[str, dict]:
   common = [f"--config.max_steps={steps}", "--config.eval_every=0", "--config.log_every=5",
             "--config.checkpoint_every=0", "--config.stop_at_accuracy=0"]
   pipelined = [f"--config.pipeline.stages={_STAGES.value}", "--config.pipeline.batches_per_call=5"]
-  runs = {"data parallel, float32 psum": ([], 5),
+  runs = {"data parallel, float32 ring": (["--config.grad_algorithm=ring"], 5),
           "GPipe (4 micro-batches)": (["--config.pipeline.schedule=gpipe",
                                        "--config.pipeline.microbatches=4", *pipelined], 5),
           "1F1B": (["--config.pipeline.schedule=1f1b", *pipelined], 5)}
@@ -229,7 +231,7 @@ def _accuracy_table(results: dict[str, dict]) -> str:
   lines = [f"| bandwidth | run | steps to {_TARGET.value:g} | s / step | seconds to "
            f"{_TARGET.value:g} (vs float32) |", "| --- | --- | --- | --- | --- |"]
   for b, runs in results.items():
-    base = runs["float32 psum"]["seconds"]
+    base = runs["float32 ring"]["seconds"]
     for name, r in runs.items():
       if r["seconds"] is None:
         seconds = "not reached"

@@ -235,7 +235,7 @@ def test_the_cluster_study_writes_its_table(tmp_path):
   rows = json.load(open(tmp_path / "1gbit.json"))["rows"]
   assert len(rows) == 10 and rows[0]["case"] == "float32 psum"
   steps = (tmp_path / "step_time.md").read_text()
-  assert "| data parallel, float32 psum | " in steps and "| 1F1B | " in steps
+  assert "| data parallel, float32 ring | " in steps and "| 1F1B | " in steps
   accuracy = (tmp_path / "time_to_accuracy.md").read_text()
   assert accuracy.count("| 1gbit | ") == 3 and "not reached" not in accuracy
   assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
