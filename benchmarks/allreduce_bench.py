@@ -61,8 +61,9 @@ _TREE = flags.DEFINE_bool("tree", False, "also time a ResNet18-shaped gradient t
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
-  """The parameter shapes of kuangliu's CIFAR ResNet18 (cpd.md §6.1): conv kernels (HWIO), two
-  BatchNorm vectors per conv, 1x1 projection shortcuts, the classifier (62 leaves, 11.2M)."""
+  """The parameter shapes of kuangliu's CIFAR ResNet18 (CPD's, docs/cpd.md#recipes): conv kernels
+  (HWIO), two BatchNorm vectors per conv, 1x1 projection shortcuts, the classifier (62 leaves,
+  11.2M)."""
   shapes = [(3, 3, 3, 64), (64,), (64,)]
   for cin, cout in ((64, 64), (64, 128), (128, 256), (256, 512)):
     for block in range(2):

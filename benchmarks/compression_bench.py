@@ -1,5 +1,6 @@
 """Compressor throughput in bytes moved against the memory-bandwidth reference, timed
-alternately, and the compression ratios of the payloads against theory (hipress.md §1.6).
+alternately, and the compression ratios of the payloads against theory
+(docs/hipress.md#compressors).
 
 Run: python -m benchmarks.compression_bench [--elements=134217728] [--repeats=9] [--only=dgc,tbq]
 
@@ -49,7 +50,7 @@ writes acc, 8n; a sparse one scatters in place: P and acc's k touched elements, 
 every operand and result of every fused op; a scatter counts its whole operand): what the code
 does, as XLA models it, next to the minimum.
 Compression: 4n / len(to_bytes(payload)) for the last round's payload (sparse: its actual
-count), 4n / wire_bytes(n) (sparse: at capacity), and the theory of hipress.md §1.6.
+count), 4n / wire_bytes(n) (sparse: at capacity), and the theory (`theory`).
 The Pallas path (impl="auto" picks it on GPU) is not timed here: on CPU "auto" is XLA.
 """
 
@@ -130,7 +131,7 @@ def min_bytes(c, n: int) -> tuple[int, int]:
 
 
 def theory(c, n: int) -> float:
-  """4n / the payload bytes hipress.md §1.6 gives (sparse: at capacity)."""
+  """4n / the payload bytes of the compressor's wire format in theory (sparse: at capacity)."""
   if isinstance(c, OneBit):
     return 4 * n / (n / 8 + (8 if c.scale_mode == "two_means" else 4))
   if isinstance(c, TBQ):

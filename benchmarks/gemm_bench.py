@@ -3,8 +3,8 @@
 Run: python -m benchmarks.gemm_bench [--size=256 | --shape=M,K,N] [--repeats=11] [--impl=xla]
 
 `jlp.gemm.accum.matmul` (M = K = N = --size, or --shape) with an e5m2
-accumulator in the exact per-add mode (chunk = 1, CPD's quant_gemm, cpd.md §2.1) and with
-chunk = 32, plain and Kahan, each timed alternately with a jitted float32
+accumulator in the exact per-add mode (chunk = 1, CPD's quant_gemm, docs/cpd.md#accumulating-gemm)
+and with chunk = 32, plain and Kahan, each timed alternately with a jitted float32
 `jnp.matmul(precision=HIGHEST)` in the same run. Ratios are the median over the
 alternating pairs of time / float32 time (targets, issue 3: <= 30x exact,
 <= 3x chunk = 32). The Pallas path is only meaningful on a GPU (interpret mode

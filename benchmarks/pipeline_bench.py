@@ -1,5 +1,5 @@
 """Pipelined data parallelism (`jlp.pipeline`) on 8 emulated CPU devices: bubbles, step time,
-compile time (issue 12 "Performance"; sdpipe.md §1, §7.2, §7.4).
+compile time (issue 12 "Performance"; docs/sdpipe.md#schedules, #virtual-time).
 
 Run: python -m benchmarks.pipeline_bench [--sections=bubble,step,compile] [--width=1024]
        [--batch=2048] [--microbatches=4,8,16] [--steps=5]

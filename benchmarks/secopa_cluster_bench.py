@@ -4,7 +4,7 @@ Run: python -m benchmarks.secopa_cluster_bench [--profile=coeffs.json] [--out=ou
      [--bandwidths=10,25,56,100] [--nodes=4,8,16]
 
 Nothing is trained or sent: the per-iteration sync time of a model's gradients is what SeCoPa's
-cost model (jlp.compression.secopa, hipress.md §2.5) predicts, summed over the gradients (one
+cost model (jlp.compression.secopa, docs/hipress.md#secopa) predicts, summed over the gradients (one
 after another, as the model treats each gradient on its own):
 
   off     every gradient uncompressed, its best K (= N)         sum of min_K orig
@@ -13,7 +13,7 @@ after another, as the model treats each gradient on its own):
 
 for CaSync-PS and CaSync-Ring, N = --nodes, two cost models:
 
-  seed    HiPress's coefficients (its local cluster: GTX 1080Ti, 56 Gbps, §4.2)
+  seed    HiPress's coefficients (its local cluster: GTX 1080Ti, 56 Gbps; HiPress paper, Fig. 7-8)
   fitted  `fit_cost_model` on this machine's 8 emulated CPU devices (TBQ; G and B at N = 4 and
           8; N = 16 extrapolated linearly in N from them, each of w, b, o; or --profile)
 
@@ -25,10 +25,10 @@ bandwidth.
 
 Gradients: ImageNet VGG19 (the 38 tensors of HiPress's input.txt, 143.7M floats, sizes computed
 from the architecture), jlp's VGG19-BN and ResNet50 with 1000 classes (`jlp.models`, leaf sizes
-from `nnx.eval_shape`). Iteration time = compute + sync, compute = the paper's fig11
-"computation alone" (§4.3: VGG19 273 ms on the local cluster; none is given for ResNet50).
-The paper's own numbers (§4.2, §4.3) are printed first for comparison. A figure of sync time
-against bandwidth goes to --out.
+from `nnx.eval_shape`). Iteration time = compute + sync, compute = the paper's Fig. 11
+"computation alone" (VGG19 273 ms on the local cluster; none is given for ResNet50). The paper's
+own numbers (Figs. 7-8 and 11) are printed first for comparison. A figure of sync time against
+bandwidth goes to --out.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ _OUT = flags.DEFINE_string("out", "out/secopa_cluster.png", "Where to write the 
 _BANDWIDTHS = flags.DEFINE_list("bandwidths", ["10", "25", "56", "100"], "Network, Gbps.")
 _NODES = flags.DEFINE_list("nodes", ["4", "8", "16"], "Node counts N (4, 8, 16).")
 
-SEED_BANDWIDTH = 56.0  # Gbps, HiPress's local cluster (hipress.md §4.2)
-COMPUTE_MS = {"VGG19 (ImageNet)": 273.0}  # fig11 "computation alone", hipress.md §4.3
-PAPER = [  # hipress.md §4.2 / §4.3 (local cluster: 1080Ti, 56 Gbps, 32 GPUs)
+SEED_BANDWIDTH = 56.0  # Gbps, HiPress's local cluster (HiPress paper, Fig. 7-8)
+COMPUTE_MS = {"VGG19 (ImageNet)": 273.0}  # fig11 "computation alone" (HiPress paper)
+PAPER = [  # HiPress paper, Fig. 7-8 and 11 (local cluster: 1080Ti, 56 Gbps, 32 GPUs)
     ("VGG19 fig11 sync, BytePS (no compression)", "590 ms"),
     ("VGG19 fig11 sync, CaSync-PS +On-GPU / +Pipeline / +Bulk Sync", "346 / 319 / 236 ms"),
     ("VGG19 fig11 sync, CaSync-PS +SeCoPa", "189 ms"),
@@ -188,7 +188,7 @@ def main(argv):
   grads = {"VGG19 (ImageNet)": vgg19_imagenet(), "VGG19-BN (jlp)": zoo_grads("vgg19"),
            "ResNet50 (jlp)": zoo_grads("resnet50")}
 
-  print("The paper's numbers (hipress.md §4.2 fig7-8, §4.3 fig11; local cluster):")
+  print("The paper's numbers (Fig. 7-8 and 11; local cluster):")
   for what, value in PAPER:
     print(f"  {what:62s} {value}")
   print("\nCost models (ms; x = float32 elements):")

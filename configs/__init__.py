@@ -2,20 +2,20 @@
 
 from jlp.compression.casync import DEFAULT_MIN_SIZE
 
-#: The compressor fields HiPress ran with (hipress.md §1, §1.6), by compressor name.
+#: The compressor fields HiPress ran with (docs/hipress.md#compressors), by compressor name.
 HIPRESS_COMPRESSOR_KWARGS = {
-    # §1.5: the onebit kernel is not public; jlp's is Seide's two-means 1-bit SGD with EF.
+    # the onebit kernel is not public; jlp's is Seide's two-means 1-bit SGD with EF.
     "onebit": {"scale_mode": "two_means"},
-    # §1.1: the MXNet op's default threshold (HiPress's PyTorch example scripts pass 2).
+    # the MXNet op's default threshold (HiPress's PyTorch example scripts pass 2).
     "tbq": {"threshold": 1.0},
-    # §1.2: the shipped scripts' bitwidth 2, enable_random 0 (deterministic rounding, no EF).
+    # the shipped scripts' bitwidth 2, enable_random 0 (deterministic rounding, no EF).
     "terngrad": {"bitwidth": 2, "stochastic": False},
-    # §1.3: s_percent 0.001, sample_rate 0.001, momentum 0.9 (dgc_new's defaults).
+    # s_percent 0.001, sample_rate 0.001, momentum 0.9 (dgc_new's defaults).
     "dgc": {"density": 0.001, "sample_rate": 0.001, "momentum": 0.9},
-    # §1.4: drop_ratio 0.999 in every script, sample_rate 0.001.
+    # drop_ratio 0.999 in every script, sample_rate 0.001.
     "graddrop": {"drop_ratio": 0.999, "sample_rate": 0.001},
 }
-#: HiPress's --comp-threshold: compress a gradient iff it has more than this many floats (§2.1).
+#: HiPress's --comp-threshold: compress a gradient iff it has more than this many floats.
 HIPRESS_MIN_SIZE = DEFAULT_MIN_SIZE
 
 
@@ -34,12 +34,12 @@ def hipress_compression(c, compressor: str, topology: str):
     c.momentum = 0.0
   return c
 
-#: SD-PIPE's per-pipeline batch (sdpipe.md §5: "batch size 256" = 4 pipelines x 64).
+#: SD-PIPE's per-pipeline batch (the paper's "batch size 256" = 4 pipelines x 64).
 SDPIPE_BATCH_PER_PIPELINE = 64
 
 
 def sdpipe_pipeline(c, *, sync: str, hetero: float, pipelines: int, barrier: bool):
-  """Sets c.pipeline to SD-PIPE's artifact runs (sdpipe.md §0, §1.1, §4): PipeDream 1F1B over 4
+  """Sets c.pipeline to SD-PIPE's artifact runs (docs/sdpipe.md#recipes): PipeDream 1F1B over 4
   stages (the stage rule's default split: ResNet-50 blocks [4, 4, 4, 4], BERT by layers),
   `pipelines` pipelines (4: the seed's pipe_4_4 on 16 devices) of SDPIPE_BATCH_PER_PIPELINE rows
   each (c.batch_size = 64 x pipelines), `sync` across them, the seed's --hetero `hetero`;
@@ -75,7 +75,7 @@ def bert_small_sst2(c):
   c.model.kwargs.max_len = 128
   c.model.kwargs.pad_id = 0          # [PAD]: not attended
   c.dataset.name = "glue_tsv"
-  c.dataset.root = "data/SST-2"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.dataset.kwargs.max_len = c.model.kwargs.get_ref("max_len")
   c.eval_batch_size = 896            # SST-2 dev (872) in one padded batch, 16 | 896
   return c

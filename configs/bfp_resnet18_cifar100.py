@@ -1,12 +1,13 @@
-r"""BFPsim's ResNet18 / CIFAR-100 recipe with FlexBlock presets (bfp.md §5.1, §5.3).
+r"""BFPsim's ResNet18 / CIFAR-100 recipe with FlexBlock presets (docs/bfp.md#recipe).
 
 The kuangliu CIFAR ResNet18, batch 128, 200 epochs, SGD lr 0.1 momentum 0.9 weight decay 5e-4 (every
 parameter), cosine annealing stepped once per epoch, RandomCrop 32 pad 4 + flip, CIFAR-100 mean/std;
 BFP on every GEMM by a BFPsim preset, switched at epoch boundaries by the precision schedule
 `ResNet18_CIFAR100_Mixed` (FB16 for epochs 0-19, FB12LG16 for 20-179, FB16 from 180) with the
 intended semantics (optimizer state and schedule continue; BFPsim's code always re-applied the
-epoch-0 preset and restarted the optimizer, bfp.md §5.3). BatchNorm trains in train mode and the
-test set uses the test transform (bfp.md §5.1 bugs 1 and 2 are not copied).
+epoch-0 preset and restarted the optimizer). BatchNorm trains in train mode and the
+test set uses the test transform (BFPsim's bugs, docs/bfp.md#compat-switches,
+are not copied).
 
   python -m experiments.train --config=configs/bfp_resnet18_cifar100.py --workdir=W \
       --config.dataset.root=DATA      # needs DATA/cifar-100-python/{train,test,meta}
@@ -25,7 +26,7 @@ def get_config(arg=None):
   c = base_config()
   c.model.name = "resnet18"
   c.dataset.name = "cifar100"
-  c.dataset.root = "data"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.batch_size = 128
   c.eval_batch_size = 100
   c.max_steps = 78200                # 200 epochs x 391 steps

@@ -1,4 +1,4 @@
-r"""CPD's DavidNet / CIFAR-10 recipe (cpd.md §6.2: the DAWNBench ResNet-9 of Myrtle, example/DavidNet).
+r"""CPD's DavidNet / CIFAR-10 recipe (example/DavidNet, Myrtle's ResNet-9; docs/cpd.md#recipes).
 
 Batch 512 per node on 8 nodes, 24 epochs, SGD Nesterov momentum 0.9, weight decay 5e-4 x 512 on the
 summed loss (so 5e-4 per sample), learning rate piecewise linear over epochs [0, 5, 24] ->
@@ -24,7 +24,7 @@ def get_config(arg=None):
   c = base_config()
   c.model.name = "davidnet"
   c.dataset.name = "cifar10"
-  c.dataset.root = "data"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.dataset.kwargs.recipe = "davidnet"  # reflect pad 4, crop 32, flip, Cutout 8x8
   c.batch_size = 4096
   c.eval_batch_size = 1000

@@ -1,5 +1,5 @@
-r"""CPD's FCN / Cityscapes recipe (cpd.md §6.4: drcut/mmcv APS_support + mmsegmentation v0.5.0
-`fcn_r50-d8_769x769_40k_cityscapes`).
+r"""CPD's FCN / Cityscapes recipe (docs/cpd.md#recipes: drcut/mmcv APS_support + mmsegmentation
+v0.5.0 `fcn_r50-d8_769x769_40k_cityscapes`).
 
 FCN with a dilated ResNet50-V1c backbone (output stride 8), 8 GPUs x 1 image... here batch 8 global,
 SGD lr 0.01 momentum 0.9 weight decay 5e-4, poly decay (power 0.9, min lr 1e-4) over 40k steps,
@@ -23,7 +23,7 @@ def get_config(arg=None):
   c.task = "segmentation"
   c.model.name = "fcn"
   c.dataset.name = "cityscapes"
-  c.dataset.root = "data/cityscapes"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.dataset.kwargs.crop_size = 769
   c.dataset.kwargs.cat_max_ratio = 0.75  # mmseg RandomCrop's re-draws (1.0: off)
   c.dataset.kwargs.photometric = True    # mmseg PhotoMetricDistortion on the crops

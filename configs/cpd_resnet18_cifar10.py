@@ -1,4 +1,4 @@
-r"""CPD's ResNet18 / CIFAR-10 recipe (cpd.md §6.1: drcut/CPD example/ResNet18, mix.py + res18_cifar.yaml).
+r"""CPD's ResNet18 / CIFAR-10 recipe (example/ResNet18: mix.py, res18_cifar.yaml; docs/cpd.md).
 
 The kuangliu CIFAR ResNet18, batch 512 per node on 8 nodes (global 4,096), SGD momentum 0.9, weight
 decay 1e-4 on every parameter, CPD's learning-rate rule (linear warm-up 0.1 -> 1.6 over 5 epochs,
@@ -23,7 +23,7 @@ def get_config(arg=None):
   c.seed = 24                        # torch.manual_seed(24)
   c.model.name = "resnet18"
   c.dataset.name = "cifar10"
-  c.dataset.root = "data"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.batch_size = 4096                # 512 per node x 8 nodes
   c.eval_batch_size = 1000
   c.max_steps = 1221                 # ceil(50000 * 100 / 4096)

@@ -1,4 +1,4 @@
-r"""CPD's ResNet50 / ImageNet recipe (cpd.md §6.3: drcut/CPD example/ResNet50/main.py).
+r"""CPD's ResNet50 / ImageNet recipe (docs/cpd.md#recipes: drcut/CPD example/ResNet50/main.py).
 
 torchvision ResNet50, sub-batch 32 per node on 256 nodes (8 GPUs x --emulate-node 32: global 8,192),
 90 epochs, SGD Nesterov momentum 0.9, weight decay 1e-4 except BatchNorm parameters, learning rate
@@ -23,7 +23,7 @@ def get_config(arg=None):
   c.seed = 42
   c.model.name = "resnet50"
   c.dataset.name = "imagenet"
-  c.dataset.root = "data/imagenet"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.batch_size = 8192                # 32 per node x 256 nodes
   c.eval_batch_size = 1024
   c.max_steps = 14076                # 90 epochs of 1,281,167 images

@@ -1,7 +1,8 @@
-r"""HiPress's BERT job with its compressors (hipress.md §4.2): BERT-Small on SST-2 sentences.
+r"""HiPress's BERT job with its compressors: BERT-Small on SST-2 sentences (docs/hipress.md).
 
 HiPress's Bert-base runs are MXNet, 16 nodes (128 GPUs), CompLL-onebit over CaSync-PS or
-CaSync-Ring (§4.2: 628,083 seq/s PS, 606,363 ring; §4.3: the ring's sync 430 -> 299 ms). jlp has
+CaSync-Ring (the paper's Figs. 7-8: 628,083 seq/s PS, 606,363 ring; Fig. 11: the ring's sync
+430 -> 299 ms). jlp has
 BERT-Small (jlp.models.bert: 4 layers, hidden 512, 8 heads, 28.6M parameters at max_len 128) and
 no pretrained checkpoints, so this config trains it from scratch on a GLUE-style single-sentence
 task, SST-2 by default (jlp.data.text: GLUE's SST-2/{train,dev}.tsv and a BERT vocab.txt, e.g.
@@ -12,9 +13,9 @@ batch of 256 (16 per worker on 16 devices, HiPress's node count), 10 epochs. SGD
 this BERT (measured on the `:local` model and data: the loss stays at ln 10 over 3,000 steps at
 learning rates 0.1-0.2 and diverges from 0.5, while Adam at 1e-3 reaches 1.57 in 300 steps).
 
-Gradients of more than 262,144 floats are compressed (HiPress's --comp-threshold, §2.1: the word
+Gradients of more than 262,144 floats are compressed (HiPress's --comp-threshold: the word
 embeddings, 15.6M floats, and the 8 MLP kernels, 1.05M each; 24.0M of 28.6M), with the
-compressor's fields as HiPress ran them (configs.HIPRESS_COMPRESSOR_KWARGS, §1); every step logs
+compressor's fields as HiPress ran them (configs.HIPRESS_COMPRESSOR_KWARGS); every step logs
 `wire_bytes`.
 
   python -m experiments.train --config=configs/hipress_bert_small.py --workdir=W \

@@ -1,15 +1,15 @@
-r"""HiPress's ResNet50 job (hipress.md §4.2): ResNet50 / ImageNet, DGC over CaSync-Ring.
+r"""HiPress's ResNet50 job (docs/hipress.md#recipes): ResNet50 / ImageNet, DGC over CaSync-Ring.
 
 HiPress's ResNet50 runs are TensorFlow, 16 nodes (128 GPUs), HiPress-CaSync-Ring(CompLL-DGC)
-against Horovod's Ring(OSS-DGC) (§4.2: 38,864 img/s, 1.17x). HiPress publishes throughput, not a
-training recipe: the optimisation here is Goyal et al.'s ImageNet-in-an-hour one (SGD momentum
-0.9, weight decay 1e-4 except BatchNorm, 90 epochs, linear warm-up 0.1 -> 0.1 x B/256 over 5
-epochs, x0.1 after epochs 30, 60 and 80) at a global batch of 1,024 (64 per worker on 16
-devices, HiPress's node count; 128 per worker on 8), torchvision's ResNet50 v1.5 (jlp.models).
+against Horovod's Ring(OSS-DGC) (the paper's Figs. 7-8: 38,864 img/s, 1.17x). HiPress publishes
+throughput, not a training recipe: the optimisation here is Goyal et al.'s ImageNet-in-an-hour one
+(SGD momentum 0.9, weight decay 1e-4 except BatchNorm, 90 epochs, linear warm-up 0.1 -> 0.1 x
+B/256 over 5 epochs, x0.1 after epochs 30, 60 and 80) at a global batch of 1,024 (64 per worker on
+16 devices, HiPress's node count; 128 per worker on 8), torchvision's ResNet50 v1.5 (jlp.models).
 
-Gradients of more than 262,144 floats are compressed (HiPress's --comp-threshold, §2.1: 18 of the
+Gradients of more than 262,144 floats are compressed (HiPress's --comp-threshold: 18 of the
 161 leaves, 21.05M of the 25.56M floats), DGC with HiPress's fields (density 0.001, sample rate
-0.001, momentum 0.9; configs.HIPRESS_COMPRESSOR_KWARGS, §1.3); every step logs `wire_bytes`.
+0.001, momentum 0.9; configs.HIPRESS_COMPRESSOR_KWARGS); every step logs `wire_bytes`.
 
   python -m experiments.train --config=configs/hipress_resnet50.py --workdir=W \
       --config.dataset.root=DATA      # DATA/train/<wnid>/*.JPEG, DATA/val/<wnid>/*.JPEG
@@ -31,7 +31,7 @@ def get_config(arg=None):
   c = base_config()
   c.model.name = "resnet50"
   c.dataset.name = "imagenet"
-  c.dataset.root = "data/imagenet"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.batch_size = 1024                # 64 per node x 16 nodes
   c.eval_batch_size = 1000
   c.max_steps = 112590               # 90 epochs x 1,251 steps (1,281,167 // 1,024)

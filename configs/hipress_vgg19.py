@@ -1,17 +1,17 @@
-r"""HiPress's VGG19 job with its compressors (hipress.md §1, §2, §4.2): VGG19-BN on CIFAR-10.
+r"""HiPress's VGG19 job with its compressors (docs/hipress.md#recipes): VGG19-BN on CIFAR-10.
 
 HiPress's headline VGG19 runs are MXNet on ImageNet, 16 nodes (128 GPUs), CompLL-onebit over
-CaSync-PS or CaSync-Ring (§4.2: 23,507 img/s PS, 23,097 ring). jlp's "vgg19" is the CIFAR
-VGG19-BN (kuangliu: 16 convs, one 512->10 classifier, 20.0M parameters; jlp.models.vgg), not
-ImageNet's VGG19 with its three fully connected layers (whose 102.8M-float fc6 dominates
+CaSync-PS or CaSync-Ring (the paper's Figs. 7-8: 23,507 img/s PS, 23,097 ring). jlp's "vgg19" is
+the CIFAR VGG19-BN (kuangliu: 16 convs, one 512->10 classifier, 20.0M parameters; jlp.models.vgg),
+not ImageNet's VGG19 with its three fully connected layers (whose 102.8M-float fc6 dominates
 HiPress's sync), so this config trains it on CIFAR-10. HiPress publishes throughput, not a
 training recipe: the optimisation is kuangliu's CIFAR one (SGD momentum 0.9, weight decay 5e-4,
 200 epochs, cosine) at a global batch of 512 (32 per worker on 16 devices, HiPress's node count;
 64 per worker on 8), the learning rate scaled linearly from 0.1 at 128 with a 5-epoch warm-up.
 
-Gradients of more than 262,144 floats are compressed (HiPress's --comp-threshold, §2.1: here the
+Gradients of more than 262,144 floats are compressed (HiPress's --comp-threshold: here the
 12 conv kernels from 3x3x128x256 = 294,912 floats on, 19.76M of the 20.04M), with the compressor's
-fields as HiPress ran them (configs.HIPRESS_COMPRESSOR_KWARGS, §1); the other 54 leaves are summed
+fields as HiPress ran them (configs.HIPRESS_COMPRESSOR_KWARGS); the other 54 leaves are summed
 in float32. Every step logs `wire_bytes`, the bytes one device sends for the sync.
 
   python -m experiments.train --config=configs/hipress_vgg19.py --workdir=W \
@@ -34,7 +34,7 @@ def get_config(arg=None):
   c = base_config()
   c.model.name = "vgg19"
   c.dataset.name = "cifar10"
-  c.dataset.root = "data"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   c.batch_size = 512                 # 32 per node x 16 nodes
   c.eval_batch_size = 1000
   c.max_steps = 19400                # 200 epochs x 97 steps (50,000 // 512)

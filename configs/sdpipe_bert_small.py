@@ -1,4 +1,4 @@
-r"""SD-PIPE's BERT job (sdpipe.md §0, §5) on jlp's BERT-Small: pipelined data parallelism, 4 stages.
+r"""SD-PIPE's BERT job on jlp's BERT-Small: pipelined data parallelism, 4 stages (docs/sdpipe.md).
 
 The seed (`train_bert.py`) pre-trains BERT-base on wiki (4 pipelines x 4 stages, layers
 [2, 4, 4, 2], PipeDream 1F1B, AdamW lr 1e-5, weight decay 0.01, 2,000 warm-up iterations, batch

@@ -1,13 +1,13 @@
-r"""SD-PIPE's ResNet-50 / ImageNet job (sdpipe.md §0, §5): pipelined data parallelism, 4 stages.
+r"""SD-PIPE's ResNet-50 / ImageNet job: pipelined data parallelism, 4 stages (docs/sdpipe.md).
 
 The seed (Hsword/VLDB2023_SDPipe, `train_resnet.py` with `pipe_4_4`) runs 4 pipelines x 4 stages
 (16 GPUs), ResNet-50 cut into bottleneck blocks [4, 4, 4, 4], PipeDream 1F1B with weight stashing
-(every mini-batch its own update, sdpipe.md §1.1), Momentum 0.9, lr 1e-2, weight decay 1e-4, 64
-images per pipeline ("batch size 256"), epoch 0 a linear warm-up, then lr x 0.2 every 30 epochs,
-100 epochs; pipelines synchronised by SD-PIPE's partial reduce (`preduce`) or the baselines. Here
-the warm-up starts at 0 (the spec does not give the seed's start) and the weight decay applies to
-every parameter (the spec names no exclusion); evaluation and checkpoints every epoch (rounded
-down to a multiple of pipeline.batches_per_call = 12: 5,004 steps at 4 pipelines).
+(every mini-batch its own update, docs/sdpipe.md#schedules), Momentum 0.9, lr 1e-2, weight decay
+1e-4, 64 images per pipeline ("batch size 256"), epoch 0 a linear warm-up, then lr x 0.2 every 30
+epochs, 100 epochs; pipelines synchronised by SD-PIPE's partial reduce (`preduce`) or the baselines.
+Here the warm-up starts at 0 (the seed's start value is not known) and the weight decay applies to
+every parameter (no exclusion is known); evaluation and checkpoints every epoch (rounded down to a
+multiple of pipeline.batches_per_call = 12: 5,004 steps at 4 pipelines).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=16 python -m experiments.train \
       --config=configs/sdpipe_resnet50.py:sync=preduce,hetero=0.1 --workdir=W \
@@ -33,7 +33,7 @@ def get_config(arg=None):
   c = base_config()
   c.model.name = "resnet50"
   c.dataset.name = "imagenet"
-  c.dataset.root = "data/imagenet"
+  c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
   sdpipe_pipeline(c, sync=arg.sync, hetero=arg.hetero, pipelines=arg.pipelines, barrier=False)
   c.pipeline.batches_per_call = 12   # 12 | 5,004 steps per epoch at 4 pipelines
   c.eval_batch_size = 1024           # a multiple of 16 devices

@@ -11,17 +11,20 @@ lose under 0.05% accuracy.
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+from absl import flags, logging
 
-from absl import app, flags, logging  # noqa: E402  (after XLA_FLAGS)
+from jlp.train import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", "out/aps_digits", "Where the runs and the plot go.")
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Override the config's max_steps.")
 
 
+cli.define_cpu_devices(8)
+
+
 def main(argv):
   del argv
+  cli.apply_cpu_devices()
   logging.set_verbosity(logging.WARNING)
   import jax  # pylint: disable=g-import-not-at-top
   from configs import digits  # pylint: disable=g-import-not-at-top
@@ -41,4 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -21,6 +21,8 @@ import sys
 
 from absl import app, flags
 
+from jlp.train import cli
+
 from jlp.train import cluster
 
 _HOSTS = flags.DEFINE_integer("hosts", 2, "Host processes.")
@@ -66,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -35,6 +35,8 @@ import sys
 
 from absl import app, flags
 
+from jlp.train import cli
+
 _WORKDIR = flags.DEFINE_string("workdir", "out/cluster_study", "Where results go.")
 _HOSTS = flags.DEFINE_integer("hosts", 4, "Host processes.")
 _DEVICES = flags.DEFINE_integer("devices_per_host", 2, "Emulated CPU devices per host.")
@@ -318,4 +320,4 @@ def main(argv):
     sys.exit(2 if isinstance(e, ValueError) else 1)
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,9 +5,9 @@ r"""HiPress's compressors on the digits CNN: test accuracy and bytes on the wire
 
 Trains the digits CNN (configs/digits.py) on 8 emulated data-parallel workers once with the
 float32 ring all-reduce (the bandwidth-optimal baseline) and once per compressor (onebit, TBQ,
-TernGrad, DGC, GradDrop; hipress.md §1) and CaSync topology (PS and ring; §2.2-§2.3), every
+TernGrad, DGC, GradDrop; docs/hipress.md) and CaSync topology (PS and ring), every
 gradient leaf compressed (compression.min_size=0: the CNN's leaves are far below HiPress's
-262,144-float threshold), each compressor with its jlp defaults (HiPress's, hipress.md §1.6), plus TBQ at a threshold of the
+262,144-float threshold), each compressor with its jlp defaults (HiPress's, docs/hipress.md), plus TBQ at a threshold of the
 digits gradients' scale (HiPress's 1.0 is far above it: nothing but rare +-1 steps is sent).
 Prints the final test accuracy, the bytes one device sends per step for the gradient sync (the
 runner's `wire_bytes`) and their fraction of float32's, and writes WORKDIR/curves.png (training
@@ -16,10 +16,9 @@ curves) and WORKDIR/tradeoff.png (accuracy against bytes).
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+from absl import flags, logging
 
-from absl import app, flags, logging  # noqa: E402  (after XLA_FLAGS)
+from jlp.train import cli
 
 #: Steps per run in quick mode (the tests).
 QUICK_STEPS = 4
@@ -75,10 +74,12 @@ def run(workdir: str, max_steps: int | None = None, quick: bool = False,
 
 def main(argv):
   del argv
+  cli.apply_cpu_devices()
   logging.set_verbosity(logging.WARNING)
   run(flags.FLAGS.workdir, flags.FLAGS.max_steps, flags.FLAGS.quick)
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.define_cpu_devices(8)
+  cli.run(main)

@@ -5,6 +5,8 @@ Run: python -m experiments.formats_table [--seed=0] [--size=49152]
 
 from absl import app, flags, logging
 
+from jlp.train import cli
+
 from jlp import explore
 
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the test tensor.")
@@ -23,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

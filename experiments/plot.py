@@ -6,9 +6,10 @@ Run: python -m experiments.plot DIR [DIR ...] --out=curves.png [--labels=a,b,...
 --x=epoch against epochs.
 """
 
-from absl import app, flags
+from absl import flags
 
 from jlp import plots
+from jlp.train import cli
 
 _OUT = flags.DEFINE_string("out", "curves.png", "Where to write the figure (PNG, PDF or SVG).")
 _LABELS = flags.DEFINE_list("labels", None, "One legend label per run (default: directory names).")
@@ -19,10 +20,14 @@ _X = flags.DEFINE_enum("x", "step", sorted(plots.X_AXES),
 def main(argv):
   workdirs = argv[1:]
   if not workdirs:
-    raise app.UsageError("expected one or more run directories: python -m experiments.plot DIR ... --out=FILE.png")
-  plots.plot_runs(workdirs, _OUT.value, labels=_LABELS.value, x=_X.value)
+    cli.fail("no run directory given; expected python -m experiments.plot DIR [DIR ...] "
+             "--out=FILE.png")
+  try:
+    plots.plot_runs(workdirs, _OUT.value, labels=_LABELS.value, x=_X.value)
+  except (ValueError, OSError) as e:
+    cli.fail(" ".join(str(e).split()))
   print(f"wrote {_OUT.value}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

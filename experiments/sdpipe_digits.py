@@ -5,11 +5,11 @@ r"""SD-PIPE's synchronisations on digits in virtual time: AllReduce, PReduce, AD
 
 Trains the digits CNN (`jlp.models.small_cnn`, cut by `jlp.pipeline.split_model`) with
 SD-PIPE's 1F1B schedule and weight stashing on 8 emulated devices, once per sync across the
-pipelines (AllReduce, PReduce, AD-PSGD, HetPipe; sdpipe.md §1.3, §2, §3) and per stall length
-h in {0, 0.1, 0.3} s (the seed's `--hetero h`: every op stalls h with probability 0.1, §4), in
+pipelines (AllReduce, PReduce, AD-PSGD, HetPipe; docs/sdpipe.md) and per stall length
+h in {0, 0.1, 0.3} s (the seed's `--hetero h`: every op stalls h with probability 0.1), in
 two layouts: 2 pipelines x 4 stages (the issue's) and 4 pipelines x 2 stages (more pipelines, so
 that partial groups have room). Every run starts from the same model and sees the same
-mini-batches; speed lives in virtual time (`jlp.pipeline.simulate`, §7.4), evaluated after every
+mini-batches; speed lives in virtual time (`jlp.pipeline.simulate`), evaluated after every
 `Pipeline.run` call. Prints, per layout, a markdown table (virtual seconds to 90% test
 accuracy, final accuracy, PReduce's mean group size, wall seconds) and the seed paper's reported
 direction beside what this run measured, and writes WORKDIR/time_to_target.png (virtual
@@ -20,10 +20,9 @@ pair itself: both block as for AllReduce, so the two take the same virtual time.
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+from absl import flags, logging
 
-from absl import app, flags, logging  # noqa: E402  (after XLA_FLAGS)
+from jlp.train import cli
 
 #: (pipelines, stages) of the default mode; the quick mode runs the first.
 LAYOUTS = ((2, 4), (4, 2))
@@ -35,8 +34,7 @@ QUICK_HETEROS = (0.0, 0.3)
 PAPER_DIRECTION = (
     "Seed paper (SD-PIPE, Miao et al., PVLDB 16(9) 2023): PReduce ahead of AllReduce, AD-PSGD "
     "and HetPipe in time to accuracy under heterogeneity. Direction only: the paper's evaluation "
-    "numbers were not retrievable from any stored source (only its abstract and appendix; "
-    "sdpipe.md §6), so none are quoted.")
+    "numbers could not be retrieved (only its abstract and appendix), so none are quoted.")
 
 
 def define_flags() -> None:
@@ -169,10 +167,12 @@ def run(workdir: str, num_batches: int | None = None, quick: bool = False,
 
 def main(argv):
   del argv
+  cli.apply_cpu_devices()
   logging.set_verbosity(logging.WARNING)
   run(flags.FLAGS.workdir, flags.FLAGS.num_batches, flags.FLAGS.quick)
 
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.define_cpu_devices(8)
+  cli.run(main)

@@ -1,4 +1,4 @@
-r"""SeCoPa's plan for a list of gradients (HiPress's `SeCoPa.py`, hipress.md §2.5).
+r"""SeCoPa's plan for a list of gradients (HiPress's `SeCoPa.py`, docs/hipress.md).
 
   python -m experiments.secopa --input=input.txt --output=plan.txt --topology=PS --nnodes=16
 
@@ -22,9 +22,10 @@ line and exit with status 2.
 """
 
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from jlp.train import cli
 
 _INPUT = flags.DEFINE_string("input", "input.txt", "Gradients: one 'name,num_elements' per line.")
 _OUTPUT = flags.DEFINE_string("output", "SeCoPaPlan.txt", "Plan: one 'name,size,y|n,K' per line.")
@@ -37,19 +38,6 @@ _COMPRESSOR = flags.DEFINE_string(
     "its own payload size per partition instead of HiPress's 1/16 for every codec.")
 _FIT_SIZES = flags.DEFINE_list("fit_sizes", None, "With --fit: element counts to time "
                                "(default 2^10..2^20).")
-
-
-def fail(message: str) -> None:
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(str(e))
-    raise
 
 
 def cost_model(nnodes: int):
@@ -65,14 +53,14 @@ def cost_model(nnodes: int):
   from jlp.compression import profile  # pylint: disable=g-import-not-at-top
   devices = jax.devices()
   if not 2 <= nnodes <= len(devices):
-    fail(f"--nnodes={nnodes} is not allowed with --fit; expected 2..{len(devices)} "
+    cli.fail(f"--nnodes={nnodes} is not allowed with --fit; expected 2..{len(devices)} "
          f"(the {devices[0].platform} devices here).")
   kwargs = {}
   if _FIT_SIZES.value:
     try:
       kwargs["sizes"] = [int(s) for s in _FIT_SIZES.value]
     except ValueError:
-      fail(f"--fit_sizes={','.join(_FIT_SIZES.value)!r} is not allowed; expected ints.")
+      cli.fail(f"--fit_sizes={','.join(_FIT_SIZES.value)!r} is not allowed; expected ints.")
   mesh = jax.sharding.Mesh(np.array(devices[:nnodes]), ("d",))
   model = profile.fit_cost_model(mesh, "d", compressor=_COMPRESSOR.value, **kwargs)
   if _PROFILE.value is not None:
@@ -83,7 +71,7 @@ def cost_model(nnodes: int):
 
 def main(argv):
   if len(argv) > 1:
-    fail(f"unexpected arguments: {argv[1:]}")
+    cli.fail(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   from jlp.compression import secopa  # pylint: disable=g-import-not-at-top
   try:
@@ -95,7 +83,7 @@ def main(argv):
                               cost_model=model, compressor=compressor)
     secopa.write_plan(_OUTPUT.value, plan)
   except (ValueError, OSError) as e:
-    fail(str(e))
+    cli.fail(str(e))
   compressed = sum(e.compress for e in plan)
   source = (model or secopa.CostModel.seed()).source
   print(f"wrote {_OUTPUT.value}: {compressed} of {len(plan)} gradients compressed "
@@ -103,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main)

@@ -2,7 +2,8 @@
 
 `plot_runs` reads each run's `metrics.jsonl` (jlp.train.metrics) and draws loss and accuracy
 against step, one line per run, like CPD's `draw_curve.py`, or against another logged x value
-(`x="virtual_time"`: time-to-accuracy in the virtual seconds of a pipelined run, sdpipe.md §7.4);
+(`x="virtual_time"`: time-to-accuracy in the virtual seconds of a pipelined run,
+docs/sdpipe.md#virtual-time);
 `plot_quantization_error` draws the relative error of `jlp.quantize` over a log-spaced range of
 values for several formats (the notebook's formats explorer); `plot_accuracy_vs_bytes` draws the compression study's rows
 (jlp.studies.compression_study): test accuracy against bytes sent per step. Each returns the

@@ -8,7 +8,7 @@ row per run with the final test accuracy, its gap to float32 and the final train
 `render_table` prints them and `jlp.plots.plot_runs` draws the curves.
 
 `compression_study(config, workdir)` trains `config` once with a float32 all-reduce and once per
-compressor x CaSync topology (HiPress, Bai et al., SOSP 2021; hipress.md §1-§2) in
+compressor x CaSync topology (HiPress, Bai et al., SOSP 2021; docs/hipress.md) in
 `workdir/<compressor>_<topology>`; its rows add the mean bytes one device sends per step for the
 gradient sync (the runner's `wire_bytes` metric) and their ratio to float32's;
 `render_compression_table` prints them. The float32 run uses the ring all-reduce by default
@@ -16,7 +16,7 @@ gradient sync (the runner's `wire_bytes` metric) and their ratio to float32's;
 baseline); CPD's sequential all-reduce gathers every gradient, (W-1) x 4 bytes per float.
 
 `pipeline_study(PipelineStudy(...))` trains the digits CNN pipelined (`jlp.pipeline`: N pipelines
-x S stages, SD-PIPE's 1F1B by default; Miao et al., PVLDB 16(9) 2023, sdpipe.md) once per sync
+x S stages, SD-PIPE's 1F1B by default; Miao et al., PVLDB 16(9) 2023, docs/sdpipe.md) once per sync
 across the pipelines (AllReduce, PReduce, AD-PSGD, HetPipe) x stall length h of the virtual-time
 cost model, with the executor directly (not the runner), and returns rows with the virtual
 seconds to a target test accuracy, the final accuracy, PReduce's mean group size and the curves;
@@ -98,7 +98,7 @@ def render_table(rows: Sequence[dict[str, float | str]]) -> str:
   return "\n".join(lines)
 
 
-#: HiPress's five compressors (hipress.md §1), in the paper's order.
+#: HiPress's five compressors (docs/hipress.md#compressors), in the paper's order.
 HIPRESS_COMPRESSORS = ("onebit", "tbq", "terngrad", "dgc", "graddrop")
 #: A compressor of the study: its name, or (name, {field: value}).
 CompressorEntry = str | tuple[str, Mapping[str, Any]]
@@ -214,8 +214,9 @@ def render_compression_table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-#: SD-PIPE's synchronisations across pipelines compared by `pipeline_study` (sdpipe.md §1.3, §2,
-#: §3), and the seed's `--hetero` stall lengths (seconds, with probability 0.1 per op, §4).
+#: SD-PIPE's synchronisations across pipelines compared by `pipeline_study`
+#: (docs/sdpipe.md#syncs-across-pipelines), and the seed's `--hetero` stall lengths (seconds, with
+#: probability 0.1 per op, docs/sdpipe.md#virtual-time).
 SDPIPE_SYNCS = ("allreduce", "preduce", "adpsgd", "hetpipe")
 SDPIPE_HETEROS = (0.0, 0.1, 0.3)
 
@@ -298,7 +299,7 @@ def _digits_minibatches(images: np.ndarray, labels: np.ndarray, rows: int, count
 class _PipelineAccuracy:
   """Test accuracy of every pipeline's model (its stages merged, BatchNorm in eval mode with the
   pipeline's running statistics), averaged over the pipelines as the seed reduces its validation
-  over the last-stage devices (sdpipe.md §5)."""
+  over the last-stage devices)."""
 
   def __init__(self, split: Any, images: np.ndarray, labels: np.ndarray):
     import jax  # pylint: disable=g-import-not-at-top
@@ -343,7 +344,7 @@ def pipeline_study(study: PipelineStudy = PipelineStudy(),
   heteros: stall lengths h in seconds: every forward and backward op stalls h with probability
     0.1 in virtual time (`jlp.pipeline.Hetero(delay_s=h, allreduce_beta_s=study's)`, its other
     costs at their defaults: 10 ms forward, 20 ms backward, 1 ms transfers, 1 ms per average;
-    sdpipe.md §4, §7.4).
+    docs/sdpipe.md#virtual-time).
   progress: print a line per evaluation.
 
   Rows: sync, hetero, num_pipelines, num_stages, virtual_s_to_target (virtual seconds at the

@@ -3,17 +3,18 @@ reduction (`reduce_gradients`), used by the data-parallel step (`jlp.train`) and
 sync="allreduce" (`jlp.pipeline`). A layer below both: it imports neither.
 
 `GradSync` says how the per-node gradients of one step are summed, either with CPD's custom-
-precision all-reduce (cpd.md §3, §4) or with a HiPress compressor (hipress.md §2):
+precision all-reduce (docs/cpd.md#all-reduce) or with a HiPress compressor (docs/hipress.md#casync):
 
   fmt          None (float32) or the format of every value of the reduction (a FloatFormat or a
                name such as "e4m3"; CPD's numerics: FloatFormat(4, 3, compat="cpd")).
   algorithm    "sequential" (CPD: all_gather, then a fold in rank order with a cast after each add)
                or "ring" (reduce-scatter + all-gather over ppermute, every value on the wire in
                fmt).
-  kahan        Kahan-compensated fold (cpd.md §3.1).
-  aps          False, True (APS with exact exponents, cpd.md §4) or "cpd" (CPD's log2/ceil rule).
-  emulate_nodes  N virtual nodes per device (cpd.md §3.2): each device's batch is split into N
-               consecutive micro-batches, node index = device_index * N + v.
+  kahan        Kahan-compensated fold (docs/cpd.md#sums).
+  aps          False, True (APS with exact exponents, docs/cpd.md#aps) or "cpd" (CPD's log2/ceil
+               rule).
+  emulate_nodes  N virtual nodes per device (docs/cpd.md#emulated-nodes): each device's batch is
+               split into N consecutive micro-batches, node index = device_index * N + v.
   form         how N > 1 nodes are reduced: "flat" (one reduction over all W*N nodes in node
                order; bit-identical to W*N real devices) or "cpd" (CPD's two levels: the N local
                nodes with their own APS factor, then the W devices).
@@ -35,7 +36,7 @@ Compressed synchronisation (HiPress's CaSync, `jlp.compression.sync`):
                one float32 ring all-reduce.
   topology     "ps" (CaSync-PS: co-located aggregators, partitions to their owners and back) or
                "ring"
-               (CaSync-Ring: decode-merge-encode at every reduce hop), hipress.md §2.2-§2.3.
+               (CaSync-Ring: decode-merge-encode at every reduce hop), docs/hipress.md#casync.
   min_size     compress a leaf iff it has more than min_size elements (HiPress's
                --comp-threshold, default 262144 floats = 1 MiB); leaves named in `plan` follow it.
   plan         None or a SeCoPa plan (`jlp.compression.secopa`): {keystr(path): (compress, K)},

@@ -2,7 +2,7 @@
 
 Semantics: `accum_matmul(a, b, fmt, kahan=..., chunk=...)` equals the XLA path of
 `jlp.gemm.accum.matmul` bit for bit (CPD's quant_gemm, Han, Demmel, You,
-arXiv:1911.08907; cpd.md §2.1): for every output element, k strictly
+arXiv:1911.08907; docs/cpd.md#accumulating-gemm): for every output element, k strictly
 increasing, p = q(fl32(a[i,k] * b[k,j])) (chunk = 1) or p = q(float32 sum of
 `chunk` consecutive raw float32 products, in k order, starting from the first
 product; the last chunk completed with zero products), then the plain step

@@ -4,7 +4,7 @@ Semantics: `pack_bits(codes, bits, pad)` equals `jlp.compression.ops.pack_bits_x
 pad)` and `unpack_bits(packed, bits, n)` equals `jlp.compression.ops.unpack_bits_xla(packed,
 bits, n)` bit for bit: code i (its low `bits` bits; higher bits are dropped) sits at bit offset
 bits*(i mod 8/bits) of byte i // (8/bits), LSB-first (the layout of
-`jlp.compression.layout.Packed`, hipress.md §3.3's pack_bits); packing n codes gives
+`jlp.compression.layout.Packed` and `jlp.compression.ops.pack_bits`); packing n codes gives
 ceil(n*bits/8) bytes whose slots past n hold `pad` (a `bits`-bit code); unpacking returns the
 first n codes.
 

@@ -1,5 +1,5 @@
 """Pallas kernels selecting the indices of the values above a threshold (DGC's and GradDrop's
-selection, hipress.md §1.3 / §1.4: idx = [i : |v_i| > thr], ascending, thrust::copy_if).
+selection: idx = [i : |v_i| > thr], ascending, thrust::copy_if).
 
 Semantics: `threshold_select(values, threshold, capacity)` returns `(indices, total)`:
   indices  int32[capacity]: the first min(total, capacity) indices i (ascending) with

@@ -54,7 +54,7 @@ def test_sdpipe_digits_quick(tmp_path, capsys):
   for sync in studies.SDPIPE_SYNCS:
     for h in heteros:
       assert re.search(rf"^\| {sync} \| {h:g} \|", out, re.M), (sync, h)
-  assert "were not retrievable" in out and "PReduce" in out
+  assert "could not be retrieved" in out and "PReduce" in out
   for name in ("time_to_target.png", "accuracy_vs_virtual_time.png"):
     assert os.path.getsize(os.path.join(tmp_path, name)) > 0
 

@@ -1,4 +1,4 @@
-"""Low-precision gradient all-reduce (CPD, cpd.md §3-§4): sequential and ring, Kahan, APS.
+"""Low-precision gradient all-reduce (CPD, docs/cpd.md#all-reduce): sequential and ring, Kahan, APS.
 
 `allreduce` runs inside `jax.shard_map` over a mesh axis; `emulated_allreduce`
 reduces virtual nodes stacked on a leading axis (one device emulating N nodes,

@@ -1,4 +1,4 @@
-"""Custom-precision gradient all-reduce inside `jax.shard_map` (CPD, cpd.md §3.1, §4).
+"""Custom-precision gradient all-reduce inside `jax.shard_map` (CPD, docs/cpd.md).
 
 `allreduce(tree, axis_name, fmt=..., algorithm=..., kahan=..., aps=..., mean=...)`
 sums a pytree of float32 leaves over the W ranks of `axis_name`; every rank gets
@@ -195,12 +195,14 @@ def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatF
   widths = [chunks.shape[1] for chunks, _ in chunked]
   step = fold_step(fmt, kahan)
   rank = lax.axis_index(axis_name)
-  zeros = jnp.zeros((sum(widths),), jnp.float32)
+  zeros = lax.optimization_barrier(jnp.zeros((sum(widths),), jnp.float32))  # see sums._zeros
 
   def own(k):  # this rank's chunk k of every leaf, side by side
     return jnp.concatenate([prepare(lax.dynamic_index_in_dim(chunks, k % n, keepdims=False))
                             for prepare, (chunks, _) in zip(prepares, chunked)])
   carry = step((zeros, zeros), own(rank - 1))  # rank r starts chunk r - 1
+  if not kahan:
+    carry = carry[0]
   to_next = [(i, (i + 1) % n) for i in range(n)]
 
   def send(values):
@@ -215,7 +217,7 @@ def _ring_allreduce(leaves: list[jax.Array], axis_name: Any, n: int, fmt: FloatF
     out = step(wire if kahan else (wire, zeros), own(rank - 2 - t))
     return out if kahan else out[0]
   if n > 1:
-    carry = lax.fori_loop(0, n - 1, hop, carry if kahan else carry[0])
+    carry = lax.fori_loop(0, n - 1, hop, carry)
   reduced = carry[0] if kahan else carry
   # Rank r now holds the reduced chunk r of every leaf; one all_gather per leaf puts each leaf's
   # chunks in order without a copy (one gather of all of them would need a transpose).

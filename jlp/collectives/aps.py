@@ -2,7 +2,7 @@
 
 Semantics (Han, Demmel, You, "Auto-Precision Scaling for Distributed Deep
 Learning", arXiv:1911.08907; drcut/CPD `dist_util.py` `sum_gradients(use_APS=True)`;
-cpd.md §4). For each leaf p of a gradient pytree reduced over W nodes:
+docs/cpd.md#aps). For each leaf p of a gradient pytree reduced over W nodes:
 
   1. local exponent e_p = ceil(log2(m_p)), m_p = fl32(max|g_p| * W), the float32
      value of max|g_p · W| (rounding is monotone, so max|g|·W rounded equals the
@@ -34,7 +34,7 @@ Two exponent rules:
   shift >= 128 (max|gW| <= 2^(emax-128); for 8 exponent bits whenever
   max|gW| <= 1/2) gives factor inf and NaN/inf gradients.
 
-The local level of CPD's node emulation (`mix.py` / `main.py`, cpd.md §3.2)
+The local level of CPD's node emulation (`mix.py` / `main.py`, docs/cpd.md#emulated-nodes)
 uses a guarded variant of its own: max_exp = max(-100, max_v e_v) and shift 0
 when max_exp stays -100 (`local_shift_factors`).
 """
@@ -108,7 +108,7 @@ def pow2_float32(shift: jax.Array) -> jax.Array:
 
 
 def shift_factors(exponents: jax.Array, fmt: FloatFormat, mode: ApsMode) -> jax.Array:
-  """float32 factors 2^shift, shift = fmt.emax - e, per agreed leaf exponent (cpd.md §4 step 3)."""
+  """float32 factors 2^shift, shift = fmt.emax - e, per agreed leaf exponent (step 3 above)."""
   if mode == "cpd":
     return pow2_float32(jnp.float32(fmt.emax) - exponents)
   return pow2_float32(jnp.clip(fmt.emax - exponents, -MAX_SHIFT, MAX_SHIFT))

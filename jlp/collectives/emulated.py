@@ -16,7 +16,7 @@ form="flat": one reduction over all the nodes, numbered node = d·N + v (d the
   nodes' exponents. (This emulates the ring's numerics, not its traffic.)
 
 form="cpd": CPD's two-level form (drcut/CPD `example/ResNet18/tools/mix.py` and
-  `example/ResNet50/main.py`, cpd.md §3.2), per leaf:
+  `example/ResNet50/main.py`, docs/cpd.md#emulated-nodes), per leaf:
     1. N == 1 and not cast_single (ResNet18): the leaf is g_0 itself, go to 5;
        cast_single=True (ResNet50) always goes through 2-4;
     2. aps: e = max over v of the leaf exponent with multiplier N (aps=True:
@@ -93,8 +93,8 @@ def reduce_nodes(leaves: list[jax.Array], fmt: FloatFormat | None, algorithm: st
 
 def _cpd_local(leaves: list[jax.Array], fmt: FloatFormat | None, aps: aps_lib.ApsMode,
                cast_single: bool) -> list[jax.Array]:
-  """CPD's local level (cpd.md §3.2 steps 1-5) on every leaf: its own APS factor (multiplier N),
-  q(g_v · 2^shift), the plain fold over the nodes, the unscale."""
+  """CPD's local level (steps 1-4 of the module docstring) on every leaf: its own APS factor
+  (multiplier N), q(g_v · 2^shift), the plain fold over the nodes, the unscale."""
   n = leaves[0].shape[0] if leaves else 1
   if n == 1 and not cast_single:
     return [x[0] for x in leaves]

@@ -1,6 +1,6 @@
-"""Gradient compression (HiPress, hipress.md): compressors with HiPress's wire formats and error
-feedback, compression-aware synchronisation (CaSync PS and ring) inside `jax.shard_map`, and the
-SeCoPa planner.
+"""Gradient compression (HiPress, docs/hipress.md): compressors with HiPress's wire formats and
+error feedback, compression-aware synchronisation (CaSync PS and ring) inside `jax.shard_map`, and
+the SeCoPa planner.
 
     c = jlp.compression.get("onebit")                  # or OneBit(), TBQ(threshold=1.0), ...
     payload, state = c.encode(grad, c.init(grad))      # fixed-shape packed arrays

@@ -28,7 +28,7 @@ synchronisation (`jlp.compression.sync`), the train step and the wire use:
   to_bytes(payload) -> numpy uint8;  from_bytes(data, n) -> payload   (HiPress's wire bytes)
   wire_bytes(n) -> int                  the bytes one payload puts on the wire (sparse: capacity)
   server(num_ranks) -> Compressor       what an aggregator of num_ranks payloads re-encodes with
-                                        (CaSync-PS, §2.2); `self` unless the algorithm says
+                                        (CaSync-PS); `self` unless the algorithm says
                                         otherwise (DGC: the union of the non-zeros)
   is_sparse(compressor) -> bool         (a function of this module) whether the payload is a
                                         Sparse field: count, indices, values
@@ -42,7 +42,8 @@ chooses the ops' path; a compressor without one runs "auto".
 encode, decode and decode_add each run as one jitted program (inlined under an outer jit, vmap
 or shard_map), so eager calls give jit's bits.
 
-Writing a new one (hipress.md §3.3, replacing CompLL's DSL): see README "Writing a compressor".
+Writing a new one (replacing CompLL's DSL): see docs/hipress.md#writing-a-compressor and the
+README's "Writing a compressor".
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ class Compressor:
     return acc + self.decompress(fields, acc.shape[0])
 
   def server(self, num_ranks: int) -> "Compressor":
-    """The compressor an aggregator re-encodes the sum of `num_ranks` payloads with (CaSync-PS
-    §2.2, and the ring's reduce hops); `self` unless the algorithm says otherwise."""
+    """The compressor an aggregator re-encodes the sum of `num_ranks` payloads with (CaSync-PS,
+    and the ring's reduce hops); `self` unless the algorithm says otherwise."""
     check_num_ranks(f"{type(self).__name__}.server num_ranks", num_ranks)
     return self
 

@@ -1,9 +1,9 @@
-"""Compression-aware synchronisation (HiPress's CaSync, hipress.md §2.1-§2.3, §2.6) in shard_map.
+"""Compression-aware synchronisation (HiPress's CaSync, docs/hipress.md#casync) in shard_map.
 
 `sync(tree, axis_name, compressor, state)` sums a pytree of float32 leaves over the W ranks of
 `axis_name` inside `jax.shard_map`; every rank gets the same bits, and its own new state.
 
-Routing (§2.1; static, `leaf_routes`). A leaf is compressed iff it has more than `min_size`
+Routing (static, `leaf_routes`). A leaf is compressed iff it has more than `min_size`
 elements (HiPress's --comp-threshold, "minimal (excluded) number of floats to compress"), in
 K = min(W, n) partitions. A SeCoPa `plan` {jax.tree_util.keystr(path): (compress, K)} overrides
 the leaves it names (1 <= K <= min(W, n)). The other leaves are summed in float32 by one ring
@@ -15,11 +15,11 @@ through unchanged and reach no collective.
 Partitions and state. A compressed leaf of n elements is flattened (C order), zero-padded to K*c
 elements and cut into K partitions of c = ceil(n/K); partition j is owned by rank j. Each rank
 keeps, per compressed leaf, K state slots of c elements: the compressor's state (EF residual,
-DGC's u and v, ...) with a leading slot axis, keyed by leaf and partition (§5 takeaway 3).
+DGC's u and v, ...) with a leading slot axis, keyed by leaf and partition.
 S = compressor.server(W) is what re-encodes a sum of W contributions (the compressor itself,
 except DGC: the union of the non-zeros).
 
-topology="ps" (CaSync-PS with co-located servers, §2.2; DeepSpeed's compressed_allreduce shape):
+topology="ps" (CaSync-PS with co-located servers; DeepSpeed's compressed_allreduce shape):
   1. rank r encodes each of its K partitions j with slot j (the K encodes as one vmap);
   2. partition j's payloads travel to their owner, rank j (`transport.gather_to_owners`);
   3. owner j merges, starting from its own RAW partition j (its contribution enters
@@ -35,7 +35,7 @@ topology="ps" (CaSync-PS with co-located servers, §2.2; DeepSpeed's compressed_
      fresh state; every slot keeps its step-1 state;
   5. the K server payloads travel to every rank (`transport.broadcast_from_owners`); every rank
      decodes partitions 0..K-1 with S.
-topology="ring" (CaSync-Ring, §2.3), the chunk order of `jlp.collectives.allreduce`'s ring over
+topology="ring" (CaSync-Ring), the chunk order of `jlp.collectives.allreduce`'s ring over
   the K chunks: chunk k starts at rank k+1, which encodes its raw chunk with the compressor and
   its slot k; at reduce hop t = 0..W-2 the chunk moves from rank k+1+t to rank k+2+t, which
   decodes it onto its own raw chunk k (acc = raw + decode, with the compressor that encoded it)
@@ -127,7 +127,7 @@ __all__ = ["DEFAULT_MIN_SIZE", "TOPOLOGIES", "Route", "init_state", "leaf_routes
            "sync_with_bytes"]
 
 TOPOLOGIES = ("ps", "ring")
-#: HiPress's --comp-threshold: compress iff a leaf has more than this many floats (§2.1).
+#: HiPress's --comp-threshold: compress iff a leaf has more than this many floats.
 DEFAULT_MIN_SIZE = 262144
 
 

@@ -1,10 +1,10 @@
-"""HiPress's five compressors (hipress.md §1), written with the authoring API (jlp.compression.base).
+"""HiPress's five compressors (docs/hipress.md), written with jlp.compression.base's authoring API.
 
 References:
   Strom, "Scalable distributed DNN training using commodity GPU cloud computing", Interspeech
     2015 (TBQ).
   Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
-    Learning", NeurIPS 2017 (HiPress's TernGrad is a min/max b-bit quantiser, §1.2).
+    Learning", NeurIPS 2017 (HiPress's TernGrad is a min/max b-bit quantiser).
   Lin et al., "Deep Gradient Compression", ICLR 2018 (DGC).
   Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017 (GradDrop).
   Seide et al., "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
@@ -60,7 +60,7 @@ def _fraction(owner: str, field: str, value: Any, closed_at: int) -> None:
 @register("tbq")
 @dataclasses.dataclass(frozen=True)
 class TBQ(Compressor):
-  """Threshold binary quantisation with fused error feedback (hipress.md §1.1).
+  """Threshold binary quantisation with fused error feedback (HiPress's zgc kernel).
 
   Per element, on the residual r in place:  r += x;  r >= τ: send +τ (code 2), r -= τ;
   r <= -τ: send -τ (code 0), r += τ;  else send 0 (code 1). Decode: (code - 1) * τ.
@@ -112,7 +112,7 @@ class TBQ(Compressor):
 @register("onebit")
 @dataclasses.dataclass(frozen=True)
 class OneBit(Compressor):
-  """One sign bit per element with error feedback (Seide et al. 2014; hipress.md §1.5).
+  """One sign bit per element with error feedback (Seide et al. 2014; docs/hipress.md#compressors).
 
   v = x + r (r: the residual). bit = 1 iff v < 0. scale_mode="two_means" (Seide, and GRACE's
   onebit): set bits decode to the mean of the negative entries of v, clear bits to the mean of
@@ -197,8 +197,8 @@ def _terngrad_tail(compressor: "TernGrad", n: int) -> int:
 @register("terngrad")
 @dataclasses.dataclass(frozen=True)
 class TernGrad(Compressor):
-  """HiPress's TernGrad: a b-bit uniform quantiser between the tensor's min and max (hipress.md
-  §1.2; not Wen et al.'s ternary {-s, 0, s}). No error feedback, no state.
+  """HiPress's TernGrad: a b-bit uniform quantiser between the tensor's min and max
+  (docs/hipress.md#compressors; not Wen et al.'s ternary {-s, 0, s}). No error feedback, no state.
 
   All in float32: mn, mx = min(x), max(x); gap = (mx - mn) / (2^b - 1); inv = 1 / gap where gap
   is a normal float32 (>= 2^-126), else 0 (every code 0, decoding to min: exact for a constant
@@ -313,7 +313,7 @@ def _lookup(levels: jax.Array, codes: jax.Array, bits: int) -> jax.Array:
 
 def _sparsify(acc: jax.Array, key: jax.Array, sample_rate: float, density: float | Fraction,
               capacity: int, impl: str) -> dict[str, jax.Array]:
-  """HiPress's selection (§1.3, §1.4): the sampled threshold thr of |acc|, every i with
+  """HiPress's selection (DGC and GradDrop): the sampled threshold thr of |acc|, every i with
   |acc_i| > thr, capped at `capacity` by |acc|; where n*density < 1 (on decimal values), thr = 0
   instead, so that the largest |acc| is sent (capacity 1; ties: the lower index). HiPress's
   sample of one element would make itself the threshold: a 1-element partition would never
@@ -346,8 +346,8 @@ def _capacity(compressor: "DGC | GradDrop", n: int) -> int:
 @register("dgc")
 @dataclasses.dataclass(frozen=True)
 class DGC(Compressor):
-  """Deep Gradient Compression as HiPress's dgc_new (hipress.md §1.3), with momentum correction
-  and momentum-factor masking; no gradient clipping or warm-up (HiPress has neither).
+  """Deep Gradient Compression as HiPress's dgc_new (docs/hipress.md#compressors), with momentum
+  correction and momentum-factor masking; no gradient clipping or warm-up (HiPress has neither).
 
   State u (momentum) and v (velocity). u = m*u + x; v = v + u. S = ceil(n*sample_rate) indices
   drawn uniformly with replacement (jax.random, from the key); thr = the element at position
@@ -401,7 +401,7 @@ def _dgc_server_capacity(compressor: "DGCServer", n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DGCServer(Compressor):
-  """DGC's aggregator re-encode (HiPress's dgc_new_server, hipress.md §1.3): every non-zero of
+  """DGC's aggregator re-encode (HiPress's dgc_new_server): every non-zero of
   the merged partition, with no threshold, no re-sparsification and no state. Capacity
   min(n, num_ranks * ceil(n*density)), which the union of num_ranks DGC payloads fits; past it
   (e.g. when the aggregator's own dense contribution entered) the largest |x| are kept. Not
@@ -431,7 +431,7 @@ class DGCServer(Compressor):
 @register("graddrop")
 @dataclasses.dataclass(frozen=True)
 class GradDrop(Compressor):
-  """Gradient dropping (Aji & Heafield 2017) as HiPress's gd kernel (hipress.md §1.4).
+  """Gradient dropping (Aji & Heafield 2017) as HiPress's gd kernel (docs/hipress.md#compressors).
 
   r = r + x (r: the residual, state); the sampled threshold exactly as DGC's with density
   d = 1 - drop_ratio (on decimal values: drop_ratio=0.999 gives d = 0.001 and k = ceil(1000*d)

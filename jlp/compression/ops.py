@@ -1,4 +1,4 @@
-"""The combinators compressors are written with (CompLL's vocabulary, hipress.md §3.3).
+"""The combinators compressors are written with (CompLL's vocabulary; docs/hipress.md).
 
   pack_bits(codes, bits, pad)        uint8 codes (one per element) -> packed bytes, LSB-first
   unpack_bits(packed, bits, n)       the inverse
@@ -9,7 +9,7 @@
   capped_select(mask, scores, k)     indices where mask holds, capped at k by the largest scores
   capped_threshold_select(values, thr, k)
                                      capped_select(|values| > thr, |values|, k): DGC's and
-                                     GradDrop's selection (hipress.md §1.3, §1.4)
+                                     GradDrop's selection
   sampled_threshold(mag, key, sample_rate, density)
                                      HiPress's sampled threshold: the sample's element at rank
                                      floor(S * density) of its descending order
@@ -179,7 +179,7 @@ def capped_select(mask: jax.Array, scores: jax.Array, capacity: int
                   ) -> tuple[jax.Array, jax.Array]:
   """(indices int32[capacity] ascending, count): every position where mask holds if there are at
   most `capacity`, else the `capacity` of them with the largest scores (ties: lower index).
-  Unused slots hold n. This is HiPress's select-then-truncate of DGC and GradDrop (§1.3, §1.4),
+  Unused slots hold n. This is HiPress's select-then-truncate of DGC and GradDrop,
   truncating by the true magnitudes (HiPress's dgc_new compares already-zeroed values)."""
   mask = jnp.asarray(mask).reshape(-1)
   scores = jnp.asarray(scores, jnp.float32).reshape(-1)
@@ -235,8 +235,8 @@ def capped_threshold_select(values: jax.Array, threshold: jax.Array | float, cap
   """(indices int32[min(capacity, n)] ascending, count): `capped_select(|values| > threshold,
   |values|, capacity)` for float32 `values` (any shape, flattened): every index with
   |values[i]| > threshold if there are at most `capacity`, else the `capacity` largest
-  |values[i]| (ties: lower index); unused slots n. DGC's and GradDrop's selection (hipress.md
-  §1.3, §1.4). impl="pallas" selects with `pallas_kernels.threshold_select`; the truncation, when
+  |values[i]| (ties: lower index); unused slots n. DGC's and GradDrop's selection.
+  impl="pallas" selects with `pallas_kernels.threshold_select`; the truncation, when
   over capacity, stays XLA's top_k (over the first 2*capacity selected when that is all of them,
   else over all n)."""
   values, threshold = _float32_values(values, threshold)
@@ -274,7 +274,7 @@ def capped_threshold_select(values: jax.Array, threshold: jax.Array | float, cap
 
 def sampled_threshold(magnitude: jax.Array, key: jax.Array, sample_rate: float,
                       density: float) -> jax.Array:
-  """HiPress's threshold (§1.3): S = ceil(n * sample_rate) indices drawn uniformly with
+  """HiPress's threshold (DGC, GradDrop): S = ceil(n * sample_rate) indices drawn uniformly with
   replacement, the sampled magnitudes sorted in descending order, the one at position
   floor(S * density)."""
   magnitude = jnp.asarray(magnitude).reshape(-1)

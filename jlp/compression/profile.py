@@ -1,7 +1,7 @@
-"""Fits SeCoPa's cost model (jlp.compression.secopa, hipress.md §2.5) on the current devices.
+"""Fits SeCoPa's cost model (jlp.compression.secopa, docs/hipress.md#secopa) on the current devices.
 
 HiPress ships its coefficients but no profiler ("one need to measure and fitting curves in
-different cluster", [S]); this is that profiler, as hipress.md §2.6 recommends. For every size x in
+different cluster", its SeCoPa README); this is that profiler. For every size x in
 `sizes` it times, as the median of `repeats` calls after a compiling call (jitted, ms):
 
   encode E(x)     compressor.encode of x float32 elements, on one device

@@ -1,7 +1,7 @@
-"""SeCoPa: HiPress's selective compression and partitioning planner (hipress.md §2.5, [S]).
+"""SeCoPa: HiPress's selective compression and partitioning planner (docs/hipress.md#secopa).
 
 For every gradient of S float32 elements, SeCoPa decides whether to compress it and into how many
-partitions K ∈ {1..N} to split it, from a cost model of CaSync's primitives (§2.1): encode E,
+partitions K ∈ {1..N} to split it, from a cost model of CaSync's primitives: encode E,
 decode D, aggregate A, one ring send R, and the PS gather G and broadcast B of N nodes. Every
 primitive costs
 
@@ -9,7 +9,7 @@ primitive costs
 
 (HiPress's `SeCoPa.py` writes it as "o below (o − b)/w, linear above"; identical whenever
 o <= b, which holds for all of its coefficients). With r = the compression ratio and the op counts
-of §2.2 (CaSync-PS, co-located servers) and §2.3 (CaSync-Ring):
+of CaSync-PS (co-located servers) and CaSync-Ring:
 
     PS_orig(K)   = G(S/K) + B(S/K) + (N−1)·A(S/K)
     PS_comp(K)   = G(rS/K) + B(rS/K) + min(K+1, N)·E(S/K) + min(N−1+K, 2(N−1))·D(rS/K)
@@ -35,12 +35,12 @@ fits them for one codec.
 
 `CostModel.seed()` holds HiPress's coefficients (fitted on the authors' local cluster, presumably
 56 Gbps; N ∈ {4, 8, 16} only); `jlp.compression.profile.fit_cost_model` fits one on the current
-devices. File formats (§2.5): `read_grads` reads HiPress's input.txt (`name,num_elements` lines),
+devices. File formats: `read_grads` reads HiPress's input.txt (`name,num_elements` lines),
 `write_plan` / `read_plan` its SeCoPaPlan.txt (`name,size,y|n,K` lines, what the script writes;
 HiPress's README shows 3 fields). `plan_for_tree` plans a pytree's leaves, keyed by
 `jax.tree_util.keystr` of their paths, as the CaSync sync (`jlp.compression.sync`) takes it:
 pass the sync's compressor (`plan_for_tree(grads, num_nodes=8, compressor=sync.compression)`).
-`static_plan` is HiPress's other selection rule (§2.1, `--comp-threshold 262144`).
+`static_plan` is HiPress's other selection rule (`--comp-threshold 262144`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ __all__ = ["COMP_THRESHOLD", "SEED_COEFFICIENTS", "CostModel", "LinearCost", "Pl
            "SyncCosts", "TOPOLOGIES", "compression_ratio", "plan_for_tree", "read_grads",
            "read_plan", "secopa_plan", "static_plan", "sync_costs", "write_plan"]
 
-#: HiPress's static rule (§2.1): compress iff numel > 262144 floats (1 MiB), as `sync`'s default.
+#: HiPress's static rule: compress iff numel > 262144 floats (1 MiB), as `sync`'s default.
 COMP_THRESHOLD = DEFAULT_MIN_SIZE
 
 
@@ -228,7 +228,7 @@ class CostModel:
     return cls.from_dict(data)
 
 
-#: HiPress's coefficients, `SeCoPa.py` ([S], hipress.md §2.5): ms per float32 element, ms, ms.
+#: HiPress's coefficients, `SeCoPa.py`: ms per float32 element, ms, ms.
 SEED_COEFFICIENTS = CostModel(
     encode=LinearCost(1.4133e-8, 5.8938e-2, 0.05408),
     decode=LinearCost(6.2041e-9, 1.3956e-1, 0.07287),
@@ -391,8 +391,8 @@ def secopa_plan(grads: Iterable[tuple[str, int]], *, num_nodes: int, topology: s
 
 def static_plan(grads: Iterable[tuple[str, int]], *, num_nodes: int,
                 comp_threshold: int = COMP_THRESHOLD) -> list[PlanEntry]:
-  """HiPress's static rule (§2.1, `--comp-threshold`): compress iff size > comp_threshold, every
-  gradient in K = num_nodes partitions (one per owner node, §2.6)."""
+  """HiPress's static rule (`--comp-threshold`): compress iff size > comp_threshold, every
+  gradient in K = num_nodes partitions (one per owner node)."""
   if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
     raise invalid("num_nodes", num_nodes, "a positive int")
   threshold = _size("comp_threshold", comp_threshold)

@@ -2,7 +2,7 @@
 sentences with BERT's WordPiece tokenizer), augmentation, and the deterministic, per-process
 input pipeline with prefetching.
 
-  ds = jlp.data.get_dataset("cifar10", root="data", split="train")
+  ds = jlp.data.get_dataset("cifar10", split="train")   # root: $JLP_DATA_DIR/cifar10 or data/cifar10
   pipe = jlp.data.Pipeline(ds, global_batch_size=512, seed=0)
   with pipe.prefetch(start_step=step, sharding=sharding) as batches:
     for batch in batches: ...        # {"image": NHWC float32, "label": int32, "mask": bool}
@@ -10,13 +10,14 @@ input pipeline with prefetching.
 
 from jlp.data.dataset import ArrayDataset, CropFlip, Dataset, Normalization
 from jlp.data.pipeline import SAMPLERS, Pipeline, Prefetcher, Sampler
-from jlp.data.registry import DATASETS, get_dataset
+from jlp.data.registry import DATA_DIR_ENV, DATASETS, default_root, get_dataset
 from jlp.data.text import TokenDataset, WordPiece
 
 __all__ = [
     "ArrayDataset",
     "CropFlip",
     "DATASETS",
+    "DATA_DIR_ENV",
     "Dataset",
     "Normalization",
     "Pipeline",
@@ -25,5 +26,6 @@ __all__ = [
     "Sampler",
     "TokenDataset",
     "WordPiece",
+    "default_root",
     "get_dataset",
 ]

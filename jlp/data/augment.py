@@ -8,7 +8,7 @@ function of (seed, step) and the same on any number of processes. The
 `random_*` functions combine the two for direct use.
 
 Semantics follow the torchvision transforms that the seed recipes use
-(cpd.md §6.1-6.3, bfp.md §5.1):
+(docs/cpd.md, docs/bfp.md):
   RandomCrop(size, padding, fill=0): pad every side by `padding`, then take the
     size x size window at (top, left), each uniform on 0..padded - size.
   RandomHorizontalFlip(): reverse the W axis with probability 1/2.
@@ -17,9 +17,9 @@ Semantics follow the torchvision transforms that the seed recipes use
     get_params (10 attempts, then the central-crop fallback), bilinear resize.
   Resize(s) + CenterCrop(c): shorter side to s (longer side int(s * long / short)),
     bilinear, then the c x c window at round((H - c) / 2), round((W - c) / 2).
-DavidNet's Cutout (Myrtle, cpd.md §6.2) zeroes an n x n square lying inside
+DavidNet's Cutout (Myrtle, docs/cpd.md) zeroes an n x n square lying inside
 the image, after normalisation.
-mmsegmentation's PhotoMetricDistortion (cpd.md §6.4; mmseg/datasets/pipelines/
+mmsegmentation's PhotoMetricDistortion (docs/cpd.md; mmseg/datasets/pipelines/
 transforms.py, read at upstream commits 0066ce88 / db54ce7b, after v0.5.0):
 `photometric_distortion` with `draw_photometric`, on uint8 RGB, its HSV steps
 through OpenCV's 8-bit cv2.cvtColor arithmetic (`rgb_to_hsv_u8`, `hsv_to_rgb_u8`,

@@ -10,13 +10,13 @@ Training images are the concatenation of data_batch_1..5 in that order.
 
 Recipes (mean, std and augmentation, applied to training splits only; test
 splits get normalisation alone, not BFPsim's CIFAR100 test-time augmentation,
-bfp.md §5.1 bug 2):
-  "cpd" (CIFAR-10 default; cpd.md §6.1, kuangliu): RandomCrop(32, padding=4)
+docs/bfp.md bug 2):
+  "cpd" (CIFAR-10 default; docs/cpd.md, kuangliu): RandomCrop(32, padding=4)
       with zero padding, RandomHorizontalFlip, mean (0.4914, 0.4822, 0.4465),
       std (0.2023, 0.1994, 0.2010).
-  "davidnet" (cpd.md §6.2): reflect padding 4, random 32 crop, flip, Cutout 8x8
+  "davidnet" (docs/cpd.md): reflect padding 4, random 32 crop, flip, Cutout 8x8
       after normalisation, std (0.2471, 0.2435, 0.2616).
-  "bfpsim" (CIFAR-100 default; bfp.md §5.1): RandomCrop(32, padding=4), flip,
+  "bfpsim" (CIFAR-100 default; docs/bfp.md): RandomCrop(32, padding=4), flip,
       mean (0.507, 0.487, 0.441), std (0.267, 0.256, 0.276).
 """
 

@@ -10,7 +10,7 @@ one is an error. Files are sorted by (city, file name). Labels are trainIds
 0..18 (19 classes) and 255 = ignore.
 
 Transforms (a reduced version of mmsegmentation's FCN Cityscapes pipeline,
-cpd.md §6.4: Resize, RandomCrop(cat_max_ratio=0.75), RandomFlip, PhotoMetricDistortion,
+docs/cpd.md: Resize, RandomCrop(cat_max_ratio=0.75), RandomFlip, PhotoMetricDistortion,
 Normalize, Pad):
   train: rescale by s = uniform(scale_range) (new size int(W * s + 0.5) x
          int(H * s + 0.5); image bilinear, labels nearest); a random crop_size

@@ -8,7 +8,7 @@ same class list and must not have other folders); files are sorted within a
 class, and the label of a file is the index of its class. Extensions accepted
 (case-insensitive): .jpeg .jpg .png .bmp .ppm .webp (as ImageFolder).
 
-Transforms (cpd.md §6.3, bfp.md §5.2; torchvision semantics, see
+Transforms (docs/cpd.md, docs/bfp.md; torchvision semantics, see
 `jlp.data.augment`), images converted to RGB first:
   train: RandomResizedCrop(crop_size, scale=(0.08, 1), ratio=(3/4, 4/3)),
          bilinear, + RandomHorizontalFlip;

@@ -5,9 +5,9 @@ Global batch at step s (size B over a dataset of N examples), by `Sampler.kind`:
       Generator(PCG64(SeedSequence([seed, 0, e]))).permutation(N); step s takes
       its positions [j * B, (j + 1) * B), j = s % steps_per_epoch.
   "fixed": the permutation of epoch 0 in every epoch (torch's DistributedSampler
-      without set_epoch, as DavidNet runs it, cpd.md §6.2).
+      without set_epoch, as DavidNet runs it, docs/cpd.md).
   "sequential": 0, 1, ..., N - 1 in every epoch (evaluation).
-  "once": CPD's DistributedGivenIterationSampler (cpd.md §6.1): the run's
+  "once": CPD's DistributedGivenIterationSampler (docs/cpd.md): the run's
       T * B positions are arange(N) tiled and cut to T * B, shuffled once with
       np.random.RandomState(seed).shuffle (CPD: np.random.seed(0)); worker r of
       `world_size` owns the r-th contiguous chunk of T * B / world_size and

@@ -12,7 +12,8 @@
 (the last two, jlp.data.text, give int32 token ids under "image", for BERT.)
 
 `split` may also be "eval" (the evaluation split: "test", "val" or "dev"). `root`
-defaults to $JLP_DATA_DIR, else "data" (the seeds' `--data ./data`). `augment`
+defaults to the data set's own folder under $JLP_DATA_DIR, else under "data" (`default_root`:
+$JLP_DATA_DIR/cifar10, data/imagenet, ...; glue_tsv: the SST-2 folder the configs train). `augment`
 defaults to True for the training split only. See each loader's module for the
 layout and transforms; a missing or malformed folder raises
 FileNotFoundError / ValueError showing the expected tree, before any compute.
@@ -44,6 +45,7 @@ class DatasetInfo:
   train_split: str
   eval_split: str
   options: tuple[str, ...]
+  folder: str = ""  # its default folder under the data directory ("": the data set's name)
 
 
 def _keyword_options(*functions: Callable[..., Any]) -> tuple[str, ...]:
@@ -70,14 +72,21 @@ DATASETS: dict[str, DatasetInfo] = {
     "imagenet": DatasetInfo(imagenet, "train", "val",
                             tuple(o for o in _keyword_options(ImageFolderDataset) if o != "name")),
     "cityscapes": DatasetInfo(cityscapes, "train", "val", _keyword_options(CityscapesDataset)),
-    "glue_tsv": DatasetInfo(glue_tsv, "train", "dev", _keyword_options(glue_tsv)),
+    "glue_tsv": DatasetInfo(glue_tsv, "train", "dev", _keyword_options(glue_tsv), "SST-2"),
     "digits_tokens": DatasetInfo(digits_tokens, "train", "test", _keyword_options(digits_tokens)),
 }
 
 
-def default_root() -> str:
+def data_dir() -> str:
   """$JLP_DATA_DIR, else "data"."""
   return os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
+
+
+def default_root(name: str) -> str:
+  """Data set `name`'s folder under `data_dir()`: e.g. $JLP_DATA_DIR/cifar10."""
+  if name not in DATASETS:
+    raise ValueError(f"name={name!r} is not allowed; expected one of {sorted(DATASETS)}.")
+  return os.path.join(data_dir(), DATASETS[name].folder or name)
 
 
 def get_dataset(name: str, root: str | os.PathLike | None = None, split: str = "train",
@@ -95,4 +104,4 @@ def get_dataset(name: str, root: str | os.PathLike | None = None, split: str = "
   if unknown:
     raise ValueError(f"{unknown[0]}={options[unknown[0]]!r} is not allowed for {name!r}; "
                      f"expected options among {sorted(info.options)}.")
-  return info.builder(default_root() if root is None else root, split, **options)
+  return info.builder(default_root(name) if root is None else root, split, **options)

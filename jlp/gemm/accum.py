@@ -1,7 +1,7 @@
 """Matrix multiplication with a custom-precision (FloatFormat) accumulator.
 
 Semantics (CPD's `quant_gemm`, Han, Demmel, You, "Auto-Precision Scaling for
-Distributed Deep Learning", arXiv:1911.08907; cpd.md §2.1). `matmul(a, b,
+Distributed Deep Learning", arXiv:1911.08907; docs/cpd.md#accumulating-gemm). `matmul(a, b,
 accum=fmt)` computes every output element c[i, j] with one sequential
 accumulator, k strictly increasing from 0 to K-1 (no tree, no split-K), where
 q is `jlp.numerics.float_cast.float_cast(., fmt)` (the bit-exact cast of
@@ -52,7 +52,7 @@ subnormal results (and operands) of float arithmetic to zero. With an accum
 format whose values include float32 subnormals (exp = 8 with subnormals) or
 inputs whose products fall below 2^-126, the CPU result can therefore differ
 from strict IEEE float32 arithmetic (and from CPD's, which also flushes only in
-the cast, cpd.md §1.2 step 2). Every other case is bit-exact.
+the cast: docs/cpd.md#casts, quirk C). Every other case is bit-exact.
 
 Fused multiply-add: XLA:CPU (and Triton) contract `x * y + z` into an FMA.
 Where a raw product feeds an addition (chunk > 1), the product's bits are
@@ -102,7 +102,7 @@ def accumulate(s: jax.Array, c: jax.Array | None, p: jax.Array, fmt: FloatFormat
                barrier: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """One accumulator step with the (already cast) addend p: plain or Kahan (c not None).
 
-  Plain: s = q(s + p). Kahan (cpd.md §2.1): y = q(p - c), t = q(s + y),
+  Plain: s = q(s + p). Kahan (CPD's quant_gemm): y = q(p - c), t = q(s + y),
   c = q(q(t - s) - y), s = t. `barrier` materialises p and y (XLA would otherwise
   recompute them inside each of the Kahan step's fused consumers); values are unchanged.
   complex64 operands hold two independent accumulators (complex addition and
@@ -229,7 +229,7 @@ def matmul(a: jax.Array, b: jax.Array, *, accum: FloatFormat | str, kahan: bool 
   """a @ b with every addition of the accumulation rounded to `accum` (CPD's quant_gemm).
 
   See the module docstring for the exact per-element semantics (Han, Demmel,
-  You, arXiv:1911.08907; cpd.md §2.1). The inputs are not quantized.
+  You, arXiv:1911.08907; docs/cpd.md#accumulating-gemm). The inputs are not quantized.
 
   Args:
     a: float32 (M, K). Batch dimensions: use `jax.vmap`.

@@ -1,6 +1,6 @@
 """GemmQuant: one quantizer per tensor role of a layer y = x · w, plus the accumulator.
 
-The nine roles follow BFPsim's BFPConv2d (bfp.md §2) and AQT's fwd / dlhs / drhs
+The nine roles follow BFPsim's BFPConv2d (docs/bfp.md#layer-roles) and AQT's fwd / dlhs / drhs
 split:
 
   forward          y = q_y(q_x(x) · q_w(w))
@@ -33,7 +33,7 @@ BFPSIM_ROLES = {
     "bio": ("dgrad_dy", "act"), "biw": ("dgrad_w", "weight"), "big": ("dgrad_out", "act"),
 }
 
-# BFPConf defaults (bfp.md §2.5): flag, bits (a key or an int), dims (4-D, OIHW / NCHW).
+# BFPsim's BFPConf defaults: flag, bits (a key or an int), dims (4-D, OIHW / NCHW).
 _BFPSIM_DEFAULTS = {
     "fw": (True, 8, (16, 1, 3, 3)),
     "fi": (True, "fw", (4, 1, 3, 3)),
@@ -75,7 +75,7 @@ class GemmQuant:
     accum: FloatFormat of the accumulator of all three GEMMs (None: float32).
     kahan: Kahan-compensated accumulation (with `accum`).
     bwd_from_fwd: the backward GEMMs quantize the forward-quantized x̃ = q_x(x)
-      and w̃ = q_w(w) (BFPsim, bfp.md §2.2); False: the raw x and w.
+      and w̃ = q_w(w) (BFPsim, docs/bfp.md#layer-roles); False: the raw x and w.
   """
 
   x: Format | None = None
@@ -128,7 +128,7 @@ class GemmQuant:
                   rounding: str = "truncate") -> "GemmQuant":
     """Translates one BFPsim layer entry (keys fw, fw_bit, fw_dim, ...) to a GemmQuant.
 
-    Missing keys take BFPConf's defaults (bfp.md §2.5). Group shapes are given
+    Missing keys take BFPsim's BFPConf defaults. Group shapes are given
     by BFPsim for OIHW kernels and NCHW activations (conv) or (out, in) weights
     and (B, F) activations (linear) and are permuted to the layouts jlp uses:
     HWIO kernels and NHWC activations, (in, out) dense kernels.
@@ -180,7 +180,7 @@ def _to_jlp_layout(field: str, dims: tuple[int, ...], tensor: str, kind: str) ->
       return (h, w, i, o)
     n, c, h, w = dims        # NCHW -> NHWC
     return (n, h, w, c)
-  # linear: BFPsim's 2-D kernels use the first two entries of whatever dims they get (bfp.md §1.5)
+  # linear: BFPsim's 2-D kernels use the first two entries of whatever dims they get
   if len(dims) < 2:
     raise ValueError(f"{field}={list(dims)!r} has {len(dims)} entries; a linear layer needs 2.")
   a, b = dims[:2]

@@ -10,11 +10,11 @@ when the role is None) and g = dL/dy:
   weight gradient  drhs = q_wgrad_out(q_wgrad_x(x̃) ·ᵀ q_wgrad_dy(g))
 
 where x̃ = q_x(lhs), w̃ = q_w(rhs) when `cfg.bwd_from_fwd` (BFPsim's
-BFPConv2dFunction, bfp.md §2.2: the backward GEMMs re-quantize the saved
+BFPConv2dFunction, docs/bfp.md#layer-roles: the backward GEMMs re-quantize the saved
 forward operands) or the raw lhs, rhs otherwise. Without an accumulator the
 two backward GEMMs are the vjp (`jax.linear_transpose`: the same transpose
 rule, without re-running the forward) of the underlying lax op at the
-substituted operands (bfp.md §2.8), so every dimension_numbers, stride,
+substituted operands, so every dimension_numbers, stride,
 padding, dilation and feature grouping works. The GEMMs run in float32 with precision=HIGHEST.
 
 Quantization uses `jlp.quantize.quantize_f32` (no second custom_vjp; impl
@@ -22,7 +22,7 @@ Quantization uses `jlp.quantize.quantize_f32` (no second custom_vjp; impl
 (ROLES = x, w, y, wgrad_dy, wgrad_x, wgrad_out, dgrad_dy, dgrad_w, dgrad_out),
 so every role has its own stream.
 
-Traced BFP widths (`widths=`, bfp.md §3.4): a dict role -> int32 scalar array
+Traced BFP widths (`widths=`, docs/bfp.md#simple-controller): a dict role -> int32 scalar array
 overrides the mantissa width of those BFP roles; they are quantized by the XLA
 path `jlp.numerics.bfp.bfp_quantize(x, fmt, rbits, man=width)`, bit-identical to
 the static BFPFormat of that width, and a jitted caller compiles once for all
@@ -30,13 +30,13 @@ widths (the dynamic precision controller, `jlp.nn.controller`). The widths ride
 through the custom_vjp as non-differentiable int arrays (cotangent None). A
 `zse_probe=` float32 scalar (value ignored) gets as its gradient the
 zero-setting error of the returned input gradient dL/dlhs (BFPsim's "biw",
-bfp.md §3.2; group shape `biw_zse_block`), so the statistic computed inside
+docs/bfp.md#zero-setting-error; group shape `biw_zse_block`), so the statistic computed inside
 the backward pass comes out through ordinary gradients. widths=None and
 zse_probe=None are the static path, unchanged.
 
 Custom-precision accumulation (`cfg.accum`, CPD's quant_gemm; Han, Demmel,
 You, "Auto-Precision Scaling for Distributed Deep Learning", arXiv:1911.08907;
-cpd.md §2): all three GEMMs go through `jlp.gemm.accum.matmul`, whose every
+docs/cpd.md#accumulating-gemm): all three GEMMs go through `jlp.gemm.accum.matmul`, whose every
 output element accumulates sequentially over k with each float32 operation
 rounded to `accum` (plain or Kahan). The k order is part of the result:
 
@@ -47,9 +47,9 @@ rounded to `accum` (plain or Kahan). The k order is part of the result:
     GEMMs are the transposed contractions written as dot_generals: dlhs
     contracts over rhs's free dimensions (in increasing axis order), drhs over
     lhs's free dimensions (in increasing axis order). For a dense layer
-    (B, in)·(in, out) this is CPD's Quant_LinearFunction (cpd.md §2.3):
+    (B, in)·(in, out) this is CPD's Quant_LinearFunction:
     forward K = in, dgrad K = out, wgrad K = the batch rows in sample order.
-  conv: im2col (cpd.md §2.3, CPD's Quant_Conv via F.unfold). The patches have
+  conv: im2col (CPD's Quant_Conv via F.unfold). The patches have
     one row per (n, output position) in row-major order and K order
     (c, kh, kw, ...) row-major, zero padding and lhs-dilation holes included
     (they enter the accumulator as zero products, which matters for Kahan).
@@ -169,7 +169,7 @@ def _check_widths(cfg: GemmQuant, widths: Any, op: str) -> dict[str, jax.Array] 
   return out
 
 
-# ----------------------------------------------------------------------------- ZSE blocks (bfp.md §3.2)
+# ----------------------------------------------------------------------------- ZSE blocks
 
 
 def biw_zse_block(cfg: GemmQuant, lhs_ndim: int) -> tuple[int, ...] | None:
@@ -230,7 +230,7 @@ def accum_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, accum, 
 
   Canonicalises to batched (M, K)·(K, N) (module docstring: contracting dims
   flattened in the order given, batch dims vmapped) and calls
-  `jlp.gemm.accum.matmul` (CPD's quant_gemm, cpd.md §2.1). The output has
+  `jlp.gemm.accum.matmul` (CPD's quant_gemm, docs/cpd.md#accumulating-gemm). The output has
   dot_general's layout (batch..., lhs free..., rhs free...).
   """
   lc, rc, lb, rb, lf, rf = _dot_dims(dimension_numbers, lhs.ndim, rhs.ndim)
@@ -490,8 +490,8 @@ def qdot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, cfg: GemmQua
                  zse_probe: jax.Array | None = None) -> jax.Array:
   """Quantized `lax.dot_general`: y = q_y(q_x(lhs) · q_w(rhs)), with quantized gradients.
 
-  The roles of `cfg` (BFPsim's nine, bfp.md §2; Noh et al., FlexBlock, IEEE
-  Trans. Computers 2023) and the accumulator (CPD's quant_gemm, cpd.md §2;
+  The roles of `cfg` (BFPsim's nine, docs/bfp.md#layer-roles; Noh et al., FlexBlock, IEEE
+  Trans. Computers 2023) and the accumulator (CPD's quant_gemm, docs/cpd.md#accumulating-gemm;
   Han, Demmel, You, arXiv:1911.08907) are applied as in the module docstring.
   An identity cfg (no role, no accum) is exactly `lax.dot_general`.
 
@@ -510,9 +510,9 @@ def qdot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, cfg: GemmQua
       keep their static width; widths=None is the static path. The widths get
       no gradient.
     zse_probe: optional float32 scalar (its value is ignored) whose gradient is
-      the zero-setting error (bfp.md §3.1) of the returned input gradient
+      the zero-setting error (docs/bfp.md#zero-setting-error) of the returned input gradient
       dL/dlhs with dgrad_w's width and `biw_zse_block` (BFPsim's "biw",
-      bfp.md §3.2); needs a BFP dgrad_w. Calls sharing a probe add up.
+      docs/bfp.md#zero-setting-error); needs a BFP dgrad_w. Calls sharing a probe add up.
 
   Returns:
     The dot_general output, in dot_general's layout.
@@ -560,12 +560,12 @@ def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding
           key: jax.Array | None = None, precision=None, preferred_element_type=None,
           widths: dict[str, jax.Array] | None = None,
           zse_probe: jax.Array | None = None) -> jax.Array:
-  """Quantized `lax.conv_general_dilated` with the roles of `cfg` (bfp.md §2.8).
+  """Quantized `lax.conv_general_dilated` with the roles of `cfg` (docs/bfp.md#layer-roles).
 
   Without accum the backward GEMMs are the vjp of conv_general_dilated at
   the substituted operands (any strides, padding, dilation, grouping and
   dimension_numbers). With `cfg.accum` the three GEMMs use im2col with K order
-  (c, kh, kw) (cpd.md §2.3; see the module docstring for dgrad's col2im),
+  (c, kh, kw) (CPD's Quant_Conv; see the module docstring for dgrad's col2im),
   one GEMM per feature group.
   An identity cfg is exactly `lax.conv_general_dilated`.
 

@@ -1,5 +1,5 @@
 """DavidNet: the DAWNBench CIFAR-10 ResNet-9 by Myrtle (David Page), as in CPD's example/DavidNet
-(cpd.md §6.2), in Flax NNX (NHWC).
+(docs/cpd.md#recipes), in Flax NNX (NHWC).
 
     prep   conv_bn(3 -> w)
     layer1 conv_bn(w -> 2w), maxpool 2, residual(res1 = conv_bn(2w), res2 = conv_bn(2w))

@@ -1,5 +1,5 @@
-"""FCN for semantic segmentation (mmsegmentation `fcn_r50-d8`, the Cityscapes net of CPD, cpd.md §6.4),
-Flax NNX, NHWC.
+"""FCN for semantic segmentation (mmsegmentation `fcn_r50-d8`, the Cityscapes net of CPD,
+docs/cpd.md#recipes), Flax NNX, NHWC.
 
 backbone      dilated ResNet (default ResNetV1c-50: deep stem, strides (1, 2, 1, 1), dilations
               (1, 1, 2, 4) -> output stride 8), see `jlp.models.resnet.ResNet`

@@ -25,10 +25,10 @@ of every BatchNorm), or ``use_running_average=`` at construction.
 
 BFPsim compatibility: ``bfpsim_inplace_fi`` (False; set by
 ``jlp.nn.quantize_model(..., bfpsim_inplace_fi=True)``) on the ResNet and its blocks reproduces the
-side effect of BFPsim's in-place input quantization (bfp.md §2.3, `jlp.nn.inplace_fi`): every
-activation that feeds a conv with a BFP x role is quantized where it is produced and the quantized
-tensor feeds all its consumers (identity shortcut, projection conv, stage outputs, the producing
-ReLU's backward mask).
+side effect of BFPsim's in-place input quantization (`jlp.nn.inplace_fi`,
+docs/bfp.md#compat-switches): every activation that feeds a conv with a BFP x role is quantized
+where it is produced and the quantized tensor feeds all its consumers (identity shortcut, projection
+conv, stage outputs, the producing ReLU's backward mask).
 """
 
 from __future__ import annotations

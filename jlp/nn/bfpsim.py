@@ -1,4 +1,4 @@
-"""BFPsim layer configs (JSON presets) as jlp quantization rules (bfp.md §2.6, §4).
+"""BFPsim layer configs (JSON presets) as jlp quantization rules (docs/bfp.md#presets).
 
 A BFPsim config maps PyTorch module paths prefixed with "net." to BFPConf
 entries, plus an optional "default" entry:
@@ -31,7 +31,7 @@ Unknown keys inside an entry, and dict-valued top-level keys that are neither
 "default" nor "net.<path>", are a ValueError naming them. String dims (old
 BFPsim configs) are not supported (ValueError from GemmQuant.from_bfpsim).
 
-`PRESETS` holds the presets of BFPsim's conf_net/ at HEAD (bfp.md §4) as
+`PRESETS` holds the presets of BFPsim's conf_net/ at HEAD (docs/bfp.md#presets) as
 Python data; `load_bfpsim_preset("ResNet18_FB12")` loads one by name.
 
 Reference: Noh et al., "FlexBlock: A Flexible DNN Training Accelerator with
@@ -131,7 +131,7 @@ def load_bfpsim_preset(path_or_dict: str | os.PathLike | Mapping[str, Any], *,
   return rules
 
 
-# ----------------------------------------------------------------------------- presets (bfp.md §4)
+# ----------------------------------------------------------------------------- presets
 
 
 def _modes(fwd: tuple[int, list[int]], wg: tuple[int, list[int]], lg: tuple[int, list[int]],
@@ -203,5 +203,5 @@ class _Presets(dict):
     return [(k, self[k]) for k in self]
 
 
-#: BFPsim conf_net/ presets at HEAD (bfp.md §4) as config dicts.
+#: BFPsim conf_net/ presets at HEAD (docs/bfp.md#presets) as config dicts.
 PRESETS: Mapping[str, dict[str, Any]] = _Presets(_PRESET_DATA)

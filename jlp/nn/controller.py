@@ -1,9 +1,9 @@
 """BFP training controls on the host: BFPsim's "Simple" dynamic precision controller
-and the epoch-keyed precision schedule (bfp.md §3.3-§3.6, §5.3, §8.1).
+and the epoch-keyed precision schedule (docs/bfp.md#simple-controller).
 
 `SimpleController` is a pure-Python state machine. A train step computes, per
 layer, the zero-setting errors (`jlp.nn.zse.zero_setting_error`) of three
-tensors, keyed as in BFPsim (bfp.md §3.2):
+tensors, keyed as in BFPsim (docs/bfp.md#zero-setting-error):
 
   key    tensor measured                   roles it controls (jlp.GemmQuant)
   fw     the weight                        w and x             (BFPsim fw, fi)
@@ -24,7 +24,7 @@ fw, biw, bwo) and the new width is written to both roles. Group shapes never
 change. The widths go into jitted code as int32 arrays (`as_arrays`), consumed
 by `bfp_quantize(..., man=...)`, so a change does not recompile.
 
-Hold (bfp.md §3.4, §8.1 item 4). BFPsim parses `<hold>` but does not use it; its
+Hold. BFPsim parses `<hold>` but does not use it; its
 README describes it as "fix precision for N steps if precision is changed", and
 jlp honours it with steps = windows: a precision set at the end of window w is
 kept for `hold` windows, i.e. it is used in windows w+1 .. w+hold and the key's
@@ -47,7 +47,7 @@ Other readings settled here:
     not controlled for that key; a missing paired role is left missing.
 
 `PrecisionSchedule` is BFPsim's `bfp-layer-conf-dict` with its intended
-semantics (bfp.md §5.3): the entry of the largest listed epoch <= the current
+semantics (docs/bfp.md#precision-schedule): the entry of the largest listed epoch <= the current
 epoch (the code at HEAD always rebuilt the net from the epoch-0 entry).
 """
 

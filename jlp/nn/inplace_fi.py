@@ -1,4 +1,4 @@
-"""BFPsim's in-place `fi` side effect, as an explicit opt-in (bfp.md §2.3; §8.1 decision 2).
+"""BFPsim's in-place `fi` side effect, as an explicit opt-in (docs/bfp.md#compat-switches).
 
 BFPsim's BFPConv2d quantizes its input with Q_fi *in place* (through an int32
 view of the caller's tensor, invisible to autograd). Every other user of that
@@ -13,7 +13,7 @@ tensor therefore sees the quantized values:
 jlp's default is functional: a quantized conv quantizes its own copy and
 nothing else changes. `quantize_model(model, rules, bfpsim_inplace_fi=True)`
 makes the model zoo's ResNets (ResNet18/50 and the FCN backbone) reproduce the
-side effect with the faithful option of bfp.md §2.3: an activation that feeds a
+side effect faithfully: an activation that feeds a
 conv whose GemmQuant has a BFP `x` role (BFPsim's fi) is quantized once, where
 it is produced, with that conv's x format at its current (traced) width, and
 the quantized tensor xq goes to all of its consumers (the stage outputs that
@@ -26,7 +26,7 @@ xq again, which changes nothing (BFP quantization is idempotent).
 Not reproduced: a tensor with two BFP consumers with fi (BFPsim would apply
 the second Q_fi on top of the first, in execution order); here each conv
 quantizes xq (the first conv's result) for its own use and the mask comes from
-xq. The presets of bfp.md §4 have no such tensor (shortcut convs are float32).
+xq. BFPsim's presets have no such tensor (shortcut convs are float32).
 Stochastic x roles are refused (the conv would draw other bits than the
 producer).
 """

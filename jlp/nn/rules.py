@@ -38,8 +38,8 @@ and return `nnx.state(model, nnx.RngState)` if the next step must draw new
 bits (otherwise the same bits are reused). A stochastic rule with `rngs=None`
 is a ValueError at quantize time.
 
-BFP training controls (bfp.md §3). An adapter whose GemmQuant has BFP roles holds
-their mantissa widths as a `BFPWidths` variable (int32, model state) and passes
+BFP training controls (docs/bfp.md#simple-controller). An adapter whose GemmQuant has BFP roles
+holds their mantissa widths as a `BFPWidths` variable (int32, model state) and passes
 them as traced `widths=` to qdot_general / qconv; `set_widths(model, report,
 {path: {role: int}})` changes them in place (a jitted step taking the model does
 not recompile; `SimpleController.bits` fits directly) and `get_widths` reads
@@ -235,7 +235,7 @@ class ZSEProbe(nnx.Variable):
 
   Its value is ignored by the forward pass; `qdot_general(..., zse_probe=)`
   defines its cotangent as the ZSE of the layer's returned input gradient
-  dL/dx (bfp.md §3.2; the fp8 "overwrite with gradient" trick of Flax's
+  dL/dx (docs/bfp.md#zero-setting-error; the fp8 "overwrite with gradient" trick of Flax's
   fp8_ops). Not an nnx.Param, so optimizers and the usual `nnx.grad` (wrt
   nnx.Param) ignore it: differentiate with
   `wrt=nnx.Any(nnx.Param, ZSEProbe)` to get it (`bfp_zse_metrics`).
@@ -500,8 +500,8 @@ def quantize_model(model: nnx.Module, rules: Iterable[QuantRule | tuple[str, Any
     rngs: needed when a matched cfg rounds stochastically; each such layer's
       stream is derived from `rngs.quant()` (module docstring).
     bfpsim_inplace_fi: reproduce the side effect of BFPsim's in-place input
-      quantization (bfp.md §2.3, `jlp.nn.inplace_fi`): an activation feeding a
-      conv with a BFP x role is quantized where it is produced and feeds all
+      quantization (`jlp.nn.inplace_fi`, docs/bfp.md#compat-switches): an
+      activation feeding a conv with a BFP x role is quantized where it is produced and feeds all
       its consumers quantized (shortcut, projection conv, the producing ReLU's
       backward mask). Supported by the model zoo's ResNets (and FCN's ResNet
       backbone): the value is set on every module with a `bfpsim_inplace_fi`
@@ -682,7 +682,7 @@ def _lookup(state: Any, keys: Sequence[Any]) -> Any:
 
 
 def bfp_zse_metrics(model: nnx.Module, grads: Any, report: QuantReport) -> dict[str, dict[str, jax.Array]]:
-  """Per-layer zero-setting errors (bfp.md §3.1, §3.2) as float32 scalars, jit-friendly.
+  """Per-layer zero-setting errors as float32 scalars, jit-friendly (docs/bfp.md#zero-setting-error).
 
   For every quantized layer with a kernel:
     "fw":  ZSE of the FP32 master kernel with role w's BFPFormat and its current

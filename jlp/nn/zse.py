@@ -1,4 +1,4 @@
-"""Zero-setting error (ZSE) of block floating point (BFPsim's `get_zse`, bfp.md §3.1).
+"""Zero-setting error (ZSE) of block floating point: BFPsim's `get_zse` (docs/bfp.md).
 
 For a group G of a BFP format (an axis-aligned box of the array, the last box
 along an axis possibly smaller) with raw largest float32 exponent field M:
@@ -53,7 +53,7 @@ def group_max_exponents(x: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array
 
 
 def zero_setting_error(x: jax.Array, fmt: BFPFormat, man: jax.Array | int | None = None) -> jax.Array:
-  """Fraction of x's elements that BFP truncation to `fmt` sets to zero (bfp.md §3.1).
+  """Fraction of x's elements that BFP truncation to `fmt` sets to zero (module docstring).
 
   Args:
     x: float32 array (any rank >= 1) with ndim == len(fmt.block).

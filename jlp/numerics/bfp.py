@@ -14,7 +14,7 @@ kernel runs on row tiles. Working on bit patterns keeps the results independent 
 XLA:CPU flushing float32 subnormals.
 
 Rounding modes:
-  "truncate": BFPsim's `make_groups_*d_internal` bit for bit (bfp.md §1.1): a
+  "truncate": BFPsim's `make_groups_*d_internal` bit for bit (docs/bfp.md#the-bfp-format): a
     group with M == 0 (only zeros and subnormals) is unchanged; otherwise with
     k = man - 1 - (M - e) an element keeps its sign, exponent and top k stored
     fraction bits when k >= 0 and becomes +0.0 when k < 0. Inf/NaN follow the same
@@ -68,7 +68,7 @@ def group_rows(x: jax.Array, block: tuple[int, ...]) -> tuple[jax.Array, Callabl
 
   Group g (row-major over the grid of groups) becomes row g: its box, zero-padded
   to the full block shape, in row-major order, then zeros up to P. Each axis is
-  zero-padded to a multiple of its block (bfp.md §1.5: zeros never raise a group's
+  zero-padded to a multiple of its block (zeros never raise a group's
   exponent, so ragged last groups quantize as if padded). A block entry larger
   than its axis is taken as the axis length (the same groups, narrower rows).
 
@@ -110,7 +110,7 @@ Man = "int | jax.Array"  # a static width, or an int32 array (traced: no recompi
 
 
 def _truncate_bits(u: jax.Array, e: jax.Array, group_max: jax.Array, man: Man) -> jax.Array:
-  """BFPsim's bit rule (bfp.md §1.1 step 4)."""
+  """BFPsim's bit rule (the module docstring's "truncate")."""
   kept_fraction_bits = (man - 1) - (group_max - e).astype(jnp.int32)
   dropped = jnp.clip(23 - kept_fraction_bits, 0, 31).astype(jnp.uint32)
   mask = u32(0xFFFFFFFF) << dropped
@@ -195,7 +195,7 @@ def bfp_bits(u: jax.Array, group_max: jax.Array, fmt: BFPFormat,
 
   `man` (optional) overrides `fmt.man`: an int32 array (a scalar, or anything
   broadcasting against `u`) may be a traced value, so one compiled function
-  serves every width (the dynamic precision controller, bfp.md §1.7, §3.6).
+  serves every width (the dynamic precision controller, docs/bfp.md#simple-controller).
   Array widths are clipped to 1..24. With man=None the ops are those of the
   static width `fmt.man`.
   """
@@ -266,7 +266,7 @@ def _maxima_along_last_axis(e: jax.Array, d: int) -> jax.Array:
 
 def _maxima_of_boxes(e: jax.Array, dims: tuple[int, ...]) -> jax.Array:
   """Maxima of the boxes `dims` of `e`: zero-padded to whole boxes (zeros never raise a
-  maximum, bfp.md §1.5), viewed as (c0, d0, c1, d1, ...) and reduced over the d axes."""
+  maximum), viewed as (c0, d0, c1, d1, ...) and reduced over the d axes."""
   shape = e.shape
   counts = tuple(-(-n // d) for n, d in zip(shape, dims))
   padded_shape = tuple(c * d for c, d in zip(counts, dims))

@@ -1,4 +1,4 @@
-"""Sums in index order with every intermediate rounded to a format (CPD §3.1).
+"""Sums in index order with every intermediate rounded to a format (CPD, docs/cpd.md).
 
 `sequential_sum`: s = q(s + x_i) for i = 0, 1, ...; `kahan_sum`: Kahan's
 compensated sum with each float32 operation rounded,
@@ -55,8 +55,10 @@ def kahan_step(s: jax.Array, c: jax.Array, x: jax.Array,
 
 def _zeros(xs: jax.Array) -> jax.Array:
   """The zero carry of a fold over xs's leading axis. `zeros_like` keeps xs's varying mesh axes,
-  so the folds also run inside `jax.shard_map` (check_vma) on gathered values."""
-  return jnp.zeros_like(xs, shape=xs.shape[1:])
+  so the folds also run inside `jax.shard_map` (check_vma) on gathered values. The barrier keeps
+  XLA from folding 0 + y into y, which is wrong for y = -0 (IEEE: +0 + -0 = +0): a one-step
+  Kahan fold would otherwise return -0 where the sum is +0."""
+  return lax.optimization_barrier(jnp.zeros_like(xs, shape=xs.shape[1:]))
 
 
 def _prepare(x, axis, fmt, key):

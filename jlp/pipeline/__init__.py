@@ -1,4 +1,4 @@
-"""Pipelined data-parallel training (SD-PIPE, Miao et al., PVLDB 16(9) 2023; sdpipe.md).
+"""Pipelined data-parallel training (SD-PIPE, Miao et al., PVLDB 16(9) 2023; docs/sdpipe.md).
 
     mesh = jlp.pipeline.pipeline_mesh(num_pipelines=2, num_stages=4)     # axes ("data", "stage")
     split = jlp.pipeline.split_model(model, num_stages=4)                 # zoo stage rules

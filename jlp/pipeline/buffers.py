@@ -1,5 +1,5 @@
 """The buffer layout of one `Pipeline.run` input shape: the schedule's tick table and how many ring
-slots each per-device buffer needs (sdpipe.md §7.2).
+slots each per-device buffer needs.
 
 Every device holds, as rings indexed by (micro-)batch mod K:
   recv_x       activations received from the stage above, from their arrival to the backward

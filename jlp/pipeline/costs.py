@@ -1,10 +1,10 @@
-"""The simulator's configuration and cost model (sdpipe.md §4, §7.4), seconds throughout: the
-dataclasses `Hetero` (the costs), `PReduce` (the group scheduler's knobs, jlp.pipeline.preduce)
+"""The simulator's configuration and cost model (docs/sdpipe.md#virtual-time), seconds throughout:
+the dataclasses `Hetero` (the costs), `PReduce` (the group scheduler's knobs, jlp.pipeline.preduce)
 and `HetPipe` (HetPipe's pulls) with their validation, the sync modes (`SYNC_MODES`, the rules in
 jlp.pipeline.simulator), `check_sizes` (the knobs against N x S) and `group_costs` (the cost of
 one average).
 
-Cost model (`Hetero`; Hetu's `--hetero h`, sdpipe.md §4, when `slowdown` is None):
+Cost model (`Hetero`; Hetu's `--hetero h` when `slowdown` is None):
   * op k of stage s of pipeline i lasts base * slowdown[i][s] + delay_s * stall, with base = fwd_s
     or bwd_s (divided by M for a GPipe micro-batch) and stall = 1 when u < probability for one
     uniform draw u per op (`jlp.pipeline.timeline`: per op position for `simulate`,
@@ -54,7 +54,7 @@ def check_float(field: str, value: Any, low: float, high: float | None = None, *
 
 @dataclasses.dataclass(frozen=True)
 class Hetero:
-  """The virtual-time cost model (module docstring; sdpipe.md §4, §7.4). Seconds throughout.
+  """The virtual-time cost model (module docstring; docs/sdpipe.md#virtual-time), in seconds.
 
   delay_s, probability: Hetu's `--hetero h`: before every op, a stall of delay_s with probability
     `probability` (one draw per op).
@@ -93,7 +93,7 @@ class Hetero:
 @dataclasses.dataclass(frozen=True)
 class PReduce:
   """The partial-reduce scheduler's knobs (jlp.pipeline.preduce's docstring; defaults of
-  sdpipe.md §2.4).
+  the reference, docs/sdpipe.md#preduce-scheduler).
 
   max_group: early release at this many members (None = N, the reference).
   connect_every: the reference's P (ssp_bound): the union graph is made connected after every
@@ -136,8 +136,9 @@ class PReduce:
 
 @dataclasses.dataclass(frozen=True)
 class HetPipe:
-  """HetPipe's timing (sdpipe.md §3.2): a pull every `pull_every` batches; `barrier` = a wave
-  barrier over every (pipeline, stage) at each pull (the seed's BERT run, bsp=0)."""
+  """HetPipe's timing (docs/sdpipe.md#syncs-across-pipelines): a pull every `pull_every` batches;
+  `barrier` = a wave barrier over every (pipeline, stage) at each pull (the seed's BERT run,
+  bsp=0)."""
   pull_every: int = 10
   barrier: bool = False
 

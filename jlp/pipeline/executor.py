@@ -1,6 +1,6 @@
 """Pipelined data-parallel training: N pipelines of S stages on a ("data", "stage") mesh, GPipe or
 PipeDream-1F1B with weight stashing inside one `jax.shard_map`, synchronised across pipelines by
-all-reduce, SD-PIPE's partial reduce, AD-PSGD or HetPipe (sdpipe.md §1-§3, §7).
+all-reduce, SD-PIPE's partial reduce, AD-PSGD or HetPipe (docs/sdpipe.md).
 
     mesh = jlp.pipeline.pipeline_mesh(num_pipelines=2, num_stages=4)
     pipe = jlp.pipeline.Pipeline(stages, loss_fn, optax.sgd(0.1), mesh, schedule="1f1b")
@@ -23,14 +23,14 @@ Schedules:
            times 1/M) are summed in the order the backwards run (M-1, ..., 0), then synchronised
            and applied once per mini-batch. With sync="allreduce" this is the unpipelined model
            on the whole mini-batch up to float32 rounding.
-  "1f1b"   PipeDream's asynchronous 1F1B as SD-PIPE's Hetu executor runs it (sdpipe.md §1.1):
-           mini-batches flow through the pipeline (warm-up, then one forward, one backward), each
-           its own update at each stage. A `run` feeds B more and ends where the next would
-           enter stage 0 (`schedules.continuous_1f1b`), with the pipeline still full; `flush`
-           drains it (the table of all the mini-batches fed, tick for tick, whatever the runs).
-           Weight stashing: the forward of mini-batch b (1-based) at stage s (0-based) uses the
-           weights after b - (S - s) updates of that stage (v = max(0, b - (S - s))); its backward
-           uses the same stashed version, and its update is applied to the latest weights.
+  "1f1b"   PipeDream's asynchronous 1F1B as SD-PIPE's Hetu executor runs it
+           (docs/sdpipe.md#schedules): mini-batches flow through the pipeline (warm-up, then one
+           forward, one backward), each its own update at each stage. A `run` feeds B more and ends
+           where the next would enter stage 0 (`schedules.continuous_1f1b`), with the pipeline still
+           full; `flush` drains it (the table of all the mini-batches fed, tick for tick, whatever
+           the runs). Weight stashing: the forward of mini-batch b (1-based) at stage s (0-based)
+           uses the weights after b - (S - s) updates of that stage (v = max(0, b - (S - s))); its
+           backward uses the same stashed version, and its update is applied to the latest weights.
 
 Synchronisation across the N pipelines, per stage, at every update (`jlp.pipeline.sync_modes`):
   "allreduce"  the update uses the sum over pipelines of gradient / N, summed by
@@ -38,23 +38,23 @@ Synchronisation across the N pipelines, per stage, at every update (`jlp.pipelin
                pipeline order; a custom format, Kahan, APS or a HiPress compressor work too, on the
                stage's own gradient as one flat leaf of its own length, never the padded buffer,
                with a compression state per stage). It runs on the ticks that update only.
-               SD-PIPE's AllReduce baseline (§1.3).
+               SD-PIPE's AllReduce baseline.
   "none"       every pipeline trains alone.
-  "preduce"    SD-PIPE's partial reduce (§2): the local update, then model averaging
-               x_i <- sum_j mix[b, s, i, j] x_j with the mixing matrix the group scheduler
-               (`jlp.pipeline.preduce`, in the virtual time) chose for update b of stage s, passed
-               to the jitted program as an input (one compile for every grouping). Optimizer
-               states and the stashed weights are never averaged (§2.1).
-  "adpsgd"     the same averaging with seeded random perfect matchings (§3.1).
+  "preduce"    SD-PIPE's partial reduce (docs/sdpipe.md#preduce-scheduler): the local update, then
+               model averaging x_i <- sum_j mix[b, s, i, j] x_j with the mixing matrix the group
+               scheduler (`jlp.pipeline.preduce`, in the virtual time) chose for update b of stage
+               s, passed to the jitted program as an input (one compile for every grouping).
+               Optimizer states and the stashed weights are never averaged.
+  "adpsgd"     the same averaging with seeded random perfect matchings.
   "hetpipe"    a parameter-server copy per stage updated by every pipeline's delta / N (in
                pipeline order); every `hetpipe.pull_every`-th mini-batch (counted over the whole
                training) the local step is skipped and the local weights are replaced by the
-               copy, otherwise the local weights take the local delta (§3.2). The seed's extra
+               copy, otherwise the local weights take the local delta. The seed's extra
                pull at the last batch of an epoch is not made.
 
-Speed and stragglers live in virtual time (sdpipe.md §7.4): the pipeline advances one timeline
-of its fill (`jlp.pipeline.timeline`: the `hetero` cost model, seeded by (seed, the fill's first
-mini-batch), with no last mini-batch until `flush`) and reports metrics["virtual_time"].
+Speed and stragglers live in virtual time (docs/sdpipe.md#virtual-time): the pipeline advances one
+timeline of its fill (`jlp.pipeline.timeline`: the `hetero` cost model, seeded by (seed, the fill's
+first mini-batch), with no last mini-batch until `flush`) and reports metrics["virtual_time"].
 GPipe's pipelines run in lockstep (all do mini-batch b at the same tick; the timeline gives the
 syncs' decisions and clocks). 1F1B's pipelines progress by their own clocks
 (`jlp.pipeline.placement`): every op, group average, push and pull of the timeline is placed on
@@ -211,7 +211,7 @@ class Pipeline:
                        "integer >= 1.")
     if schedule == "1f1b" and num_microbatches != 1:
       raise ValueError(f"num_microbatches={num_microbatches} is not allowed with schedule='1f1b'; "
-                       "expected 1 (every mini-batch is its own update, sdpipe.md §1.1).")
+                       "expected 1 (every mini-batch is its own update, docs/sdpipe.md#schedules).")
     if sync not in SYNC_MODES:
       raise ValueError(f"sync={sync!r} is not allowed; expected one of {SYNC_MODES}.")
     if not callable(loss_fn):

@@ -1,6 +1,6 @@
 """The executor's ticks from the virtual-time timeline: every op, group average and HetPipe pull of
 one 1F1B fill placed on the ticks the devices run in lockstep, so that each pipeline progresses by
-its own clock (sdpipe.md §2, §3, §7.4).
+its own clock (docs/sdpipe.md#virtual-time).
 
 `jlp.pipeline.timeline.Timeline` simulates the fill in virtual seconds: a slow pipeline's ops
 start later, it reaches fewer updates in the same time, and a group averages the models its

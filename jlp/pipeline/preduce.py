@@ -1,5 +1,6 @@
-"""SD-PIPE's partial-reduce group scheduler (`ReduceStat::getPartner` of the reference, sdpipe.md
-§2.1-2.2) in virtual time, host-side, apart from any event queue or executor.
+"""SD-PIPE's partial-reduce group scheduler (`ReduceStat::getPartner` of the reference,
+docs/sdpipe.md#preduce-scheduler) in virtual time, host-side, apart from any event queue or
+executor.
 
 `Scheduler` holds one instance of the rules below per stage, plus what the stages share (the
 forced window's owner, the epoch stops). Its caller (the event engine, jlp.pipeline.timeline)
@@ -14,7 +15,7 @@ The PReduce scheduler, one instance per stage, processes arrivals in virtual-tim
     to whole microseconds as the reference does); the group closes at the deadline or when it has
     `max_group` members (the reference: N), and every member leaves at the close + the cost.
   * wait_ms per (pipeline, stage): x wait_ms_grow (<= wait_ms_max) after a group smaller than
-    `alone_below`, else x wait_ms_shrink (>= wait_ms_min) (§2.1).
+    `alone_below`, else x wait_ms_shrink (>= wait_ms_min).
   * connectivity: a union-find holds the union graph of the groups since the last connected check;
     after the stage's accumulated group members cross a multiple of connect_every * N, the next
     window (if every pipeline has arrived at the stage at least once and none is stopped) ends the

@@ -1,5 +1,6 @@
 """The jitted program of `jlp.pipeline.Pipeline`: what every device (pipeline i, stage s) of the
-("data", "stage") mesh runs inside one `jax.shard_map` for one `Pipeline.run` (sdpipe.md §1, §7).
+("data", "stage") mesh runs inside one `jax.shard_map` for one `Pipeline.run`
+(docs/sdpipe.md#schedules).
 
 A loop over the ticks of the schedule (GPipe: a `lax.scan` over its static one-mini-batch table,
 inside a scan over the mini-batches; 1F1B: a `lax.fori_loop` over the run's table, an input
@@ -7,8 +8,8 @@ placed from the virtual-time timeline by `jlp.pipeline.placement` / `run_tables`
 device, with what is in flight carried in the state from one run to the next): at each tick the
 device runs its stage's op of that tick (a `lax.switch` over stage x {idle, forward,
 backward}), then the activations go one stage down and the input gradients one stage up with
-`lax.ppermute` over "stage" (the collectives sit after the switch, so every device issues the same ones, sdpipe.md
-§7.6), and what arrives is stored in the ring slots of its (micro-)batch (`jlp.pipeline.buffers`).
+`lax.ppermute` over "stage" (the collectives sit after the switch, so every device issues the same
+ones), and what arrives is stored in the ring slots of its (micro-)batch (`jlp.pipeline.buffers`).
 A backward recomputes its stage's forward from the stashed input and weights (`jax.vjp`;
 activation memory is one input per in-flight micro-batch), except 1F1B's last stage, whose
 backward comes right after its forward with the same weights and state: there the forward tick

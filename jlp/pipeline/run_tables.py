@@ -1,5 +1,5 @@
 """One 1F1B run's inputs from the placed timeline (`jlp.pipeline.placement`): the tick table of
-every device, the mini-batches each pipeline takes, and the sync mode's events (sdpipe.md §7).
+every device, the mini-batches each pipeline takes, and the sync mode's events.
 
 The run is the placement's events between two cuts (`Placement.take`) on ticks of their own
 (`Placement.local_ticks`). Each pipeline numbers its mini-batches in the fill, m = 0, 1, ...; it

@@ -1,7 +1,7 @@
 """Pipeline schedules as static tables: which op every stage runs at every tick.
 
 A schedule is first an *order* per stage (a list of ops), then a *tick table* that places every op
-at the earliest unit-time tick its dependencies allow (sdpipe.md §7.2):
+at the earliest unit-time tick its dependencies allow (docs/sdpipe.md#schedules):
 
   * F(b, m) at stage s needs F(b, m) at stage s - 1 in an earlier tick (its input activation);
   * B(b, m) at stage s needs B(b, m) at stage s + 1 in an earlier tick (its output gradient), or,
@@ -13,10 +13,10 @@ Schedules (S stages, ops named by 0-based mini-batch b and micro-batch m):
   "gpipe"  (GPipe, Huang et al. 2019; torchgpipe): one mini-batch of M micro-batches, fill-drain:
            every stage runs F(0, 0..M-1), then B(0, M-1..0). 2(M + S - 1) ticks; one optimizer
            update per mini-batch (the executor), after the table.
-  "1f1b"   (PipeDream, Narayanan et al. SOSP'19, as SD-PIPE's Hetu executor runs it, sdpipe.md
-           §1.1): B mini-batches, no micro-batches; stage s runs F(0..S-s-1) (warm-up), then
-           alternates B(k), F(k + S - s) while forwards remain, then the remaining B's (drain).
-           2B + 2(S - 1) ticks. Each B is its own optimizer update at its stage.
+  "1f1b"   (PipeDream, Narayanan et al. SOSP'19, as SD-PIPE's Hetu executor runs it,
+           docs/sdpipe.md#schedules): B mini-batches, no micro-batches; stage s runs F(0..S-s-1)
+           (warm-up), then alternates B(k), F(k + S - s) while forwards remain, then the remaining
+           B's (drain). 2B + 2(S - 1) ticks. Each B is its own optimizer update at its stage.
 
 The bubble fraction of a table is the share of its (tick, stage) slots that are idle; for GPipe it
 is (S - 1) / (M + S - 1) (Huang et al. 2019, §2.2).
@@ -47,7 +47,7 @@ def _check(schedule: str, num_stages: int, num_batches: int, num_microbatches: i
       raise ValueError(f"{name}={value!r} is not allowed; expected an integer >= 1.")
   if schedule == "1f1b" and num_microbatches != 1:
     raise ValueError(f"num_microbatches={num_microbatches} is not allowed with schedule='1f1b'; "
-                     "expected 1 (every mini-batch is its own update, sdpipe.md §1.1).")
+                     "expected 1 (every mini-batch is its own update, docs/sdpipe.md#schedules).")
   if schedule == "gpipe" and num_batches != 1:
     raise ValueError(f"num_batches={num_batches} is not allowed with schedule='gpipe'; expected "
                      "1 (the table covers one mini-batch; the executor repeats it).")

@@ -1,5 +1,6 @@
-"""Virtual time: a seeded discrete-event model of N pipelines x S stages (sdpipe.md §7.4),
-host-side, pure Python/NumPy, and the sync it decides for the lockstep executor.
+"""Virtual time: a seeded discrete-event model of N pipelines x S stages
+(docs/sdpipe.md#virtual-time), host-side, pure Python/NumPy, and the sync it decides for the
+lockstep executor.
 
 An SPMD program runs every pipeline in lockstep, so stragglers cannot show in wall-clock on one
 host. `simulate` replays the schedule in virtual time instead and decides, for the lockstep
@@ -94,8 +95,8 @@ class SyncPlan:
 
 def adpsgd_matchings(num_pipelines: int, num_rounds: int, *, seed: int = 0) -> np.ndarray:
   """int32 [num_rounds, N]: the partner of every pipeline per round, the reference's rule
-  (sdpipe.md §3.1): one `random.Random(seed)` shuffles the sorted list [0, N) anew every round and
-  pairs positions (0, 1), (2, 3), ... N must be even."""
+  (docs/sdpipe.md#syncs-across-pipelines): one `random.Random(seed)` shuffles the sorted list
+  [0, N) anew every round and pairs positions (0, 1), (2, 3), ... N must be even."""
   check_int("num_pipelines", num_pipelines, 1)
   if num_pipelines % 2:
     raise invalid("num_pipelines", num_pipelines, "an even number (AD-PSGD pairs pipelines)")

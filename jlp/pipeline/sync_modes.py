@@ -1,7 +1,7 @@
-"""How the N pipelines synchronise, per stage, at every update (sdpipe.md §1.3, §2, §3): one
-small strategy object per `Pipeline(sync=...)` mode, called by the jitted program
-(`jlp.pipeline.program`) inside `jax.shard_map` on one device (pipeline i, stage s) of the
-("data", "stage") mesh.
+"""How the N pipelines synchronise, per stage, at every update
+(docs/sdpipe.md#syncs-across-pipelines): one small strategy object per `Pipeline(sync=...)` mode,
+called by the jitted program (`jlp.pipeline.program`) inside `jax.shard_map` on one device (pipeline
+i, stage s) of the ("data", "stage") mesh.
 
 Each mode has two hooks around the stage's optimizer step:
   `gradients`     the gradient the step applies (default: the pipeline's own);
@@ -20,9 +20,9 @@ Modes:
   "none"       `Local`: every pipeline trains alone.
   "preduce", "adpsgd"  `Mixing`: at the ticks a group averages (after the step), x_i <- sum_j
                mix[i, j] x_j with the tick's mixing matrix (a jitted input, one compile for every
-               grouping); optimizer states and stashed weights are never mixed (§2.1).
+               grouping); optimizer states and stashed weights are never mixed.
   "hetpipe"    `HetPipeServer`: a parameter-server copy per stage takes each pushed delta / N in
-               arrival order; a pull replaces the local weights by the copy (§3.2).
+               arrival order; a pull replaces the local weights by the copy.
 The ticks of the averages, pushes and pulls are the events of `after_update`, inputs of the
 program (`jlp.pipeline.placement` places them from the virtual-time timeline).
 """

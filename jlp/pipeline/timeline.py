@@ -1,7 +1,7 @@
 """The event engine of virtual time, and one fill of a `Pipeline` decided as the pipeline runs:
 the model `jlp.pipeline.simulator` describes (op costs, p2p, the syncs' waits, SD-PIPE's
 scheduler), for mini-batches that keep coming, so that where a `run` ends changes nothing
-(sdpipe.md §2, §7.4); `simulate` runs it with an end.
+(docs/sdpipe.md#virtual-time); `simulate` runs it with an end.
 
 A fill is what the pipelines train between two flushes (usually the whole training): mini-batches
 0, 1, 2, ... counted from the fill's first one. `Timeline` simulates them with no last mini-batch

@@ -1,5 +1,5 @@
 """Data-parallel training: mesh and shardings, the jitted step with a custom-precision gradient
-all-reduce (CPD, cpd.md §3-§6) or a compressed sync (HiPress, hipress.md §2), optax recipes,
+all-reduce (CPD, docs/cpd.md) or a compressed sync (HiPress, docs/hipress.md), optax recipes,
 multi-process start-up.
 
     mesh = jlp.train.data_mesh()                       # ('data',) over all global devices

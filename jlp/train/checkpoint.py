@@ -21,6 +21,16 @@ import orbax.checkpoint as ocp
 CHECKPOINT_DIR = "checkpoints"
 
 
+def latest_step(workdir: str) -> int | None:
+  """The newest checkpoint's step in `workdir` without opening a manager (None if there is none).
+  Orbax renames a checkpoint's temporary folder to its step when the save completes."""
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
+  if not os.path.isdir(directory):
+    return None
+  steps = [int(d) for d in os.listdir(directory) if d.isdigit()]
+  return max(steps) if steps else None
+
+
 class Checkpointer:
   """Saves and restores (state, meta) by step with orbax's CheckpointManager.
 

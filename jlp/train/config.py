@@ -37,7 +37,7 @@ Fields (see `base_config` for defaults):
   compression.name              "none" (the CPD all-reduce above) or a jlp.compression compressor
                                 ("onebit", "tbq", "terngrad", "dgc", "graddrop", ...): gradients
                                 are then summed by HiPress's compressed sync (jlp.compression.sync,
-                                hipress.md §2) with per-device error-feedback state, which is
+                                docs/hipress.md) with per-device error-feedback state, which is
                                 checkpointed. Needs the float32 sequential settings of the CPD
                                 fields (grad_format e8m23, no APS / Kahan / ring / emulated nodes).
   compression.topology          "ps" (CaSync-PS) or "ring" (CaSync-Ring).
@@ -54,7 +54,7 @@ Fields (see `base_config` for defaults):
   Every step logs wire_bytes: the bytes one device sends for the gradient sync (jlp.train.step).
   loss_scale                    static loss scale (the reduced gradient is divided by it).
   unscale_grads                 False: CPD DavidNet's bug, the loss scale is never divided out
-                                (the optimizer gets loss_scale x the gradient; cpd.md §4).
+                                (the optimizer gets loss_scale x the gradient; docs/cpd.md).
   quant_rules                   ((regex, {GemmQuant field: format name or value}), ...): jlp.nn
                                 quantization rules over module paths, first match wins (checked
                                 before the preset's rules), e.g. ((".*", {"x": "e4m3", "w": "e4m3",
@@ -65,13 +65,13 @@ Fields (see `base_config` for defaults):
                                 schedule continue).
   bfp.controller, bfp.window    "Simple/<lo>/<hi>/<init>/<hold>" dynamic precision control over
                                 windows of `window` steps ("" = off; 0 = one epoch).
-  pipeline.*                    pipelined data parallelism (SD-PIPE, sdpipe.md; jlp.pipeline,
+  pipeline.*                    pipelined data parallelism (SD-PIPE, docs/sdpipe.md; jlp.pipeline,
                                 jlp.train.pipeline_loop): N pipelines x S stages on N*S devices.
                                 With schedule "none" (default) the other pipeline fields must keep
                                 their defaults and the run is the data-parallel step above.
   pipeline.schedule             "none" | "gpipe" (M micro-batches per mini-batch, one synchronous
                                 update per mini-batch) | "1f1b" (SD-PIPE's PipeDream 1F1B with
-                                weight stashing: every mini-batch its own update, sdpipe.md §1.1).
+                                weight stashing: every mini-batch its own update, docs/sdpipe.md).
   pipeline.stages               S, stages per pipeline (the model split by jlp.pipeline's stage
                                 rules; small_cnn, resnet18/50, vgg19, bert_small).
   pipeline.pipelines            N; 0 (default): every device, N = devices / S (S must divide the
@@ -81,19 +81,19 @@ Fields (see `base_config` for defaults):
   pipeline.microbatches         GPipe's M (batch_size must divide by N*M); 1 for "1f1b".
   pipeline.sync                 across the pipelines, per stage: "allreduce" (mean gradient, with
                                 the gradient-sync fields above: format, APS, Kahan, compression) |
-                                "none" | "preduce" (SD-PIPE's partial reduce, §2) | "adpsgd"
-                                (random perfect matchings, §3.1; N even) | "hetpipe" (a parameter
-                                server copy, §3.2). Every mode but "allreduce" needs the float32
+                                "none" | "preduce" (SD-PIPE's partial reduce) | "adpsgd"
+                                (random perfect matchings; N even) | "hetpipe" (a parameter
+                                server copy). Every mode but "allreduce" needs the float32
                                 sequential defaults of the gradient-sync fields.
-  pipeline.hetero               the seed's --hetero h (§4): each op stalls h virtual seconds with
+  pipeline.hetero               the seed's --hetero h: each op stalls h virtual seconds with
                                 probability pipeline.hetero_probability (0.1).
   pipeline.slowdown             () or an [N][S] tuple of per-(pipeline, stage) compute-time factors
-                                (persistent slow workers; an extension, §7.4).
+                                (persistent slow workers; an extension).
   pipeline.boundaries           () (the stage rule's default, e.g. ResNet-50 at S=4: blocks
                                 [4, 4, 4, 4]) or S unit counts (jlp.pipeline.stages).
   pipeline.max_group, pipeline.connect_every
                                 partial reduce: group cap (0: N) and the connectivity period P
-                                (a forced connection every P*N group members), §2.4.
+                                (a forced connection every P*N group members).
   pipeline.pull_every, pipeline.barrier
                                 HetPipe: pull the server copy every D mini-batches; wave barrier.
   pipeline.batches_per_call     mini-batches per jitted `Pipeline.run` call (default 10): a
@@ -122,6 +122,9 @@ import ml_collections
 from jlp.formats import FloatFormat, as_format
 from jlp.sync import ALGORITHMS, DEFAULT_MIN_SIZE, FORMS, NODE_MAPS, TOPOLOGIES
 
+#: Appended to every error and warning about the number of devices.
+DEVICE_HINT = ("on a CPU machine, --cpu_devices=N emulates N devices; across machines, run it "
+               "under python -m experiments.cluster")
 TASKS = ("classification", "segmentation")
 OPTIMIZERS = ("sgd", "adamw")
 APS_MODES = ("exact", "cpd")
@@ -382,7 +385,7 @@ def _check_pipeline(config: ml_collections.ConfigDict, fmt: FloatFormat | None) 
   _check(_int(p.microbatches) and p.microbatches >= 1, "pipeline.microbatches", p.microbatches,
          "an int >= 1")
   _check(p.schedule == "gpipe" or p.microbatches == 1, "pipeline.microbatches", p.microbatches,
-         "1 with pipeline.schedule='1f1b' (every mini-batch is its own update, sdpipe.md §1.1)")
+         "1 with pipeline.schedule='1f1b' (every mini-batch is its own update, docs/sdpipe.md)")
   _check(p.sync in PIPELINE_SYNCS, "pipeline.sync", p.sync, f"one of {PIPELINE_SYNCS}")
   _check(_number(p.hetero) and p.hetero >= 0, "pipeline.hetero", p.hetero,
          "virtual seconds >= 0 (the seed's --hetero)")
@@ -441,8 +444,7 @@ def pipeline_size(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
   need the device count (ValueError naming the field); after `validate`."""
   p = config.pipeline
   S = p.stages
-  more = ("; on a CPU, emulate N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N "
-          "set before jax starts")
+  more = f" ({DEVICE_HINT})"
   if p.pipelines:
     N = p.pipelines
     _check(N * S <= num_devices, "pipeline.pipelines", N,
@@ -462,7 +464,7 @@ def pipeline_size(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
          f"() or {N} rows (one per pipeline) of {S} factors")
   _check(p.max_group <= N, "pipeline.max_group", p.max_group, f"0 or at most the {N} pipelines")
   _check(p.sync != "adpsgd" or N % 2 == 0, "pipeline.sync", p.sync,
-         f"not 'adpsgd' with an odd number of pipelines ({N}): AD-PSGD pairs them (§3.1)")
+         f"not 'adpsgd' with an odd number of pipelines ({N}): AD-PSGD pairs them")
   return N, S
 
 

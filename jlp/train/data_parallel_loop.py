@@ -50,6 +50,7 @@ from jlp.train.loop_common import (HostStall, Interrupt, QuantPlan, checkpoint_d
                                    log_line, progress as progress_bar, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
+from jlp.train.workdir import describe as describe_changes, record_config
 from jlp.train.step import TrainState, TrainStep, init_train_state, merge_model, split_model
 
 logger = logging.getLogger("jlp.train")
@@ -150,6 +151,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
   train_ds, eval_ds = recipe.datasets(config)
   mesh = data_mesh()
   recipe.check_batch_sizes(config, mesh.size)
+  recipe.warn_single_device(config, mesh.size)
   sync = recipe.grad_sync(config, mesh.size)
   train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
   spe = max(1, train_pipe.steps_per_epoch)
@@ -181,7 +183,8 @@ def _bfp_metrics(run: Run, zse: dict[str, dict[str, float]] | None) -> dict[str,
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       progress: bool | None = None) -> dict[str, Any]:
+                       progress: bool | None = None,
+                       config_changes: dict[str, tuple] | None = None) -> dict[str, Any]:
   """Trains (or resumes) the data-parallel `config` in `workdir`; returns the last logged metrics
   row plus `interrupted` (see the module docstring)."""
   if config.pipeline.schedule != "none":
@@ -209,8 +212,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     logger.info("resumed %s from step %d", workdir, start)
   run.compile_step()
   writer = MetricsWriter(workdir, resume_step=start or None, enabled=jax.process_index() == 0)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  record_config(config, workdir, start, config_changes or {})
+  if config_changes:
+    writer.note(config_change=describe_changes(config_changes))
 
   bar = progress_bar(progress, config.max_steps, start)
   stall = HostStall()

@@ -2,7 +2,7 @@
 
 `data_mesh()` is a 1-D ('data',) mesh over all global devices (every process's, in
 `jax.devices()` order) with `AxisType.Auto`: `jax.make_mesh` defaults to Explicit axes in jax
-0.11, under which shard_map rejects unsharded inputs (toolchain.md §2), so the axis type is given.
+0.11, under which shard_map rejects unsharded inputs, so the axis type is given.
 Parameters, optimizer state and BatchNorm statistics are replicated (`replicated`); batches are
 split along their leading dimension (`batch_sharding`), device d holding rows
 [d * B/W, (d + 1) * B/W) of the global batch.

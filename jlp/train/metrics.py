@@ -60,6 +60,7 @@ class MetricsWriter:
                tensorboard: bool = True):
     self.path = os.path.join(workdir, METRICS_FILE)
     self.enabled = enabled
+    self._note: dict[str, Any] = {}
     self._tb = None
     if not enabled:
       return
@@ -81,6 +82,8 @@ class MetricsWriter:
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Appends one row (step, time, metrics); returns it. Non-finite floats are written as null."""
     row: dict[str, Any] = {"step": int(step), "time": time.time()}
+    metrics = {**metrics, **self._note}
+    self._note = {}
     for name, value in metrics.items():
       row[name] = _scalar(name, value)
     if not self.enabled:
@@ -93,6 +96,10 @@ class MetricsWriter:
         if name not in ("step", "time") and isinstance(value, (int, float)):
           self._tb.add_scalar(name, value, global_step=int(step), walltime=row["time"])
     return row
+
+  def note(self, **fields: Any) -> None:
+    """Adds `fields` (e.g. a string) to the next row written."""
+    self._note.update(fields)
 
   def flush(self) -> None:
     if self._tb is not None:

@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules of the CPD recipes, as optax transformations.
 
 SGD (`torch_sgd`): PyTorch's SGD (dampening 0) on float32 master weights, as CPD uses it
-(cpd.md §6.1):
+(docs/cpd.md#recipes):
     d = g + wd * w            (wd only where the decay mask is True)
     buf = m * buf + d         (buf starts at 0, so the first buf is d, as in torch)
     w = w - lr * buf          (Nesterov: w = w - lr * (d + m * buf))
@@ -12,9 +12,9 @@ Weight-decay masks (`decay_mask`): a predicate over parameter paths ("layer1/0/b
 "/"-joined NNX path, as `jlp.models.module_path`) returns True for the parameters that get no
 decay; `is_bn_or_bias` (every BatchNorm / LayerNorm scale and every bias: the usual "no decay
 for BN and biases") and `path_contains("bn")` (CPD's ResNet50 rule: names containing "bn",
-cpd.md §6.3) are provided.
+docs/cpd.md#recipes) are provided.
 
-LARS (cpd.md §5). CPD's rule, on every parameter, no epsilon:
+LARS (docs/cpd.md#recipes). CPD's rule, on every parameter, no epsilon:
     local_lr = 0.001 * ||w|| / (||g|| + wd * ||w||)
     buf = m * buf + lr * local_lr * (g + wd * w);   w = w - buf
 `lars` is optax.lars set up closest to it (trust coefficient 0.001, eps 0, decay and trust
@@ -27,7 +27,7 @@ BatchNorm beta at initialisation) or becomes NaN (both norms 0). `cpd_lars` is C
 itself (compat, NaN case included).
 
 Schedules: `step_schedule` (piecewise constant), `warmup_step_schedule` (linear warm-up, then
-piecewise constant), `cpd_resnet18_lr` (CPD ResNet18's `adjust_learning_rate`, cpd.md §6.1).
+piecewise constant), `cpd_resnet18_lr` (CPD ResNet18's `adjust_learning_rate`).
 optax counts updates from 0; CPD counts steps from 1, so optax count c is CPD step c + 1.
 """
 
@@ -177,7 +177,7 @@ def cpd_lars(learning_rate: ScalarOrSchedule,
              *,
              weight_decay: float = 1e-4,
              trust_coefficient: float = 0.001) -> optax.GradientTransformation:
-  """CPD's LARS exactly (cpd.md §5), on every parameter; the update is -buf.
+  """CPD's LARS exactly (docs/cpd.md#recipes), on every parameter; the update is -buf.
 
   float32 per parameter tensor: local_lr = tc * ||w|| / (||g|| + wd * ||w||);
   d = g + wd * w; buf = m * buf + (lr * local_lr) * d. No guard: ||w|| = 0 gives local_lr 0, and
@@ -256,7 +256,7 @@ def cpd_resnet18_lr(world_size: int,
                     batch_size: int = 512,
                     emulate_nodes: int = 1,
                     dataset_size: int = 50000) -> optax.Schedule:
-  """CPD ResNet18/CIFAR10's learning rate (`adjust_learning_rate`, cpd.md §6.1), by optax count.
+  """CPD ResNet18/CIFAR10's learning rate (`adjust_learning_rate`), by optax count.
 
   ipe = ceil(dataset_size / (world_size * batch_size * emulate_nodes)), warmup = 5 ipe; at CPD
   step s = count + 1: s <= warmup: 0.1 + 1.5 s / warmup; else 1.6, x0.1 once s > 40 ipe, x0.1

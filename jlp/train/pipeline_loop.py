@@ -1,4 +1,4 @@
-"""The pipelined training loop (SD-PIPE, sdpipe.md): `train_and_evaluate` when
+"""The pipelined training loop (SD-PIPE, docs/sdpipe.md): `train_and_evaluate` when
 config.pipeline.schedule is "gpipe" or "1f1b" (`jlp.train.loop.train_and_evaluate` picks it).
 
 One call runs (or resumes) the config in `workdir`:
@@ -32,7 +32,7 @@ device, averaged over all devices) and nonfinite. Evaluation (every eval_every s
 end, between calls): every pipeline's latest model (its stages merged, eval mode) is evaluated
 on the whole eval split with `recipe.eval_sums` (data-parallel on every device), and eval_loss /
 eval_accuracy, the means over the N pipelines (the seed reduces validation over its pipelines,
-sdpipe.md §5), join the row of that step when it is written (the final evaluation follows the
+docs/sdpipe.md), join the row of that step when it is written (the final evaluation follows the
 flush).
 
 Resume is bit-exact: a resumed run logs exactly the rows the uninterrupted one logs (`time`,
@@ -66,6 +66,7 @@ from jlp.train.loop_common import (Interrupt, QuantPlan, checkpoint_due, close_r
                                    log_line, progress as progress_bar, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
+from jlp.train.workdir import describe as describe_changes, record_config
 
 __all__ = ["PipelineRun", "last_stage_loss", "setup", "train_and_evaluate"]
 
@@ -179,7 +180,8 @@ def setup(config: ml_collections.ConfigDict) -> PipelineRun:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       progress: bool | None = None) -> dict[str, Any]:
+                       progress: bool | None = None,
+                       config_changes: dict[str, tuple] | None = None) -> dict[str, Any]:
   """Trains (or resumes) a pipelined `config` in `workdir`; returns the last logged metrics row
   plus `step` and `interrupted` (module docstring)."""
   run = setup(config)
@@ -199,8 +201,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     completed = int(meta.get("completed", start))
   writer = MetricsWriter(workdir, resume_step=completed if start else None,
                          enabled=jax.process_index() == 0)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  record_config(config, workdir, start, config_changes or {})
+  if config_changes:
+    writer.note(config_change=describe_changes(config_changes))
 
   spe = run.steps_per_epoch
   bar = progress_bar(progress, config.max_steps, start)

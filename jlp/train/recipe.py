@@ -20,7 +20,9 @@ E = steps per epoch of the training pipeline:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import sys
 from typing import Any
 
 import jax
@@ -34,7 +36,7 @@ from jlp import data as jdata
 from jlp import models
 from jlp.compression import secopa
 from jlp.train import optim
-from jlp.train.config import SECOPA, compressor, grad_format
+from jlp.train.config import DEVICE_HINT, SECOPA, compressor, grad_format
 from jlp.train.step import cross_entropy_loss
 from jlp.sync import GradSync
 
@@ -57,10 +59,18 @@ def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Da
   name = config.dataset.name
   if name not in jdata.DATASETS:
     raise _bad("dataset.name", name, f"one of {sorted(jdata.DATASETS)}")
-  root = config.dataset.root or None
+  root = config.dataset.root or jdata.default_root(name)
   kwargs = dict(config.dataset.kwargs)
-  train = jdata.get_dataset(name, root, split="train", **kwargs)
-  evaluation = jdata.get_dataset(name, root, split="eval", **kwargs)
+  try:
+    train = jdata.get_dataset(name, root, split="train", **kwargs)
+    evaluation = jdata.get_dataset(name, root, split="eval", **kwargs)
+  except FileNotFoundError as e:
+    source = ("config.dataset.root" if config.dataset.root else
+              f"the default of an empty config.dataset.root: ${jdata.DATA_DIR_ENV}/{name} or "
+              f"data/{name}")
+    raise FileNotFoundError(
+        f"no {name} data in {os.path.abspath(root)!r} ({source}); put it there, or pass "
+        f"--config.dataset.root=DIR (or set ${jdata.DATA_DIR_ENV}).\n{e}") from None
   return train, evaluation
 
 
@@ -273,6 +283,29 @@ def check_batch_sizes(config: ml_collections.ConfigDict, num_devices: int) -> No
   nodes = num_devices * config.emulate_nodes
   if config.batch_size % nodes:
     raise _bad("batch_size", config.batch_size,
-               f"a multiple of {num_devices} devices x emulate_nodes={config.emulate_nodes} = {nodes}")
+               f"a multiple of {num_devices} devices x emulate_nodes={config.emulate_nodes} = "
+               f"{nodes} ({DEVICE_HINT})")
   if config.eval_batch_size % num_devices:
-    raise _bad("eval_batch_size", config.eval_batch_size, f"a multiple of {num_devices} devices")
+    raise _bad("eval_batch_size", config.eval_batch_size,
+               f"a multiple of {num_devices} devices ({DEVICE_HINT})")
+
+
+def warn_single_device(config: ml_collections.ConfigDict, num_devices: int) -> str | None:
+  """One warning line (printed to stderr, and returned) when a data-parallel run's gradient sync
+  needs several devices but the run has one: it then exchanges nothing (wire_bytes 0)."""
+  if num_devices > 1 or config.emulate_nodes > 1:
+    return None
+  what = []
+  if config.compression.name != "none":
+    what.append(f"compression.name={config.compression.name!r}")
+  fmt = grad_format(config)
+  if fmt is not None:
+    what.append(f"grad_format={config.grad_format!r}")
+  if config.use_kahan:
+    what.append("use_kahan")
+  if not what:
+    return None
+  line = (f"warning: this run has 1 device, so its gradient sync ({', '.join(what)}) exchanges "
+          f"nothing and every step logs wire_bytes 0; {DEVICE_HINT}.")
+  print(line, file=sys.stderr, flush=True)
+  return line

@@ -3,7 +3,7 @@ gradient all-reduce (`jlp.collectives`) or a compressed sync (`jlp.compression.s
 update on float32 master weights.
 
 One step, for W devices on the mesh axis ("data") and N = `GradSync.emulate_nodes` virtual nodes
-per device (cpd.md §3.2, §6.1):
+per device (docs/cpd.md#emulated-nodes):
 
   1. The global batch (leading dimension B) is split over the devices (device d holds rows
      [d*B/W, (d+1)*B/W)) and each device's rows into N consecutive micro-batches of b = B/(W*N)
@@ -13,7 +13,7 @@ per device (cpd.md §3.2, §6.1):
      statistics of the node's own micro-batch, like unsynchronised DDP), and the gradient of
          loss / (W*N) * loss_scale
      with respect to the float32 parameters, so that the sum of the W*N node gradients is
-     loss_scale times the gradient of the mean of the node losses (CPD's convention, cpd.md §6.1).
+     loss_scale times the gradient of the mean of the node losses (CPD's convention).
      How a device runs its N nodes (`GradSync.node_map`; measured on XLA:CPU, small CNN):
        "unroll" (default): N isolated copies of the one-node program (optimization barriers
          around each node's inputs and outputs), each compiled as a real device's program, so
@@ -31,14 +31,14 @@ per device (cpd.md §3.2, §6.1):
      `jlp.sync`), the same sum on every device, then divided by loss_scale in float32
      (skipped when loss_scale == 1, or with unscale_grads=False: CPD's DavidNet never divides
      its static loss scale out, so the optimizer sees loss_scale times the gradient while the
-     weight decay it adds is not scaled; cpd.md §4).
+     weight decay it adds is not scaled; docs/cpd.md#compat-switches).
      With `GradSync.compression` (N = 1), `jlp.compression.sync_with_bytes` sums the W device
      gradients (each loss_scale / W times the device's gradient: a compressor with an absolute
-     threshold, such as TBQ's, sees them at that scale) with HiPress's CaSync (hipress.md §2):
-     device d encodes with its own compression state (error-feedback residuals, DGC's
-     momentum), row d of `TrainState.sync_state`, which the step returns updated; compressors
-     that draw use key = fold_in(key(GradSync.seed), step) (the step number before the update),
-     folded further per leaf, partition and device by the sync.
+     threshold, such as TBQ's, sees them at that scale) with HiPress's CaSync
+     (docs/hipress.md#casync): device d encodes with its own compression state (error-feedback
+     residuals, DGC's momentum), row d of `TrainState.sync_state`, which the step returns updated;
+     compressors that draw use key = fold_in(key(GradSync.seed), step) (the step number before the
+     update), folded further per leaf, partition and device by the sync.
   4. `optimizer.update` (any optax transformation, see `jlp.train.optim`) and
      `optax.apply_updates` on the replicated float32 parameters, outside the shard_map.
 
@@ -271,14 +271,14 @@ class TrainStep:
     loss_fn: `loss_fn(model, micro_batch) -> (mean loss, aux dict of float32 scalars)`.
     loss_scale: static loss scale: the node losses are multiplied by it before differentiation
       and the summed gradient is divided by it (float32) before the optimizer.
-    unscale_grads: False reproduces CPD's DavidNet (cpd.md §4, compat only): the summed
-      gradient is not divided by loss_scale, so the optimizer gets loss_scale times it.
+    unscale_grads: False reproduces CPD's DavidNet (docs/cpd.md#compat-switches, compat only):
+      the summed gradient is not divided by loss_scale, so the optimizer gets loss_scale times it.
     donate: donate the input state's buffers to the output state.
     zse_report: the QuantReport of a BFP-quantized model (`jlp.nn.quantize_model`): the metrics
-      then hold "zse", {layer path: {"fw", "bwo", "biw"}} (`jlp.nn.bfp_zse_metrics`, bfp.md
-      §3.1): "fw" of the master weights before the update, "bwo" of the summed weight gradient,
-      "biw" the mean over the nodes of each node's input-gradient ZSE (the gradient of the
-      layer's `ZSEProbe`, taken beside the parameter gradient).
+      then hold "zse", {layer path: {"fw", "bwo", "biw"}} (`jlp.nn.bfp_zse_metrics`,
+      docs/bfp.md#zero-setting-error): "fw" of the master weights before the update, "bwo" of the
+      summed weight gradient, "biw" the mean over the nodes of each node's input-gradient ZSE (the
+      gradient of the layer's `ZSEProbe`, taken beside the parameter gradient).
 
   The batch is any pytree of arrays with a common leading dimension B, a multiple of
   W * emulate_nodes (in a multi-process run: a global array, see `jlp.train.shard_batch`).

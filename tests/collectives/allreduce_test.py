@@ -110,6 +110,19 @@ def test_matches_python_reference(algorithm, fmt, kahan, aps, mean):
     ref.assert_same_bits(g, w, msg=f"{algorithm} kahan={kahan} {fmt} aps={aps}")
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("fmt, kahan", [(None, False), (FloatFormat(4, 3), False),
+                                        (FloatFormat(4, 3), True)], ids=str)
+def test_one_rank_is_the_rounded_value(algorithm, fmt, kahan):
+  """One device (a run without --cpu_devices): the sum of one rank is its own leaves rounded
+  once, as the Python reference folds them; nothing crashes."""
+  ranks = random_ranks(1, SHAPES, seed=4)
+  got = reduced(ranks, fmt=fmt, algorithm=algorithm, kahan=kahan)
+  want = cref.allreduce(ranks, fmt, algorithm, kahan, False, mean=False)
+  for g, w in zip(got, want, strict=True):
+    ref.assert_same_bits(g, w, msg=f"{algorithm} kahan={kahan} {fmt}")
+
+
 def test_cpd_compat_format_equals_ieee_format_away_from_quirks():
   """compat='cpd' e5m2 only differs from IEEE e5m2 near overflow, FP32 subnormals and subnormal
   ties with sticky bits; well-scaled data gives the same sum (a smoke test of the plumbing)."""

@@ -4,6 +4,8 @@ References: the registry's documented table (names, split names, reported
 shapes), checked on the always-available digits data and on missing folders.
 """
 
+import os
+
 import pytest
 
 from jlp.data import DATASETS, get_dataset
@@ -43,6 +45,9 @@ def test_missing_root_from_the_environment_names_the_layout(tmp_path, monkeypatc
   assert expected in str(e.value) and str(tmp_path / "absent") in str(e.value)
 
 
-def test_default_root_is_data(monkeypatch):
+def test_default_root_is_the_data_sets_folder_under_the_data_dir(monkeypatch, tmp_path):
   monkeypatch.delenv(registry.DATA_DIR_ENV, raising=False)
-  assert registry.default_root() == "data"
+  assert registry.default_root("cifar10") == os.path.join("data", "cifar10")
+  monkeypatch.setenv(registry.DATA_DIR_ENV, str(tmp_path))
+  assert registry.default_root("imagenet") == str(tmp_path / "imagenet")
+  assert registry.default_root("glue_tsv") == str(tmp_path / "SST-2")

@@ -149,10 +149,10 @@ def test_calls_are_a_performance_knob_only(tmp_path, fast_compile):
     ({"schedule": "none"}, {}, r"config.pipeline.stages=4 is not allowed; expected 1 with "
      r"pipeline.schedule='none'"),
     ({"stages": 3}, {}, r"config.pipeline.stages=3 is not allowed; expected a divisor of the 8 "
-     r"devices .*; on a CPU, emulate N devices with "
-     r"XLA_FLAGS=--xla_force_host_platform_device_count=N"),
+     r"devices .*--cpu_devices=N emulates N devices; across machines, run it under "
+     r"python -m experiments.cluster"),
     ({"pipelines": 3}, {}, r"config.pipeline.pipelines=3 is not allowed; expected at most 2 "
-     r".*XLA_FLAGS=--xla_force_host_platform_device_count=N"),
+     r".*--cpu_devices=N emulates N devices"),
     ({"microbatches": 3}, {}, r"config.batch_size=64 is not allowed; expected a multiple of 2 "
      r"pipelines x pipeline.microbatches=3 = 6"),
     ({"schedule": "1f1b", "microbatches": 2}, {}, r"pipeline.microbatches=2 .* expected 1 with "

@@ -1,4 +1,4 @@
-"""Split a `jlp.models` NNX network into S pipeline stages, pure functions (sdpipe.md §0, §1).
+"""Split a `jlp.models` NNX network into S pipeline stages, pure functions (docs/sdpipe.md#stages).
 
 A model is cut into a sequence of *units* (per-model rules, `STAGE_RULES`); stage s runs a
 contiguous group of `boundaries[s]` units. Each stage is a pure, jittable function

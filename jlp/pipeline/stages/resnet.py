@@ -5,7 +5,7 @@ Units: stem (conv1+bn1+ReLU [+max pool], or the deep stem), every residual block
 
 Default: the blocks split evenly over the stages (a remainder to stages 1, 2, ...), stem with
 stage 0, head with stage S-1. ResNet-50 at S=4: blocks [4, 4, 4, 4], the seed's
-`get_resnet_partition` (sdpipe.md §0), i.e. boundaries (5, 4, 4, 5).
+`get_resnet_partition`, i.e. boundaries (5, 4, 4, 5).
 
 With `bfpsim_inplace_fi` (jlp.nn.inplace_fi) the quantization of a block's input for its conv1
 runs at the start of that block's unit (the model runs it at the end of the producer; the value

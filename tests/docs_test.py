@@ -1,0 +1,198 @@
+"""The README and docs/ stand alone: no citations of private spec files, every relative link
+resolves, every README command names its Python, and the README's SeCoPa recipe gives the names
+the runner's plans use."""
+
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Spec files that lived outside the repository; only docs/<name>.md pages that exist may be named.
+SPEC_NAMES = ("cpd", "bfp", "hipress", "sdpipe", "peers", "toolchain")
+#: Where users read: the tests (tests/) may keep citing the specs.
+CHECKED = ("README.md", "BENCHMARKS.md", "docs", "jlp", "experiments", "configs", "pallas_kernels",
+           "benchmarks", "notebooks")
+TEXT_SUFFIXES = (".py", ".md", ".ipynb", ".txt", ".cfg", ".toml", ".json", ".yaml", ".yml")
+MENTION = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*(?:%s)\.md)(#[\w-]+)?" % "|".join(SPEC_NAMES))
+LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+
+
+def checked_files():
+  for entry in CHECKED:
+    path = os.path.join(ROOT, entry)
+    if os.path.isfile(path):
+      yield path
+      continue
+    for dirpath, dirnames, filenames in os.walk(path):
+      dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+      for name in sorted(filenames):
+        if name.endswith(TEXT_SUFFIXES):
+          yield os.path.join(dirpath, name)
+
+
+def slug(heading: str) -> str:
+  """GitHub's anchor for a heading: links and code marks dropped, lower case, punctuation other
+  than '-' and '_' removed, spaces to '-'."""
+  text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
+  return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(md_path: str) -> set[str]:
+  out, seen = set(), {}
+  in_code = False
+  with open(md_path, encoding="utf-8") as f:
+    for line in f:
+      if line.startswith("```"):
+        in_code = not in_code
+      m = None if in_code else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+      if m:
+        s = slug(m.group(1))
+        n = seen.get(s, 0)
+        seen[s] = n + 1
+        out.add(s if n == 0 else f"{s}-{n}")
+  return out
+
+
+def broken_target(source: str, target: str) -> str | None:
+  """Why a relative link `target` in file `source` is broken, or None. Paths are tried relative
+  to the file's folder and to the repository root (docstrings cite "docs/cpd.md#aps")."""
+  path, _, anchor = target.partition("#")
+  if path:
+    candidates = [os.path.normpath(os.path.join(os.path.dirname(source), path)),
+                  os.path.normpath(os.path.join(ROOT, path))]
+    found = [c for c in candidates if os.path.exists(c)]
+    if not found:
+      return f"{path} does not exist"
+    path = found[0]
+  else:
+    path = source
+  if anchor and path.endswith(".md") and anchor not in anchors(path):
+    return f"{os.path.relpath(path, ROOT)} has no heading #{anchor}"
+  return None
+
+
+def test_no_private_spec_citations():
+  """cpd.md, bfp.md, hipress.md, sdpipe.md, peers.md and toolchain.md were private notes users
+  never see: user-facing files may name them only as links to docs/<name>.md pages that exist
+  (with an existing #anchor)."""
+  docs = os.path.join(ROOT, "docs")
+  offending = []
+  for path in checked_files():
+    with open(path, encoding="utf-8", errors="replace") as f:
+      for number, line in enumerate(f, 1):
+        for m in MENTION.finditer(line):
+          mention, anchor = m.group(1), m.group(2) or ""
+          name = os.path.basename(mention)
+          candidates = {os.path.normpath(os.path.join(ROOT, mention)),
+                        os.path.normpath(os.path.join(os.path.dirname(path), mention))}
+          target = os.path.join(docs, name)
+          why = None
+          if target not in candidates:
+            why = "not a docs/ page"
+          elif not os.path.isfile(target):
+            why = f"docs/{name} does not exist"
+          elif anchor and anchor[1:] not in anchors(target):
+            why = f"docs/{name} has no heading {anchor}"
+          if why:
+            offending.append(f"{os.path.relpath(path, ROOT)}:{number}: {m.group(0)} ({why})")
+  assert not offending, ("private spec citations (cite the paper, or link docs/<name>.md#anchor):\n"
+                         + "\n".join(offending))
+
+
+def markdown_files():
+  yield os.path.join(ROOT, "README.md")
+  yield os.path.join(ROOT, "BENCHMARKS.md")
+  yield os.path.join(ROOT, "notebooks", "README.md")
+  docs = os.path.join(ROOT, "docs")
+  yield from (os.path.join(docs, n) for n in sorted(os.listdir(docs)) if n.endswith(".md"))
+
+
+def without_code(text: str) -> str:
+  """Markdown text with fenced blocks and inline code blanked (line numbers kept)."""
+  text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+  return re.sub(r"`[^`\n]*`", "", text)
+
+
+def test_relative_links_resolve():
+  """Every relative link of README.md, BENCHMARKS.md, notebooks/README.md and docs/*.md names a
+  file that exists, and a heading of it when it has an #anchor."""
+  broken = []
+  for path in markdown_files():
+    with open(path, encoding="utf-8") as f:
+      text = without_code(f.read())
+    for number, line in enumerate(text.splitlines(), 1):
+      for m in LINK.finditer(line):
+        target = m.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+          continue
+        why = broken_target(path, target)
+        if why:
+          broken.append(f"{os.path.relpath(path, ROOT)}:{number}: {m.group(0)} ({why})")
+  assert not broken, "broken relative links:\n" + "\n".join(broken)
+
+
+def test_docs_pages_cover_every_system():
+  for name in ("cpd", "bfp", "hipress", "sdpipe"):
+    page = os.path.join(ROOT, "docs", f"{name}.md")
+    assert os.path.isfile(page), page
+    assert "compat-switches" in anchors(page), f"docs/{name}.md lacks its '## Compat switches'"
+
+
+def test_readme_commands_name_their_python():
+  """A README command that runs Python runs .venv/bin/python, or its code block follows a line
+  that says to activate the environment first (`source .venv/bin/activate`)."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  bare = re.compile(r"(?<![\w/.-])python3?(\.\d+)? +(-m|\S+\.py)\b")
+  offending, in_block, activated, previous = [], None, False, []
+  for number, line in enumerate(lines, 1):
+    if line.startswith("```"):
+      if in_block is None:
+        in_block = line[3:].strip()
+        activated = any("source .venv/bin/activate" in p for p in previous[-3:])
+      else:
+        in_block = None
+      continue
+    if in_block == "python":  # Python source, not a command
+      continue
+    if in_block is not None and activated:
+      continue
+    if line.strip() and in_block is None:
+      previous.append(line)  # the lines of text just before the next block
+    for m in bare.finditer(line):
+      offending.append(f"README.md:{number}: {line.strip()}")
+  assert not offending, ("README commands that do not say which Python (write .venv/bin/python, "
+                         "or say to activate the venv before the block):\n" + "\n".join(offending))
+
+
+def test_readme_secopa_names_are_the_runners(tmp_path, monkeypatch):
+  """The README's recipe for SeCoPa's input.txt writes the names `--config.compression.plan`
+  files use: jax.tree_util.keystr of the parameter paths, as `plan_for_tree` keys them."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jlp.models  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jlp.compression import secopa  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  section = text[text.index("**SeCoPa's files.**"):]
+  snippet = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+  monkeypatch.chdir(tmp_path)
+  exec(compile(snippet, "README.md (SeCoPa's files)", "exec"), {})  # pylint: disable=exec-used
+  grads = secopa.read_grads(tmp_path / "input.txt")
+  model = nnx.eval_shape(lambda: jlp.models.get_model("small_cnn", num_classes=10,
+                                                      rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  plan = secopa.plan_for_tree(params, num_nodes=8, topology="ring")
+  assert [name for name, _ in grads] == list(plan)
+  assert ("['conv2']['kernel'].value", 4608) in grads
+  assert all(size == math_prod for (_, size), math_prod in
+             zip(grads, (x.size for x in jax.tree.leaves(params))))
+
+
+@pytest.mark.parametrize("phrase", ["Why `wire_bytes` is 0 on one device", "--cpu_devices=N",
+                                    "python -m experiments.cluster"])
+def test_readme_explains_devices(phrase):
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    assert phrase in f.read()

@@ -1,0 +1,193 @@
+"""What a new user meets first (the entry points' devices, workdirs, data folders and errors):
+--cpu_devices, a workdir that refuses a changed config, $JLP_DATA_DIR defaults, one-line errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from configs import digits
+from jlp.train import loop, recipe, workdir as workdir_record
+from jlp.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def entry_point(module, *args, timeout=180, env=None):
+  env = dict(os.environ if env is None else env, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # what a user's shell has: one CPU device
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def small_config(**overrides):
+  c = digits.get_config()
+  c.model.kwargs.width = 8
+  c.batch_size = 64
+  c.max_steps = 4
+  c.log_every = 2
+  c.eval_every = 4
+  c.checkpoint_every = 2
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+# -- 1. devices on a CPU machine ------------------------------------------------------------------
+
+
+def test_cpu_devices_emulates_devices_and_one_device_warns(tmp_path):
+  args = ["--config=configs/digits.py:local", "--config.max_steps=2", "--config.log_every=2",
+          "--config.eval_every=0", "--config.compression.name=onebit", "--progress=lines"]
+  many = entry_point("experiments.train", *args, f"--workdir={tmp_path / 'eight'}",
+                     "--cpu_devices=8")
+  assert many.returncode == 0, many.stderr[-2000:]
+  assert read_metrics(str(tmp_path / "eight"))[-1]["wire_bytes"] > 0
+  assert "warning" not in many.stderr
+  one = entry_point("experiments.train", *args, f"--workdir={tmp_path / 'one'}")
+  assert one.returncode == 0, one.stderr[-2000:]
+  assert read_metrics(str(tmp_path / "one"))[-1]["wire_bytes"] == 0
+  warnings = [line for line in one.stderr.splitlines() if line.startswith("warning:")]
+  assert len(warnings) == 1 and "1 device" in warnings[0] and "--cpu_devices=N" in warnings[0]
+
+
+def test_a_device_error_says_how_to_get_more(tmp_path):
+  r = entry_point("experiments.train", "--config=configs/sdpipe_resnet50.py:local",
+                  f"--workdir={tmp_path}")
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 3, r.stderr
+  assert "1 devices" in r.stderr and "--cpu_devices=N" in r.stderr
+  assert "experiments.cluster" in r.stderr
+
+
+def test_single_device_warning_only_where_a_sync_needs_devices(capsys):
+  assert recipe.warn_single_device(small_config(), 1) is None
+  assert recipe.warn_single_device(small_config(emulate_nodes=4, grad_exp=4, grad_man=3), 1) is None
+  assert recipe.warn_single_device(small_config(grad_exp=4, grad_man=3), 8) is None
+  line = recipe.warn_single_device(small_config(grad_exp=4, grad_man=3), 1)
+  assert "grad_format='e4m3'" in line and capsys.readouterr().err.strip() == line
+
+
+# -- 2. a workdir refuses a changed config ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("finished"))
+  loop.train_and_evaluate(small_config(), workdir, progress=False)
+  return workdir
+
+
+def _snapshot(workdir):
+  return {name: open(os.path.join(workdir, name)).read()
+          for name in ("config.json", "metrics.jsonl")}
+
+
+def test_a_finished_run_rerun_unchanged_says_so(finished_run, tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished_run, workdir)
+  before = _snapshot(workdir)
+  result = loop.train_and_evaluate(small_config(), workdir, progress=False)
+  out = capsys.readouterr().out.strip().splitlines()
+  assert result["step"] == 4 and result["finished"]
+  assert len(out) == 1 and "is finished" in out[0] and "max_steps" in out[0]
+  assert _snapshot(workdir) == before
+
+
+def test_a_changed_config_is_refused_before_anything_is_written(finished_run, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished_run, workdir)
+  before = _snapshot(workdir)
+  changed = small_config(max_steps=6)
+  changed.compression.name = "onebit"
+  changed.lr = 0.05
+  with pytest.raises(workdir_record.ConfigChangedError) as e:
+    loop.train_and_evaluate(changed, workdir, progress=False)
+  message = str(e.value)
+  assert "\n" not in message
+  assert "compression.name 'none' -> 'onebit'" in message and "lr 0.2 -> 0.05" in message
+  assert "max_steps" not in message.split(";")[0]  # a cadence field is not a change
+  assert "--allow_config_change" in message and "--workdir" in message
+  assert _snapshot(workdir) == before
+
+
+def test_cadence_changes_resume_and_allowed_changes_are_recorded(finished_run, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished_run, workdir)
+  longer = small_config(max_steps=6, log_every=1, eval_every=3)
+  result = loop.train_and_evaluate(longer, workdir, progress=False)
+  assert result["step"] == 6
+  assert not os.path.exists(os.path.join(workdir, workdir_record.HISTORY_FILE))
+  changed = small_config(max_steps=8)
+  changed.compression.name = "onebit"
+  loop.train_and_evaluate(changed, workdir, progress=False, allow_config_change=True)
+  config = json.load(open(os.path.join(workdir, "config.json")))
+  assert config["compression"]["name"] == "onebit" and config["max_steps"] == 8
+  history = json.load(open(os.path.join(workdir, workdir_record.HISTORY_FILE)))
+  assert [h["step"] for h in history] == [6]
+  assert history[0]["changes"] == {"compression.name": ["none", "onebit"]}
+  rows = read_metrics(workdir)
+  noted = [r for r in rows if "config_change" in r]
+  assert len(noted) == 1 and noted[0]["step"] == 8
+  assert noted[0]["config_change"] == "compression.name: 'none' -> 'onebit'"
+
+
+def test_the_entry_point_exits_2_with_one_line(finished_run, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished_run, workdir)
+  c = small_config()
+  overrides = [f"--config.{k}={c[k]}" for k in ("batch_size", "max_steps", "log_every",
+                                                  "eval_every", "checkpoint_every")]
+  r = entry_point("experiments.train", "--config=configs/digits.py", f"--workdir={workdir}",
+                  "--config.model.kwargs.width=8", *overrides, "--config.grad_exp=4")
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+  assert r.stderr.startswith("error: the config changes the training") and "grad_exp 8 -> 4" in r.stderr
+
+
+# -- 3. data where the user keeps it --------------------------------------------------------------
+
+
+def test_an_empty_root_defaults_to_jlp_data_dir(monkeypatch, tmp_path):
+  monkeypatch.setenv("JLP_DATA_DIR", str(tmp_path))
+  c = small_config()
+  c.dataset.name = "cifar10"
+  with pytest.raises(FileNotFoundError) as e:
+    recipe.datasets(c)
+  first = str(e.value).splitlines()[0]
+  assert repr(str(tmp_path / "cifar10")) in first and "--config.dataset.root" in first
+  assert "cifar-10-batches-py" in str(e.value)  # the expected layout follows
+
+
+def test_no_config_hard_codes_a_data_folder():
+  import importlib  # pylint: disable=g-import-not-at-top
+  for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+    if name.endswith(".py") and name != "__init__.py":
+      config = importlib.import_module(f"configs.{name[:-3]}").get_config()
+      assert config.dataset.root == "", name
+
+
+# -- 4. one-line errors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, args, expected", [
+    ("experiments.train", ["--config=configs/digits.py", "--workdir=W", "--config.grad_exps=4"],
+     "--config.grad_exps=4 is not allowed: the config has no field 'grad_exps'; did you mean "
+     "'grad_exp'?"),
+    ("experiments.train", ["--config=configs/digits.py", "--workdir=W", "--config.lr=abc"],
+     "--config.lr=abc"),
+    ("experiments.train", ["--config=configs/nope.py", "--workdir=W"], "--config=configs/nope.py"),
+    ("experiments.train", ["--config=configs/digits.py:loca", "--workdir=W"],
+     "config argument 'loca' is not allowed"),
+    ("experiments.train", ["--config=configs/digits.py"], "--workdir"),
+    ("experiments.plot", ["nowhere", "--out=x.png"], "nowhere"),
+    ("experiments.plot", ["--x=time"], "--x=time"),
+    ("experiments.secopa", ["--nnodes=x"], "--nnodes=x"),
+    ("experiments.aps_digits", ["--cpu_devices=0"], "--cpu_devices=0"),
+])
+def test_mistakes_are_at_most_three_lines_with_status_2(module, args, expected, tmp_path):
+  r = entry_point(module, *[a.replace("=W", f"={tmp_path}") for a in args], timeout=120)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and 1 <= len(lines) <= 3, r.stderr[-3000:]
+  assert lines[0].startswith("error: ") and expected in lines[0], r.stderr
