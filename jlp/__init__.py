@@ -7,6 +7,7 @@ accumulation). See README.md for a tour.
 
 from jlp.formats import BFPFormat, BlockScaledFormat, FloatFormat, MXFormat, NVFP4Format
 from jlp.gemm import GemmQuant, matmul, qconv, qdot_general
+from jlp.numerics.nvfp4 import nvfp4_encode
 from jlp.numerics.sums import kahan_sum, sequential_sum
 from jlp.quantize import quantize
 
@@ -19,6 +20,7 @@ __all__ = [
     "NVFP4Format",
     "kahan_sum",
     "matmul",
+    "nvfp4_encode",
     "qconv",
     "qdot_general",
     "quantize",
