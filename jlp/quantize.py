@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlp.formats import BFPFormat, Format, FloatFormat, MXFormat, as_format
+from jlp.formats import (BFPFormat, BlockScaledFormat, Format, FloatFormat, MXFormat, NVFP4Format,
+                         as_format)
 from jlp.numerics import bfp as bfp_numerics
 from jlp.numerics import float_cast as float_numerics
 from jlp.numerics import mx as mx_numerics
@@ -69,6 +70,18 @@ def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
       from pallas_kernels import bfp as kernel  # pylint: disable=g-import-not-at-top
       return kernel.bfp_quantize(x, fmt, rbits, interpret=interpret)
     return bfp_numerics.bfp_quantize(x, fmt, rbits)
+  if isinstance(fmt, NVFP4Format):
+    if pallas:
+      from pallas_kernels import nvfp4 as kernel  # pylint: disable=g-import-not-at-top
+      return kernel.nvfp4_quantize(x, fmt, rbits, interpret=interpret)
+    from jlp.numerics import nvfp4  # pylint: disable=g-import-not-at-top
+    return nvfp4.nvfp4_quantize(x, fmt, rbits)
+  if isinstance(fmt, BlockScaledFormat):
+    if pallas:
+      from pallas_kernels import block_scaled as kernel  # pylint: disable=g-import-not-at-top
+      return kernel.block_scaled_quantize(x, fmt, interpret=interpret)
+    from jlp.numerics import block_scaled  # pylint: disable=g-import-not-at-top
+    return block_scaled.block_scaled_quantize(x, fmt)
   if pallas:
     from pallas_kernels import mx as kernel  # pylint: disable=g-import-not-at-top
     return kernel.mx_quantize(x, fmt, rbits, interpret=interpret)
@@ -127,7 +140,7 @@ def _check_dtype(x: Any, fmt: Format, field: str) -> None:
 
 
 def _check_shape(shape: tuple[int, ...], fmt: Format) -> None:
-  if isinstance(fmt, (BFPFormat, MXFormat)):
+  if not isinstance(fmt, FloatFormat):
     fmt.check_rank(len(shape))
 
 
@@ -139,8 +152,9 @@ def quantize(x: jax.Array, fmt: Format | str, *, bwd: Format | str | None = None
   Args:
     x: float32 array (bfloat16 / float16 arrays are computed in float32 and
       returned in their dtype, which must hold every value of `fmt`).
-    fmt: a FloatFormat, BFPFormat, MXFormat or a FloatFormat name ("e4m3",
-      "float8_e4m3fn", ...).
+    fmt: a FloatFormat, BFPFormat, MXFormat, NVFP4Format, BlockScaledFormat or a FloatFormat
+      name ("e4m3", "float8_e4m3fn", ...). NVFP4Format and BlockScaledFormat take float32 x
+      only (their values need float32).
     bwd: None (straight-through gradient) or the format the cotangent is rounded to.
     key: PRNG key (threefry2x32, the default), required when `fmt` or `bwd` rounds
       stochastically. An element rounds away from zero iff its uint32 draw is below

@@ -38,6 +38,14 @@ does the same. A uint32 zero operand (opaque to the compiler, loaded at run
 time) is OR-ed into raw products before they are added, so that no FMA
 replaces the separately rounded multiply and add, and gives that +0.
 
+Promotion (`promote_every` = n_c; DeepSeek-V3, arXiv:2412.19437 §3.3.2): the
+plain chunk = 1 step accumulates s, and at each run end (k = n_c - 1 mod n_c,
+found as the chunk ends above) a float32 accumulator takes acc = fl32(acc + s)
+(`jlp.numerics.ieee_f32.ieee_add`, integer-op handling of float32 subnormals,
+so the GPU and the interpreter on XLA:CPU give the same bits) and s restarts at
++0. A last, shorter run (n_c not dividing K) is added after the K loop. The
+result is acc.
+
 `interpret=True` runs the kernel with the Pallas interpreter (any backend);
 `interpret=False` needs a GPU (Triton).
 """
@@ -53,7 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlp.formats import FloatFormat
-from jlp.gemm.accum import accumulate, check_accum, check_operands
+from jlp.gemm.accum import accumulate, check_accum, check_operands, check_promote_every
+from jlp.numerics.ieee_f32 import ieee_add
 from jlp.numerics.opaque import opaque_zero, rounded_product
 from jlp.numerics.float_cast import float_cast
 from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
@@ -82,20 +91,32 @@ def _at_position(kb, j: int, r: int, tk: int, chunk: int):
   return lax.rem(kb * tk + j, chunk) == r  # k >= 0: lax.rem is the modulus (jnp's % is not lowered)
 
 
-def _kernel(zero_ref, a_ref, b_ref, o_ref, *, fmt: FloatFormat, kahan: bool, chunk: int, k: int,
-            tk: int):
+def _kernel(zero_ref, a_ref, b_ref, o_ref, *, fmt: FloatFormat, kahan: bool, chunk: int,
+            promote: int | None, k: int, tk: int):
   tm, tn = o_ref.shape
   zero = zero_ref[...]  # (1, 1) uint32 zero, loaded at run time
-  carry = (jnp.zeros((tm, tn), jnp.float32), jnp.zeros((tm, tn), jnp.float32) if kahan else None,
-           jnp.zeros((tm, tn), jnp.float32) if chunk > 1 else None)
+  zeros = lambda: jnp.zeros((tm, tn), jnp.float32)
+  carry = (zeros(), zeros() if kahan else None, zeros() if chunk > 1 else None,
+           zeros() if promote else None)
 
   def add_to_accumulator(s, c, partial):
     return accumulate(s, c, float_cast(partial, fmt), fmt)
 
+  def promote_run(s, acc):
+    return zeros(), ieee_add(acc, s)
+
   def step(carry, kb, j, a_col, b_row):
-    s, c, partial = carry
+    s, c, partial, acc = carry
+    if promote:
+      s, _ = accumulate(s, None, float_cast(a_col * b_row, fmt), fmt)
+      end = _at_position(kb, j, promote - 1, tk, promote)
+      if end is True:
+        s, acc = promote_run(s, acc)
+      elif end is not False:
+        s, acc = lax.cond(end, promote_run, lambda s, acc: (s, acc), s, acc)
+      return s, None, None, acc
     if chunk == 1:
-      return (*accumulate(s, c, float_cast(a_col * b_row, fmt), fmt), None)
+      return (*accumulate(s, c, float_cast(a_col * b_row, fmt), fmt), None, None)
     term = rounded_product(a_col, b_row, zero)
     start = _at_position(kb, j, 0, tk, chunk)
     if start is True:
@@ -109,7 +130,7 @@ def _kernel(zero_ref, a_ref, b_ref, o_ref, *, fmt: FloatFormat, kahan: bool, chu
       s, c = add_to_accumulator(s, c, partial)
     elif end is not False:
       s, c = lax.cond(end, add_to_accumulator, lambda s, c, _: (s, c), s, c, partial)
-    return s, c, partial
+    return s, c, partial, None
 
   def block(kb, carry, steps: int):
     """The first `steps` k steps of K block kb (kb * tk .. kb * tk + steps - 1)."""
@@ -125,15 +146,21 @@ def _kernel(zero_ref, a_ref, b_ref, o_ref, *, fmt: FloatFormat, kahan: bool, chu
     carry = lax.fori_loop(0, full_blocks, lambda kb, carry: block(kb, carry, tk), carry)
   if rest:
     carry = block(full_blocks, carry, rest)
-  s, c, partial = carry
+  s, c, partial, acc = carry
+  if promote:
+    if k % promote:
+      _, acc = promote_run(s, acc)
+    o_ref[...] = acc
+    return
   if chunk > 1 and k % chunk:
     s, _ = add_to_accumulator(s, c, partial + lax.bitcast_convert_type(zero, jnp.float32))
   o_ref[...] = s
 
 
 def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = False,
-                 chunk: int = 1, interpret: bool = False, tile_m: int = DEFAULT_TILE,
-                 tile_n: int = DEFAULT_TILE, tile_k: int = DEFAULT_TILE_K) -> jax.Array:
+                 chunk: int = 1, promote_every: int | None = None, interpret: bool = False,
+                 tile_m: int = DEFAULT_TILE, tile_n: int = DEFAULT_TILE,
+                 tile_k: int = DEFAULT_TILE_K) -> jax.Array:
   """a (M, K) @ b (K, N) with the accumulator rounded to `fmt` after every float32 op.
 
   Args:
@@ -142,6 +169,9 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
     fmt: the accumulator format (rounding "nearest" or "truncate").
     kahan: Kahan-compensated accumulation.
     chunk: products summed in float32 before each quantized addition (>= 1).
+    promote_every: None, or n_c >= 1 (with kahan=False, chunk=1): runs of n_c
+      products accumulated in fmt, each then added to a float32 accumulator
+      (`jlp.gemm.accum.matmul`; DeepSeek-V3, arXiv:2412.19437 §3.3.2).
     interpret: run with the Pallas interpreter instead of compiling for the GPU.
     tile_m, tile_n: output tile per program, powers of two (capped at the
       padded M, N).
@@ -154,6 +184,7 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
   fmt = check_accum(fmt)
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk={chunk!r} is not allowed; expected an int >= 1.")
+  promote_every = check_promote_every(promote_every, kahan=kahan, chunk=chunk)
   for name, t in (("tile_m", tile_m), ("tile_n", tile_n), ("tile_k", tile_k)):
     if not is_power_of_two(t):
       raise ValueError(f"{name}={t!r} is not allowed; expected a power of two >= 1.")
@@ -163,6 +194,7 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
   if k == 0 or m == 0 or n == 0:
     return jnp.zeros((m, n), jnp.float32)
   chunk = min(chunk, k)
+  promote = None if promote_every is None else min(promote_every, k)
   tm = min(tile_m, next_power_of_two(m))
   tn = min(tile_n, next_power_of_two(n))
   tk = min(tile_k, next_power_of_two(k))
@@ -170,7 +202,8 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
   a_p = jnp.pad(a, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else a
   b_p = jnp.pad(b, ((0, kp - k), (0, np_ - n))) if (kp, np_) != (k, n) else b
   zero = jnp.broadcast_to(opaque_zero(), (1, 1))
-  kernel = functools.partial(_kernel, fmt=fmt, kahan=kahan, chunk=chunk, k=k, tk=tk)
+  kernel = functools.partial(_kernel, fmt=fmt, kahan=kahan, chunk=chunk, promote=promote, k=k,
+                             tk=tk)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
@@ -181,6 +214,7 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
       out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
       interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps(tm * tn * 4)),
-      name=f"accum_matmul_{fmt.name}" + ("_kahan" if kahan else "") + f"_chunk{chunk}",
+      name=f"accum_matmul_{fmt.name}" + ("_kahan" if kahan else "") + f"_chunk{chunk}"
+      + (f"_promote{promote}" if promote else ""),
   )(zero, a_p, b_p)
   return out[:m, :n]

@@ -30,6 +30,29 @@ q is `jlp.numerics.float_cast.float_cast(., fmt)` (the bit-exact cast of
   additions (and the chunk sum itself) are quantized; chunk = 1 is the exact
   mode, and chunk >= K is one float32 dot product per element cast once.
 
+  promote_every = n_c (accumulation with promotion; a model of Hopper's FP8
+  tensor cores, whose accumulator keeps about 14 bits, e.g.
+  FloatFormat(8, 13, rounding="truncate"), and of DeepSeek-V3's fix, which
+  copies the partial sums to float32 registers every N_C = 128 products:
+  DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, §3.3.2,
+  "Increasing Accumulation Precision"). k is split into consecutive runs
+  [0, n_c), [n_c, 2 n_c), ...; when n_c does not divide K the last run is
+  shorter (K mod n_c products; no padding). Each run is accumulated exactly as
+  chunk = 1 (plain) above, starting again from s = +0, and at its end its sum
+  is added to a float32 accumulator with one IEEE float32 addition (round to
+  nearest even, float32 subnormals exact on every backend:
+  `jlp.numerics.ieee_f32.ieee_add`):
+    acc = +0
+    for each run R (k in R increasing):
+      s = +0
+      for k in R: s = q(fl32(s + q(fl32(a[i,k] * b[k,j]))))
+      acc = fl32(acc + s)
+    c[i, j] = acc   (a float32 value, not cast to fmt)
+  n_c >= K is one run: c = fl32(+0 + s), s itself except that -0 becomes +0.
+  Only with chunk = 1 and kahan = False (a run is a tensor core's plain
+  accumulation; a compensated or chunked run has no hardware counterpart and
+  no agreed rule for the compensation at a promotion).
+
 The XLA path (`impl="xla"`), chunk = 1, is a `lax.scan` over k carrying
 (s, c) of shape (M, N), with a few fused loops per step (with Kahan, p and y
 are materialised so that XLA does not recompute them). chunk > 1 is a
@@ -42,13 +65,16 @@ independent addition chains, sharing the b loads (XLA:CPU's fused loop would
 otherwise be bound by the latency of one chain of float32 adds per output
 vector). When N is a multiple of 64, the b rows of each step get 64 bytes of
 padding so that they do not all map to the same few L1 cache sets. None of
-this changes any operation or its order. The Pallas kernel
+this changes any operation or its order. With promote_every, an outer
+`lax.scan` over the full runs wraps the chunk = 1 scan over the products of
+one run (the shorter last run follows it). The Pallas kernel
 (`pallas_kernels/accum_matmul.py`, `impl="pallas"`) tiles M and N and runs the
 same per-element sequence over k inside the kernel; the two agree bit for bit.
 
 Float32 subnormals: the cast q is exact on bits (integer ops), but the float32
 products and sums are computed by the backend, and XLA:CPU flushes float32
-subnormal results (and operands) of float arithmetic to zero. With an accum
+subnormal results (and operands) of float arithmetic to zero (the promotion
+additions of promote_every excepted: `ieee_add` is exact). With an accum
 format whose values include float32 subnormals (exp = 8 with subnormals) or
 inputs whose products fall below 2^-126, the CPU result can therefore differ
 from strict IEEE float32 arithmetic (and from CPD's, which also flushes only in
@@ -69,6 +95,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jlp.formats import FloatFormat, as_format
+from jlp.numerics.ieee_f32 import ieee_add
 from jlp.numerics.float_cast import float_cast
 from jlp.numerics.opaque import opaque_zero, rounded_product
 from jlp.numerics.sums import kahan_step
@@ -148,15 +175,26 @@ def check_operands(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
   return a, b
 
 
-def _matmul_xla(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: bool, chunk: int
-                ) -> jax.Array:
-  m, k = a.shape
+def check_promote_every(promote_every: Any, *, kahan: bool, chunk: int) -> int | None:
+  """promote_every validated: None, or an int >= 1 with kahan=False and chunk=1."""
+  if promote_every is None:
+    return None
+  if isinstance(promote_every, bool) or not isinstance(promote_every, int) or promote_every < 1:
+    raise _invalid("promote_every", promote_every,
+                   "None or an int >= 1 (products accumulated in accum before each float32 addition)")
+  if kahan:
+    raise _invalid("kahan", kahan, f"False with promote_every={promote_every} (a run is a plain "
+                   "accumulation, as in a tensor core)")
+  if chunk != 1:
+    raise _invalid("chunk", chunk, f"1 with promote_every={promote_every} (every product of a run "
+                   "is added in accum)")
+  return promote_every
+
+
+def _exact_sum(at: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: bool) -> jax.Array:
+  """chunk = 1 over all rows of at (K, M) and b (K, N), in k order, from s = c = +0."""
+  k, m = at.shape
   n = b.shape[1]
-  if k == 0:
-    return jnp.zeros((m, n), jnp.float32)
-  chunk = min(chunk, k)
-  if chunk > 1:
-    return _matmul_xla_chunked(a, b, fmt, kahan, chunk)
 
   def step(carry, xs):
     s, c = carry
@@ -166,9 +204,39 @@ def _matmul_xla(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: bool, chunk
 
   s0 = jnp.zeros((m, n), jnp.float32)
   c0 = jnp.zeros((m, n), jnp.float32) if kahan else None
-  # a.T: row k is the column a[:, k].
-  (s, _), _ = lax.scan(step, (s0, c0), (a.T, b), unroll=min(_EXACT_UNROLL, k))
+  (s, _), _ = lax.scan(step, (s0, c0), (at, b), unroll=min(_EXACT_UNROLL, k))
   return s
+
+
+def _matmul_xla(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: bool, chunk: int,
+                promote_every: int | None = None) -> jax.Array:
+  m, k = a.shape
+  n = b.shape[1]
+  if k == 0:
+    return jnp.zeros((m, n), jnp.float32)
+  if promote_every is not None:
+    return _matmul_xla_promoted(a, b, fmt, min(promote_every, k))
+  chunk = min(chunk, k)
+  if chunk > 1:
+    return _matmul_xla_chunked(a, b, fmt, kahan, chunk)
+  return _exact_sum(a.T, b, fmt, kahan)  # a.T: row k is the column a[:, k]
+
+
+def _matmul_xla_promoted(a: jax.Array, b: jax.Array, fmt: FloatFormat, run: int) -> jax.Array:
+  """promote_every = run (module docstring): chunk = 1 sums of runs, added in float32."""
+  m, k = a.shape
+  n = b.shape[1]
+  full, rest = divmod(k, run)
+  at = a.T
+  acc = jnp.zeros((m, n), jnp.float32)
+  if full:
+    def promote(acc, xs):
+      return ieee_add(acc, _exact_sum(*xs, fmt, False)), None
+    runs = (at[:full * run].reshape(full, run, m), b[:full * run].reshape(full, run, n))
+    acc, _ = lax.scan(promote, acc, runs)
+  if rest:
+    acc = ieee_add(acc, _exact_sum(at[full * run:], b[full * run:], fmt, False))
+  return acc
 
 
 def _matmul_xla_chunked(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: bool, chunk: int
@@ -225,7 +293,7 @@ def _matmul_xla_chunked(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: boo
 
 
 def matmul(a: jax.Array, b: jax.Array, *, accum: FloatFormat | str, kahan: bool = False,
-           chunk: int = 1, impl: str = "auto") -> jax.Array:
+           chunk: int = 1, promote_every: int | None = None, impl: str = "auto") -> jax.Array:
   """a @ b with every addition of the accumulation rounded to `accum` (CPD's quant_gemm).
 
   See the module docstring for the exact per-element semantics (Han, Demmel,
@@ -240,20 +308,30 @@ def matmul(a: jax.Array, b: jax.Array, *, accum: FloatFormat | str, kahan: bool 
       the plain s = q(s + p).
     chunk: products summed in float32 before each quantized addition; 1 is the
       exact per-add mode.
+    promote_every: None, or n_c >= 1: accumulation with promotion (module
+      docstring; DeepSeek-V3, arXiv:2412.19437 §3.3.2, uses n_c = 128): every
+      run of n_c consecutive products (the last one K mod n_c long when n_c
+      does not divide K) is accumulated in `accum` as chunk = 1 does, from +0, and then
+      added to a float32 accumulator (one IEEE float32 addition, subnormals
+      exact); the result is that float32 accumulator. Needs chunk = 1 and
+      kahan = False.
     impl: "xla" (lax.scan over k), "pallas" (the Pallas kernel; interpreted on a
       CPU) or "auto" (pallas on GPU, xla elsewhere).
 
   Returns:
-    float32 (M, N), every element a value of `accum`.
+    float32 (M, N), every element a value of `accum` (with promote_every: a
+    float32 sum of such values).
 
   Raises:
-    ValueError: on bad shapes, dtypes, accum, chunk, kahan or impl (before any compute).
+    ValueError: on bad shapes, dtypes, accum, chunk, kahan, promote_every or
+      impl (before any compute).
   """
   fmt = check_accum(accum)
   if not isinstance(kahan, bool):
     raise _invalid("kahan", kahan, "True or False")
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise _invalid("chunk", chunk, "an int >= 1")
+  promote_every = check_promote_every(promote_every, kahan=kahan, chunk=chunk)
   if impl not in IMPLS:
     raise _invalid("impl", impl, "one of " + ", ".join(repr(i) for i in IMPLS))
   a, b = check_operands(a, b)
@@ -262,5 +340,6 @@ def matmul(a: jax.Array, b: jax.Array, *, accum: FloatFormat | str, kahan: bool 
   if impl == "pallas":
     from pallas_kernels import accum_matmul  # pylint: disable=g-import-not-at-top
     return accum_matmul.accum_matmul(a, b, fmt, kahan=kahan, chunk=chunk,
+                                     promote_every=promote_every,
                                      interpret=jax.default_backend() != "gpu")
-  return _matmul_xla(a, b, fmt, kahan, chunk)
+  return _matmul_xla(a, b, fmt, kahan, chunk, promote_every)

@@ -14,6 +14,8 @@ References:
   Noh et al., FlexBlock, IEEE Trans. Computers 72(9), 2023 (BFPsim roles fw, fi,
     fo, bwo, bwi, bwg, bio, biw, big).
   Han, Demmel, You, arXiv:1911.08907 (CPD's custom-precision accumulator).
+  DeepSeek-AI, DeepSeek-V3 Technical Report, arXiv:2412.19437 §3.3.2 (promotion of
+    the tensor cores' partial sums to float32 every N_C products).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import dataclasses
 from typing import Any, Mapping
 
 from jlp.formats import BFPFormat, Format, FloatFormat, MXFormat, as_format
+from jlp.gemm.accum import check_promote_every
 
 ROLES = ("x", "w", "y", "wgrad_dy", "wgrad_x", "wgrad_out", "dgrad_dy", "dgrad_w", "dgrad_out")
-FIELDS = ROLES + ("accum", "kahan", "bwd_from_fwd")
+FIELDS = ROLES + ("accum", "kahan", "bwd_from_fwd", "promote_every")
 
 # BFPsim key -> (jlp role, tensor kind). Kinds: "act" (NCHW / (B, F)), "weight" (OIHW / (out, in)).
 BFPSIM_ROLES = {
@@ -76,6 +79,10 @@ class GemmQuant:
     kahan: Kahan-compensated accumulation (with `accum`).
     bwd_from_fwd: the backward GEMMs quantize the forward-quantized x̃ = q_x(x)
       and w̃ = q_w(w) (BFPsim, docs/bfp.md#layer-roles); False: the raw x and w.
+    promote_every: None, or n_c >= 1 (with `accum`, kahan=False): accumulation
+      with promotion (`jlp.gemm.accum.matmul`): each run of n_c consecutive
+      products of every GEMM is accumulated in `accum`, then added to a float32
+      accumulator (DeepSeek-V3's N_C = 128).
   """
 
   x: Format | None = None
@@ -90,6 +97,7 @@ class GemmQuant:
   accum: FloatFormat | None = None
   kahan: bool = False
   bwd_from_fwd: bool = True
+  promote_every: int | None = None
 
   def __post_init__(self):
     for role in ROLES:
@@ -103,6 +111,10 @@ class GemmQuant:
         raise ValueError(f"{flag}={getattr(self, flag)!r} is not allowed; expected True or False.")
     if self.kahan and self.accum is None:
       raise ValueError("kahan=True is not allowed with accum=None; expected an accumulator FloatFormat.")
+    check_promote_every(self.promote_every, kahan=self.kahan, chunk=1)
+    if self.promote_every is not None and self.accum is None:
+      raise ValueError(f"promote_every={self.promote_every!r} is not allowed with accum=None; "
+                       "expected promote_every=None, or an accumulator FloatFormat in accum.")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "GemmQuant":

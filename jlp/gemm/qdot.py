@@ -68,6 +68,10 @@ rounded to `accum` (plain or Kahan). The k order is part of the result:
   order (c', kh, kw) with c' the channel within the group). Supported with
   accum: any number of spatial dimensions, any dimension_numbers, strides,
   explicit or string padding, lhs and rhs dilation, feature groups.
+  `cfg.promote_every` (accumulation with promotion, DeepSeek-V3,
+  arXiv:2412.19437 §3.3.2) applies to all three GEMMs alike: runs of that many
+  consecutive k (in the K orders above) are accumulated in `accum` and each
+  run's sum is added to a float32 accumulator (`jlp.gemm.accum.matmul`).
 """
 
 from __future__ import annotations
@@ -225,13 +229,14 @@ def _dot_dims(dn, lhs_ndim: int, rhs_ndim: int):
 
 
 def accum_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, accum, *,
-                      kahan: bool = False) -> jax.Array:
+                      kahan: bool = False, promote_every: int | None = None) -> jax.Array:
   """lax.dot_general of float32 operands with every output accumulated in `accum`.
 
   Canonicalises to batched (M, K)·(K, N) (module docstring: contracting dims
   flattened in the order given, batch dims vmapped) and calls
-  `jlp.gemm.accum.matmul` (CPD's quant_gemm, docs/cpd.md#accumulating-gemm). The output has
-  dot_general's layout (batch..., lhs free..., rhs free...).
+  `jlp.gemm.accum.matmul` (CPD's quant_gemm, docs/cpd.md#accumulating-gemm; with promote_every,
+  runs of that many products promoted to float32, DeepSeek-V3 arXiv:2412.19437
+  §3.3.2). The output has dot_general's layout (batch..., lhs free..., rhs free...).
   """
   lc, rc, lb, rb, lf, rf = _dot_dims(dimension_numbers, lhs.ndim, rhs.ndim)
   bshape = tuple(lhs.shape[i] for i in lb)
@@ -240,28 +245,30 @@ def accum_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, accum, 
   k = math.prod(lhs.shape[i] for i in lc)
   a = jnp.transpose(lhs, lb + lf + lc).reshape((math.prod(bshape), math.prod(lfshape), k))
   b = jnp.transpose(rhs, rb + rc + rf).reshape((math.prod(bshape), k, math.prod(rfshape)))
-  mm = functools.partial(accum_lib.matmul, accum=accum, kahan=kahan)
+  mm = functools.partial(accum_lib.matmul, accum=accum, kahan=kahan, promote_every=promote_every)
   c = mm(a[0], b[0])[None] if not lb else jax.vmap(mm)(a, b)
   return c.reshape(bshape + lfshape + rfshape)
 
 
-def _accum_dot_dlhs(g, rhs, dn, lhs_ndim, accum, kahan):
+def _accum_dot_dlhs(g, rhs, dn, lhs_ndim, accum, kahan, promote_every):
   """dlhs = g ·ᵀ rhs as an accumulating dot_general (K = rhs free dims, ascending)."""
   lc, rc, lb, rb, lf, rf = _dot_dims(dn, lhs_ndim, rhs.ndim)
   nb, nlf = len(lb), len(lf)
   g_contract = tuple(range(nb + nlf, g.ndim))
-  res = accum_dot_general(g, rhs, ((g_contract, rf), (tuple(range(nb)), rb)), accum, kahan=kahan)
+  res = accum_dot_general(g, rhs, ((g_contract, rf), (tuple(range(nb)), rb)), accum, kahan=kahan,
+                          promote_every=promote_every)
   # res axes: batch (lb), g free (lf), rhs remaining = rc ascending -> their lhs partners
   src = list(lb) + list(lf) + [lc[rc.index(r)] for r in sorted(rc)]
   return jnp.transpose(res, tuple(int(np.argsort(src)[i]) for i in range(lhs_ndim)))
 
 
-def _accum_dot_drhs(x, g, dn, rhs_ndim, accum, kahan):
+def _accum_dot_drhs(x, g, dn, rhs_ndim, accum, kahan, promote_every):
   """drhs = x ·ᵀ g as an accumulating dot_general (K = lhs free dims, ascending)."""
   lc, rc, lb, rb, lf, rf = _dot_dims(dn, x.ndim, rhs_ndim)
   nb, nlf = len(lb), len(lf)
   g_contract = tuple(range(nb, nb + nlf))
-  res = accum_dot_general(x, g, ((lf, g_contract), (lb, tuple(range(nb)))), accum, kahan=kahan)
+  res = accum_dot_general(x, g, ((lf, g_contract), (lb, tuple(range(nb)))), accum, kahan=kahan,
+                          promote_every=promote_every)
   # res axes: batch (rb), x remaining = lc ascending -> their rhs partners, g remaining (rf)
   src = list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + list(rf)
   return jnp.transpose(res, tuple(int(np.argsort(src)[i]) for i in range(rhs_ndim)))
@@ -335,9 +342,9 @@ def _to_layout(canon: jax.Array, spec: Sequence[int]) -> jax.Array:
   return jnp.transpose(canon, tuple(int(i) for i in np.argsort(spec)))
 
 
-def _grouped_matmul(a: jax.Array, b: jax.Array, accum, kahan) -> jax.Array:
+def _grouped_matmul(a: jax.Array, b: jax.Array, accum, kahan, promote_every) -> jax.Array:
   """(G, M, K)·(G, K, N) -> (G, M, N), one accumulating matmul per feature group."""
-  mm = functools.partial(accum_lib.matmul, accum=accum, kahan=kahan)
+  mm = functools.partial(accum_lib.matmul, accum=accum, kahan=kahan, promote_every=promote_every)
   return mm(a[0], b[0])[None] if a.shape[0] == 1 else jax.vmap(mm)(a, b)
 
 
@@ -359,23 +366,25 @@ def _g2(g, geom, groups):
   return gc.reshape(-1, groups, geom.rhs_c[0] // groups).transpose(1, 0, 2)
 
 
-def _accum_conv_fwd(x, w, params, accum, kahan):
+def _accum_conv_fwd(x, w, params, accum, kahan, promote_every):
   geom, groups = _ConvGeom(x.shape, w.shape, params), params[5]
-  y = _grouped_matmul(_cols(x, geom, groups), _wmat(w, geom, groups).transpose(0, 2, 1), accum, kahan)
+  y = _grouped_matmul(_cols(x, geom, groups), _wmat(w, geom, groups).transpose(0, 2, 1), accum, kahan,
+                      promote_every)
   y = y.transpose(1, 0, 2).reshape((geom.lhs_c[0],) + geom.out_sp + (geom.rhs_c[0],))
   return _to_layout(jnp.moveaxis(y, -1, 1), geom.dn[2])                # (N, O, *O_sp) -> out
 
 
-def _accum_conv_dlhs(g, w, x_shape, params, accum, kahan):
+def _accum_conv_dlhs(g, w, x_shape, params, accum, kahan, promote_every):
   geom, groups = _ConvGeom(x_shape, w.shape, params), params[5]
-  dcols = _grouped_matmul(_g2(g, geom, groups), _wmat(w, geom, groups), accum, kahan)
+  dcols = _grouped_matmul(_g2(g, geom, groups), _wmat(w, geom, groups), accum, kahan, promote_every)
   dcols = dcols.transpose(1, 0, 2).reshape(dcols.shape[1], -1)          # (N·L, C·KK)
   return _to_layout(_col2im(dcols, geom), geom.dn[0])
 
 
-def _accum_conv_drhs(x, g, w_shape, params, accum, kahan):
+def _accum_conv_drhs(x, g, w_shape, params, accum, kahan, promote_every):
   geom, groups = _ConvGeom(x.shape, w_shape, params), params[5]
-  dw = _grouped_matmul(_g2(g, geom, groups).transpose(0, 2, 1), _cols(x, geom, groups), accum, kahan)
+  dw = _grouped_matmul(_g2(g, geom, groups).transpose(0, 2, 1), _cols(x, geom, groups), accum, kahan,
+                       promote_every)
   return _to_layout(dw.reshape(geom.rhs_c), geom.dn[1])                # (G, O/G, C/G·KK) -> rhs
 
 
@@ -398,8 +407,9 @@ def _forward_gemm(kind, params, cfg, a, b):
   if cfg.accum is None:
     return _plain_op(kind, params)(a, b)
   if kind == "dot":
-    return accum_dot_general(a, b, params[0], cfg.accum, kahan=cfg.kahan)
-  return _accum_conv_fwd(a, b, params, cfg.accum, cfg.kahan)
+    return accum_dot_general(a, b, params[0], cfg.accum, kahan=cfg.kahan,
+                             promote_every=cfg.promote_every)
+  return _accum_conv_fwd(a, b, params, cfg.accum, cfg.kahan, cfg.promote_every)
 
 
 def _dlhs_gemm(kind, params, cfg, g, w, x_like):
@@ -407,8 +417,8 @@ def _dlhs_gemm(kind, params, cfg, g, w, x_like):
     op = _plain_op(kind, params)
     return jax.linear_transpose(lambda l: op(l, w), x_like)(g)[0]
   if kind == "dot":
-    return _accum_dot_dlhs(g, w, params[0], x_like.ndim, cfg.accum, cfg.kahan)
-  return _accum_conv_dlhs(g, w, x_like.shape, params, cfg.accum, cfg.kahan)
+    return _accum_dot_dlhs(g, w, params[0], x_like.ndim, cfg.accum, cfg.kahan, cfg.promote_every)
+  return _accum_conv_dlhs(g, w, x_like.shape, params, cfg.accum, cfg.kahan, cfg.promote_every)
 
 
 def _drhs_gemm(kind, params, cfg, x, g, w_like):
@@ -416,8 +426,8 @@ def _drhs_gemm(kind, params, cfg, x, g, w_like):
     op = _plain_op(kind, params)
     return jax.linear_transpose(lambda r: op(x, r), w_like)(g)[0]
   if kind == "dot":
-    return _accum_dot_drhs(x, g, params[0], w_like.ndim, cfg.accum, cfg.kahan)
-  return _accum_conv_drhs(x, g, w_like.shape, params, cfg.accum, cfg.kahan)
+    return _accum_dot_drhs(x, g, params[0], w_like.ndim, cfg.accum, cfg.kahan, cfg.promote_every)
+  return _accum_conv_drhs(x, g, w_like.shape, params, cfg.accum, cfg.kahan, cfg.promote_every)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

@@ -455,7 +455,8 @@ def _summary(cfg: GemmQuant | None) -> str:
     return "float32"
   parts = [f"{r}={_fmt_short(getattr(cfg, r))}" for r in ROLES if getattr(cfg, r) is not None]
   if cfg.accum is not None:
-    parts.append(f"accum={_fmt_short(cfg.accum)}" + ("+kahan" if cfg.kahan else ""))
+    parts.append(f"accum={_fmt_short(cfg.accum)}" + ("+kahan" if cfg.kahan else "")
+                 + (f"+promote{cfg.promote_every}" if cfg.promote_every is not None else ""))
   if not cfg.bwd_from_fwd:
     parts.append("bwd_from_fwd=False")
   return " ".join(parts) or "identity"

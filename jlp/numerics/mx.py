@@ -1,14 +1,39 @@
 """OCP Microscaling (MX v1.0) quantization on float32 bit patterns.
 
 Each block of `fmt.block` consecutive elements along `fmt.axis` (the last block
-zero-padded) shares one E8M0 scale 2^shared_exp with
+zero-padded) shares one E8M0 scale 2^shared_exp. With A = max |x| in the block (a
+float32), field(v) and frac(v) the exponent field and fraction bits of a float32 v,
+emax = emax(elem) and m = the element's mantissa bits (6 for MXINT8, its grid being
+k / 64), `fmt.scale_mode` picks shared_exp as torchao's `ScaleCalculationMode` of the
+same name does (torchao/prototype/mx_formats/mx_tensor.py, `to_mx`):
 
-  shared_exp = floor(log2(max |x| in block)) - emax(elem), clamped below at -127,
+  "floor" (OCP §6.3): shared_exp = field(A) - 127 - emax, i.e. floor(log2 A) - emax
+    (a float32-subnormal A counts as 2^-127);
+  "ceil":  shared_exp = field(A) - 127 + [frac(A) != 0] - emax, i.e. ceil(log2 A) - emax
+    for a normal A (a subnormal A counts as 2^-126);
+  "even":  A is first rounded to m mantissa bits, half away from zero, on its bits:
+    A' = (bits(A) + 2^(22 - m)) & 0x7F800000, then shared_exp = field(A') - 127 - emax
+    (A' may be 2^128 for a finite A near float32's max);
+  "rceil" (cuBLAS / `cvt.rp.satfinite.ue8m0x2.f32`): D = fl32(A / max(elem)), one IEEE
+    division (subnormal D included), and shared_exp = ceil(log2 D) exactly from D's bits:
+    field(D) - 127 + [frac(D) != 0] for a normal D, -126 for a subnormal D above 2^-127,
+    and -127 (after the clamp) for D <= 2^-127 and D = 0,
 
-found exactly from the largest magnitude's bit pattern (a float32 subnormal
-maximum has floor(log2) <= -127, so its block gets 2^-127 whatever emax(elem) is).
-Elements are x / 2^shared_exp rounded by the element format with overflow
-saturating to ±max(elem) (OCP §6.3), then multiplied back by 2^shared_exp.
+each then clamped below at -127; a shared_exp above 127 (an E8M0 NaN scale) makes the
+block NaN in every mode. Elements are x / 2^shared_exp rounded by the element format
+with overflow saturating to ±max(elem) (OCP §6.3), then multiplied back by 2^shared_exp
+-- the same for every mode ("ceil" and "rceil" never saturate: A / 2^shared_exp <= max).
+The product is a float32 in "floor" mode (shared_exp <= 127 - emax); the other modes
+reach shared_exp = 128 - emax for A above 2^127, where an element rounding up to 2^emax
+gives 2^128: that product is ±inf, as torchao's float32 dequantization gives.
+
+Where torchao 0.18's `to_mx` differs (on CPU, eager), jlp keeps the OCP rules above:
+a block whose shared_exp is -127 is divided by 2^-126 in "floor"/"ceil"/"even" (torchao
+clamps the float scale to the smallest normal) and multiplied by 1.0 instead of 2^127 in
+"rceil"; a block holding inf gets a finite scale there (2^(128 - emax), "rceil" 2^127)
+instead of NaN; and its "rceil" fallback takes ceil(torch.log2(D)) in float32, which is
+one too low when D lies a few ulps above a power of two (torchao's later
+`_f32_to_e8m0_rceil` and the hardware instruction take the exact ceiling, as here).
 
 Special cases: a block holding inf or NaN, or one whose shared_exp would exceed
 127 (an E8M0 NaN scale), becomes all NaN; an all-zero block keeps its signed
@@ -23,11 +48,14 @@ float arithmetic: adding ±shared_exp to the exponent field where the element gr
 allows it (`_exponent_scaling_is_exact`: every OCP element format, nearest or
 truncating rounding), else the general `ldexp_bits`. Both give the same bits.
 
-The XLA path reads x twice: once for each block's largest exponent field (a
-reshape of the zero-padded axis into (blocks, block); only the field decides the
-shared exponent, and a max of 8-bit fields vectorizes on XLA:CPU where a max of
-whole bit patterns runs as a scalar compare-and-branch loop), once to quantize x
-in its own shape, so a donated buffer is written in place. With nearest rounding,
+Each block's scale is carried as an int32 code: -1 for an all-zero block,
+shared_exp + 127 (0..254, the E8M0 byte) otherwise, 255 for a NaN block
+(`_scale_codes`). The XLA path reads x twice: once for each block's scale code (a
+reshape of the zero-padded axis into (blocks, block); in "floor" mode only the
+largest exponent field decides the shared exponent, and a max of 8-bit fields
+vectorizes on XLA:CPU where a max of whole bit patterns, which the other modes
+need, runs as a scalar compare-and-branch loop), once to quantize x in its own
+shape, so a donated buffer is written in place. With nearest rounding,
 when every block is all zero, non-finite, or has its largest field in the range
 `_nearest_fields(fmt)` (for E4M3 blocks, max |x| from 2^-108 to 2^122), the elements are
 rounded directly on the block's grid, the element grid times 2^shared_exp
@@ -36,6 +64,9 @@ scaled down, cast and scaled back. Both give the same bits.
 
 References:
   OCP Microscaling Formats (MX) Specification v1.0, 2023, §5–§6.
+  pytorch/ao 0.18.0, torchao/prototype/mx_formats/mx_tensor.py (`to_mx`, `_to_mx_rceil`) and
+    config.py (`ScaleCalculationMode`); NVIDIA cuBLAS documentation, "1D block quantization"
+    (the RCEIL scale: UE8M0 of amax / max rounded toward +inf).
   Rouhani et al., "Microscaling Data Formats for Deep Learning", arXiv:2310.10537;
     github.com/microsoft/microxcaling (`mx/mx_ops.py`, issue #4 on saturation).
 """
@@ -51,12 +82,15 @@ from jax import lax
 from jlp.formats import INT8, FloatFormat, MXFormat
 from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, cast_bits, float_bits,
                                      from_bits, to_bits, u32)
+from jlp.numerics.ieee_f32 import div_bits
 
 E8M0_MIN_EXP = -127
 E8M0_MAX_EXP = 127
 # MXINT8's grid k/64 for |v| < 2 is the grid of an e2m6 float (emin 0, step 2^-6 below 2).
 _INT8_GRID = FloatFormat(2, 6)
 _INT8_MAX_BITS = float_bits(127 / 64)
+ZERO_BLOCK = -1  # the scale code of an all-zero block
+NAN_SCALE = 255  # the scale code of a NaN block (E8M0's NaN byte)
 
 
 def ldexp_bits(u: jax.Array, k: jax.Array) -> jax.Array:
@@ -124,7 +158,8 @@ def _scale_up_bits(q: jax.Array, shared_exp: jax.Array) -> jax.Array:
   """Bits of q · 2^shared_exp for a zero or float32-normal `q` whose product is exact.
 
   A product below 2^-126 is the significand shifted right, exactly (no bits are lost when
-  `_exponent_scaling_is_exact`). Products past 2^128 are garbage (NaN-scale blocks only).
+  `_exponent_scaling_is_exact`). Products of 2^128 or more are ±inf for shared_exp <= 128 (an
+  element of a "ceil" / "even" / "rceil" block near float32's max), garbage above (NaN scales).
   """
   sign = q & SIGN
   a = q & ABS
@@ -133,6 +168,7 @@ def _scale_up_bits(q: jax.Array, shared_exp: jax.Array) -> jax.Array:
   right = jnp.clip(1 - out_field, 0, 31).astype(jnp.uint32)
   subnormal = ((a & FRAC) | HIDDEN) >> right
   magnitude = jnp.where(out_field >= 1, normal, subnormal)
+  magnitude = jnp.where(out_field >= 255, INF, magnitude)
   return sign | jnp.where(a == 0, u32(0), magnitude)
 
 
@@ -162,16 +198,59 @@ def mx_rows_bits(u: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) ->
   if fmt.rounding == "stochastic" and rbits is None:
     raise ValueError("stochastic rounding needs rbits (uint32, one per element)")
   largest = jnp.max(u & ABS, axis=1, keepdims=True)
-  return _mx_bits_given_largest(u, largest, fmt, rbits)
+  return _mx_bits_given_scale(u, _scale_codes(largest, fmt), fmt, rbits)
 
 
-def _mx_bits_given_largest(u: jax.Array, largest: jax.Array, fmt: MXFormat,
-                           rbits: jax.Array | None) -> jax.Array:
-  """Element-wise MX quantization of bit patterns `u` whose blocks have max |x| bits `largest`."""
+def _elem_man(fmt: MXFormat) -> int:
+  return _INT8_GRID.man if fmt.elem == INT8 else fmt.elem.man
+
+
+def _unclamped_shared_exp(largest: jax.Array, fmt: MXFormat) -> jax.Array:
+  """int32 shared exponent of blocks whose max |x| has the finite bits `largest`, by
+  `fmt.scale_mode` (module docstring), before the clamp to [-127, 127]."""
+  mode = fmt.scale_mode
+  emax = fmt.elem_emax
+  if mode == "rceil":
+    max_bits = _INT8_MAX_BITS if fmt.elem == INT8 else float_bits(fmt.elem.max)
+    largest = div_bits(largest, jnp.full_like(largest, max_bits))
+    emax = 0
+  if mode == "even":
+    largest = largest + u32(1 << (22 - _elem_man(fmt)))  # the carry is all that matters
+  field = (largest >> 23).astype(jnp.int32)
+  fraction = largest & FRAC
+  if mode == "floor" or mode == "even":
+    return field - 127 - emax
+  ceil = field - 127 + (fraction != 0).astype(jnp.int32) - emax
+  if mode == "ceil":
+    return ceil
+  # rceil: D = m · 2^-149 subnormal: ceil(log2 D) <= -127 for m <= 2^22, else -126.
+  return jnp.where(field > 0, ceil, jnp.where(fraction > u32(1 << 22), -126, -127))
+
+
+def _scale_codes(largest: jax.Array, fmt: MXFormat) -> jax.Array:
+  """int32 scale codes (module docstring) of blocks whose max |x| has the bits `largest`
+  (>= INF: the block holds inf or NaN)."""
+  finite = largest < INF
+  shared_exp = _unclamped_shared_exp(jnp.where(finite, largest, u32(0)), fmt)
+  code = jnp.maximum(shared_exp, E8M0_MIN_EXP) + 127
+  code = jnp.where(finite & (shared_exp <= E8M0_MAX_EXP), code, NAN_SCALE)
+  return jnp.where(largest == 0, ZERO_BLOCK, code)
+
+
+def _field_codes_to_scale_codes(codes: jax.Array, fmt: MXFormat) -> jax.Array:
+  """"floor" scale codes from `_block_field_codes` (0, or 1 + the largest exponent field)."""
+  shared_exp = codes.astype(jnp.int32) - 128 - fmt.elem_emax
+  code = jnp.where((codes >= 256) | (shared_exp > E8M0_MAX_EXP), NAN_SCALE,
+                   jnp.maximum(shared_exp, E8M0_MIN_EXP) + 127)
+  return jnp.where(codes == 0, ZERO_BLOCK, code)
+
+
+def _mx_bits_given_scale(u: jax.Array, code: jax.Array, fmt: MXFormat,
+                         rbits: jax.Array | None) -> jax.Array:
+  """Element-wise MX quantization of bit patterns `u` whose blocks have the scale codes `code`."""
   a = u & ABS
-  largest_field = (largest >> 23).astype(jnp.int32)
-  shared_exp = jnp.maximum(largest_field - 127 - fmt.elem_emax, E8M0_MIN_EXP)
-  nan_scale = (largest >= INF) | (shared_exp > E8M0_MAX_EXP)
+  shared_exp = jnp.maximum(code, 0) - 127
+  nan_scale = code >= NAN_SCALE
 
   finite = jnp.where(a >= INF, u32(0), u)
   exact = _exponent_scaling_is_exact(fmt)
@@ -197,11 +276,17 @@ def _nearest_fields(fmt: MXFormat) -> tuple[int, int]:
   return 2 + fmt.elem_emax - low, 231 + fmt.elem_emax - low
 
 
-def _nearest_on_scaled_grid(u: jax.Array, field: jax.Array, fmt: MXFormat) -> jax.Array:
+def _nearest_scale_codes(fmt: MXFormat) -> tuple[int, int]:
+  """`_nearest_fields(fmt)` as scale codes: shared_exp + 127 = field - emax there."""
+  low, high = _nearest_fields(fmt)
+  return low - fmt.elem_emax, min(high - fmt.elem_emax, 254)
+
+
+def _nearest_on_scaled_grid(u: jax.Array, code: jax.Array, fmt: MXFormat) -> jax.Array:
   """MX with nearest rounding, on the grid of the element format scaled by 2^shared_exp.
 
-  `field` is the block's largest exponent field, in `_nearest_fields(fmt)` or 255 (a NaN
-  block); an all-zero block may pass any field of that range. In the block grid's normal range
+  `code` is the block's scale code, in `_nearest_scale_codes(fmt)` or 255 (a NaN block); an
+  all-zero block may pass any code of that range. In the block grid's normal range
   (|x| >= 2^(emin + shared_exp)) the grid is float32's with the low 23 - man bits dropped, so
   the bits are rounded directly (a carry into the exponent is right). Below it the step is
   Q = 2^(emin + shared_exp - man): |x| + C with C = 2^23 · Q is rounded to nearest even by the
@@ -211,7 +296,7 @@ def _nearest_on_scaled_grid(u: jax.Array, field: jax.Array, fmt: MXFormat) -> ja
   grid = _INT8_GRID if fmt.elem == INT8 else fmt.elem
   s = 23 - grid.man
   max_bits = _INT8_MAX_BITS if fmt.elem == INT8 else float_bits(fmt.elem.max)
-  shared_exp = field.astype(jnp.int32) - (127 + fmt.elem_emax)
+  shared_exp = code - 127
 
   def power_bits(exponent: jax.Array) -> jax.Array:
     return ((exponent + 127) << 23).astype(jnp.uint32)
@@ -224,14 +309,20 @@ def _nearest_on_scaled_grid(u: jax.Array, field: jax.Array, fmt: MXFormat) -> ja
   below = to_bits(steps.astype(jnp.float32) * from_bits(power_bits(step)))
   q = jnp.where(a < power_bits(shared_exp + grid.emin), below, normal)
   q = jnp.minimum(q, (max_bits.astype(jnp.int32) + (shared_exp << 23)).astype(jnp.uint32))
-  return jnp.where(field >= 255, QNAN, (u & SIGN) | q)
+  return jnp.where(code >= NAN_SCALE, QNAN, (u & SIGN) | q)
+
+
+def _scale_codes_on_scaled_grid(code: jax.Array, fmt: MXFormat) -> jax.Array:
+  """Whether every block (scale codes) is all zero, NaN or has its code in
+  `_nearest_scale_codes(fmt)`: then `_nearest_on_scaled_grid` quantizes x."""
+  low, high = _nearest_scale_codes(fmt)
+  return jnp.all(((code >= low) & (code <= high)) | (code == ZERO_BLOCK) | (code == NAN_SCALE))
 
 
 def _rounds_on_scaled_grid(codes: jax.Array, fmt: MXFormat) -> jax.Array:
-  """Whether every block (codes from `_block_field_codes`) is all zero, non-finite or has its
-  largest field in `_nearest_fields(fmt)`: then `_nearest_on_scaled_grid` quantizes x."""
-  low, high = _nearest_fields(fmt)
-  return jnp.all(((codes > low) & (codes <= high + 1)) | (codes == 0) | (codes == 256))
+  """`_scale_codes_on_scaled_grid` for "floor" blocks given by `_block_field_codes`: every
+  block is all zero, non-finite or has its largest field in `_nearest_fields(fmt)`."""
+  return _scale_codes_on_scaled_grid(_field_codes_to_scale_codes(codes, fmt), fmt)
 
 
 def _block_field_codes(u: jax.Array, axis: int, block: int) -> jax.Array:
@@ -249,6 +340,16 @@ def _block_field_codes(u: jax.Array, axis: int, block: int) -> jax.Array:
   pad[axis] = (0, count * block - length)
   split = u.shape[:axis] + (count, block) + u.shape[axis + 1:]
   return jnp.max(jnp.pad(codes, pad).reshape(split), axis=axis + 1, keepdims=True)
+
+
+def _block_largest(u: jax.Array, axis: int, block: int) -> jax.Array:
+  """Per MX block along `axis`: the bits of max |x| (split as `_block_field_codes`)."""
+  length = u.shape[axis]
+  count = -(-length // block)
+  pad = [(0, 0)] * u.ndim
+  pad[axis] = (0, count * block - length)
+  split = u.shape[:axis] + (count, block) + u.shape[axis + 1:]
+  return jnp.max(jnp.pad(u & ABS, pad).reshape(split), axis=axis + 1, keepdims=True)
 
 
 def _broadcast_blocks(per_block: jax.Array, shape: tuple[int, ...], axis: int,
@@ -282,20 +383,23 @@ def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> 
   u = to_bits(x)
   axis = fmt.axis % u.ndim
   block = min(fmt.block, u.shape[axis])
-  codes = _block_field_codes(u, axis, block)
+  if fmt.scale_mode == "floor":
+    codes = _field_codes_to_scale_codes(_block_field_codes(u, axis, block), fmt)
+  else:
+    codes = _scale_codes(_block_largest(u, axis, block), fmt)
 
   # The branches take x, not u: a bitcast outside lax.cond made XLA:CPU copy a donated buffer.
   def general(x: jax.Array, codes: jax.Array) -> jax.Array:
-    field = jnp.maximum(_broadcast_blocks(codes, x.shape, axis, block), 1) - 1
+    code = _broadcast_blocks(codes, x.shape, axis, block)
     r = jnp.asarray(rbits, jnp.uint32) if fmt.rounding == "stochastic" else None
-    return from_bits(_mx_bits_given_largest(to_bits(x), field << 23, fmt, r))
+    return from_bits(_mx_bits_given_scale(to_bits(x), code, fmt, r))
 
   if fmt.rounding != "nearest":
     return general(x, codes)
 
   def nearest(x: jax.Array, codes: jax.Array) -> jax.Array:
-    field = jnp.clip(_broadcast_blocks(codes, x.shape, axis, block), _nearest_fields(fmt)[0] + 1,
-                     256) - 1
-    return from_bits(_nearest_on_scaled_grid(to_bits(x), field, fmt))
+    code = _broadcast_blocks(codes, x.shape, axis, block)
+    code = jnp.where(code == ZERO_BLOCK, _nearest_scale_codes(fmt)[0], code)
+    return from_bits(_nearest_on_scaled_grid(to_bits(x), code, fmt))
 
-  return lax.cond(_rounds_on_scaled_grid(codes, fmt), nearest, general, x, codes)
+  return lax.cond(_scale_codes_on_scaled_grid(codes, fmt), nearest, general, x, codes)

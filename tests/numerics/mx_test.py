@@ -5,10 +5,15 @@ elements along `axis` (last block zero-padded), shared_exp = floor(log2 amax) -
 emax(elem) clamped to [-127, 127] (NaN scale above), elements = the ml_dtypes
 cast of clip(x / 2^shared_exp, ±max(elem)), or k/64 with k = round-half-even
 clamped to ±127 for MXINT8; blocks holding inf/NaN are NaN. The element table
-below is copied from the spec, not from jlp.
+below is copied from the spec, not from jlp. The other scale modes ("ceil",
+"even", "rceil") choose shared_exp as torchao 0.18's `to_mx` does
+(`shared_exponent`, transcribed from torchao/prototype/mx_formats/mx_tensor.py
+in float64 arithmetic, with the exact ceiling of cuBLAS's RCEIL rule); the
+elements are then made the same way.
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +34,34 @@ ELEMENTS = {  # name: (ml_dtypes type, emax, largest magnitude)
     "float4_e2m1fn": (ml_dtypes.float4_e2m1fn, 2, 6.0),
     "int8": (None, 0, 127 / 64),
 }
+MANTISSA_BITS = {"float8_e5m2": 2, "float8_e4m3fn": 3, "float6_e3m2fn": 2, "float6_e2m3fn": 3,
+                 "float4_e2m1fn": 1, "int8": 6}  # int8: the grid k / 64 below 2
+SCALE_MODES = ("floor", "ceil", "even", "rceil")
+
+
+def shared_exponent(amax, elem, mode):
+  """The unclamped shared exponent of blocks with the largest magnitude `amax` (float64 of a
+  finite float32), transcribed from torchao's `to_mx`: it reads amax's float32 exponent field,
+  so a subnormal amax counts as 2^-127 ("floor") or, having a nonzero fraction, 2^-126
+  ("ceil"); "even" first rounds amax half up to the element's mantissa bits; "rceil" takes
+  ceil(log2(fl32(amax / max))) exactly."""
+  _, emax, largest = ELEMENTS[elem]
+  normal = amax >= 2.0 ** -126
+  m, e = np.frexp(amax)  # amax = m · 2^e, m in [0.5, 1)
+  floor_log2 = np.where(normal, e - 1, -127)
+  if mode == "floor":
+    return floor_log2 - emax
+  if mode == "ceil":
+    return np.where(normal, np.where(m == 0.5, e - 1, e), np.where(amax > 0, -126, -127)) - emax
+  if mode == "even":
+    half_up = 2.0 ** -(MANTISSA_BITS[elem] + 1)  # rounds the significand 2m up to 2
+    carry = np.where(normal, 2 * m >= 2 - half_up, amax >= 2.0 ** -126 * (1 - half_up))
+    return floor_log2 + carry - emax
+  assert mode == "rceil"
+  with np.errstate(under="ignore"):
+    d = (amax.astype(np.float32) / np.float32(largest)).astype(np.float64)  # IEEE, subnormals
+  md, ed = np.frexp(d)
+  return np.where(d == 0, -127, np.where(md == 0.5, ed - 1, ed))
 
 
 def round_elements(scaled, elem, rbits=None):
@@ -42,21 +75,26 @@ def round_elements(scaled, elem, rbits=None):
   return ref.round_to_format(clipped.astype(np.float32), stochastic, rbits).astype(np.float64)
 
 
-def reference_blocks(blocks, elem, rbits=None):
+def reference_blocks(blocks, elem, rbits=None, mode="floor"):
   """Each row of `blocks` (float32) quantized as one MX block, in float64."""
   v = blocks.astype(np.float64)
   amax = np.abs(v).max(axis=1, keepdims=True)
-  _, exp2 = np.frexp(amax)  # amax = m · 2^exp2, m in [0.5, 1): floor(log2 amax) = exp2 - 1
-  shared = np.maximum(exp2 - 1 - ELEMENTS[elem][1], -127).astype(np.float64)
-  with np.errstate(invalid="ignore"):
+  if mode == "floor":
+    _, exp2 = np.frexp(amax)  # amax = m · 2^exp2, m in [0.5, 1): floor(log2 amax) = exp2 - 1
+    shared = np.maximum(exp2 - 1 - ELEMENTS[elem][1], -127).astype(np.float64)
+  else:
+    finite_amax = np.where(np.isfinite(amax), amax, 0.0)
+    shared = np.maximum(shared_exponent(finite_amax, elem, mode), -127).astype(np.float64)
+  with np.errstate(invalid="ignore", over="ignore"):
     scaled = v / 2.0 ** shared
     out = round_elements(np.where(np.isfinite(scaled), scaled, 0.0), elem, rbits) * 2.0 ** shared
   out = np.where(amax == 0, v, out)  # all-zero block: signed zeros kept
   nan_block = ~np.isfinite(v).all(axis=1, keepdims=True) | (shared > 127)
-  return np.where(nan_block, np.nan, out).astype(np.float32)
+  with np.errstate(over="ignore"):  # 2^128 -> inf ("ceil", "even", "rceil" near float32's max)
+    return np.where(nan_block, np.nan, out).astype(np.float32)
 
 
-def mx_reference(x, elem, block, axis, rbits=None):
+def mx_reference(x, elem, block, axis, rbits=None, mode="floor"):
   x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
   n = x.shape[-1]
   padded = np.zeros(x.shape[:-1] + (-(-n // block) * block,), np.float32)
@@ -66,7 +104,7 @@ def mx_reference(x, elem, block, axis, rbits=None):
     r = np.zeros(padded.shape, np.uint32)
     r[..., :n] = np.moveaxis(rbits, axis, -1)
     r = r.reshape(-1, block)
-  out = reference_blocks(padded.reshape(-1, block), elem, r).reshape(padded.shape)[..., :n]
+  out = reference_blocks(padded.reshape(-1, block), elem, r, mode).reshape(padded.shape)[..., :n]
   return np.moveaxis(out, -1, axis)
 
 
@@ -250,3 +288,123 @@ def test_validation():
     mx_quantize(jnp.ones((4, 4)), MXFormat("int8", axis=2))
   with pytest.raises(ValueError, match="rbits"):
     mx_quantize(jnp.ones((4,)), MXFormat(FloatFormat(4, 3, rounding="stochastic")))
+
+
+# -- scale modes ("ceil", "even", "rceil"; "floor" is the default above) ---------------------------
+
+def scale_mode_blocks(elem, rng):
+  """(rows, 32) blocks whose largest magnitude (the first element, signed) sits on or beside each
+  mode's rounding boundary: powers of two and their neighbours, the "even" carry threshold
+  (2 - 2^-(m+1)) · 2^k, max(elem) · 2^k (where "rceil"'s quotient is a power of two), subnormal
+  maxima around 2^-127 and 2^-126, float32's largest values (products of 2^128 -> inf), and a
+  maximum whose quotient by max(elem) underflows to 0; the other elements are random fractions
+  of the maximum, its float32 neighbour below, zeros and float32 subnormals."""
+  _, _, largest = ELEMENTS[elem]
+  half_up = 2.0 ** -(MANTISSA_BITS[elem] + 1)
+  f32 = np.float32
+  tops = []
+  for k in (-140, -127, -126, -125, -100, -9, -1, 0, 3, 60, 113, 125, 127):
+    for t in (2.0 ** k, 2.0 ** k * (2 - half_up), largest * 2.0 ** k):
+      if t < 2.0 ** 128 and t >= 2.0 ** -149:
+        v = f32(t)
+        tops += [v, np.nextafter(v, f32(np.inf)), np.nextafter(v, f32(0))]
+  tops += [np.uint32(b).view(f32) for b in (1, 0x400000, 0x400001, 0x7FFFFF, 0x7F7FFFFF)]
+  tops += [f32(2.0 ** -126 * (1 - half_up)), f32(1.9 * 2.0 ** 127), f32(1.96875 * 2.0 ** 127)]
+  tops = np.array([t for t in tops if np.isfinite(t) and t > 0], f32)
+  rows = tops.size
+  x = (rng.random((rows, 32)) * rng.choice([-1.0, 1.0], (rows, 32))).astype(f32) * tops[:, None]
+  x[:, 0] = tops * rng.choice(np.array([-1, 1], f32), rows)
+  x[:, 1] = np.nextafter(tops, f32(0))
+  x[::3, 2:5] = 0.0
+  x[1::3, 5] = np.uint32(0x3FF).view(f32)
+  return x
+
+
+@pytest.mark.parametrize("mode", SCALE_MODES[1:])
+@pytest.mark.parametrize("elem", list(ELEMENTS))
+def test_scale_modes_match_reference(elem, mode):
+  """Boundary blocks (general path) and random wide blocks incl. specials, along the last axis
+  and, ragged, along axis 0."""
+  rng = np.random.default_rng(len(elem) + len(mode))
+  fmt = MXFormat(elem, scale_mode=mode)
+  x = scale_mode_blocks(elem, rng)
+  ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 32, -1, mode=mode), x, repr(fmt))
+  x = random_blocks(rng, 24, 50).T.copy()
+  fmt = MXFormat(elem, block=20, axis=0, scale_mode=mode)
+  ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 20, 0, mode=mode), x, repr(fmt))
+
+
+@pytest.mark.parametrize("mode", SCALE_MODES)
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8"])
+def test_scale_modes_on_the_scaled_grid_match_reference(elem, mode):
+  """Blocks within `_nearest_fields` take the direct rounding on the scaled grid (asserted) in
+  every mode, with ties, saturating tops, an all-zero and a NaN block; for E5M2 also blocks
+  near float32's max, whose elements round up to 2^128 = inf outside "floor" mode."""
+  fmt = MXFormat(elem, scale_mode=mode)
+  exps = [-40, -3, 0, 5, 60] + ([112] if elem == "float8_e5m2" else [])
+  x = scaled_grid_blocks(elem, exps, np.random.default_rng(11))
+  x = np.concatenate([x, np.zeros((1, 32), np.float32), np.ones((1, 32), np.float32)])
+  x[-1, 9] = np.nan
+  codes = mx_numerics._scale_codes(jnp.max(jnp.asarray(x).view(jnp.uint32) & 0x7FFFFFFF, axis=1),
+                                   fmt)
+  assert bool(mx_numerics._scale_codes_on_scaled_grid(codes, fmt))
+  want = mx_reference(x, elem, 32, -1, mode=mode)
+  ref.assert_same_bits(quantize(x, fmt), want, x, repr(fmt))
+  assert np.isinf(want).any() == (elem == "float8_e5m2" and mode != "floor")
+
+
+def test_scale_modes_by_hand():
+  """E4M3 (max 448 = 1.75 · 2^8, 3 mantissa bits): amax 1.96875 = 1.11111b · 2^0 gives
+  shared_exp 0 - 8 ("floor": 504 saturates to 448), "ceil" 1 - 8, "even" 1 - 8 (1.11111b
+  rounds up to 2 at 3 bits) and "rceil" ceil(log2(1.96875 / 448)) = -7; 252 then ties to 256.
+  amax 1.5: "even" stays at -8 (1.1b), "rceil" ceil(log2(1.5 / 448)) = -8, "ceil" -7, where
+  2^-17 (a tie at 2^-10 · 2^-7) rounds to even 0."""
+  x = np.zeros((2, 32), np.float32)
+  x[0, :3] = [1.96875, -1.875, 0.5]
+  x[1, :2] = [1.5, 2.0 ** -17]
+  want = {"floor": [[1.75, -1.75, 0.5], [1.5, 2.0 ** -17]],
+          "ceil": [[2.0, -1.875, 0.5], [1.5, 0.0]],
+          "even": [[2.0, -1.875, 0.5], [1.5, 2.0 ** -17]],
+          "rceil": [[2.0, -1.875, 0.5], [1.5, 2.0 ** -17]]}
+  for mode, (first, second) in want.items():
+    got = quantize(x, MXFormat("float8_e4m3fn", scale_mode=mode))
+    np.testing.assert_array_equal(got[0, :3], first, err_msg=mode)
+    np.testing.assert_array_equal(got[1, :2], second, err_msg=mode)
+
+
+def test_ceil_modes_overflow_to_inf_near_float32_max():
+  """float32's max in a "ceil" block: shared_exp 128 - 8, 2^128 (1 - 2^-24) / 2^120 rounds to
+  256 = 2^8, and 256 · 2^120 is past float32: inf (torchao's float32 product too)."""
+  x = np.zeros(32, np.float32)
+  x[:2] = [np.finfo(np.float32).max, -1.0]
+  got = quantize(x, MXFormat("float8_e4m3fn", scale_mode="ceil"))
+  assert got[0] == np.inf and got[1] == 0.0 and np.signbit(got[1])
+
+
+def test_scale_mode_validation():
+  with pytest.raises(ValueError, match="scale_mode='round'"):
+    MXFormat("float8_e4m3fn", scale_mode="round")
+
+
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                      "mx_scale_modes_torchao.npz")
+
+
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2", "float6_e2m3fn",
+                                  "float6_e3m2fn", "float4_e2m1fn"])
+def test_torchao_goldens(elem):
+  """Every scale mode against the real torchao 0.18.0 `to_mx` + `to_dtype` on CPU
+  (tests/data/make_mx_scale_mode_goldens.py; 64 blocks of 32 per element type: random blocks
+  with outliers and signed zeros, each mode's boundary maxima, grid ties, saturating tops, an
+  all-zero and a NaN block, none in the documented corners), bit for bit; NaNs of any sign
+  count as equal (torchao's NaN signs come from its float ops)."""
+  with np.load(GOLDEN) as data:
+    x = data[f"x_{elem}"].view(np.float32)
+    goldens = {mode: data[f"y_{elem}_{mode}"].view(np.float32) for mode in SCALE_MODES}
+  differ = 0
+  for mode, want in goldens.items():
+    got = quantize(x, MXFormat(elem, scale_mode=mode))
+    want = np.where(np.isnan(want), np.float32(np.nan), want)
+    ref.assert_same_bits(got, want, x, f"{elem} {mode}")
+    differ += int((~ref.same_bits(want, goldens["floor"])).sum())
+  assert differ > 0  # the modes are told apart by these inputs

@@ -2,12 +2,15 @@
 
 References: `jlp.numerics.mx.mx_quantize` (the XLA path, compared as uint32 bit
 patterns) and `mx_reference` of tests/numerics/mx_test.py (float64 + ml_dtypes,
-written from OCP MX v1.0 §6.3; NaNs compared by sign only). Gradients: the
-straight-through identity, or the reference applied to the cotangent. Grids stay
-at <= 16 steps.
+written from OCP MX v1.0 §6.3, and torchao's rules for the other scale modes; NaNs
+compared by sign only). Gradients: the straight-through identity, or the reference
+applied to the cotangent. Grids stay at <= 16 steps. The kernel's lowering for cuda
+in every scale mode uses `lower_for_h100` of kernel_lowering_test.py.
 """
 
 import functools
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,8 @@ import pytest
 import jlp
 from jlp.formats import FloatFormat, MXFormat
 from jlp.numerics import mx as xla_mx
-from numerics.mx_test import ELEMENTS, mx_reference, random_blocks
+from jlp.numerics.mx import mx_rows_bits
+from numerics.mx_test import ELEMENTS, SCALE_MODES, mx_reference, random_blocks, scale_mode_blocks
 from pallas_kernels import mx as mx_kernel
 import references as ref
 
@@ -25,6 +29,19 @@ import references as ref
 ELEMS = [(name, "nearest") for name in ELEMENTS] + [("float8_e4m3fn", "stochastic"),
                                                    ("float4_e2m1fn", "stochastic")]
 F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def _lowering_helpers():
+  """tests/pallas_kernels/kernel_lowering_test.py, loaded by path (the directory is not a package,
+  and `pallas_kernels` names the kernels' package)."""
+  path = pathlib.Path(__file__).with_name("kernel_lowering_test.py")
+  spec = importlib.util.spec_from_file_location("_kernel_lowering_helpers", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+lowering = _lowering_helpers()
 
 
 def mx_format(elem: str, rounding: str, block: int, axis: int) -> MXFormat:
@@ -235,3 +252,54 @@ def test_argument_errors():
     mx_kernel.mx_quantize(x, MXFormat("int8"), interpret=True, rows_per_tile=3)
   with pytest.raises(TypeError):
     mx_kernel.mx_quantize(x, jlp.BFPFormat(8, (1, 32)), interpret=True)
+
+
+# -- scale modes -------------------------------------------------------------------------------
+
+def check_modes(x, block: int, axis: int, rows_per_tile, elems, modes=SCALE_MODES[1:]):
+  """Kernel == XLA path (uint32 views) == mx_reference, for each element format and scale mode."""
+  fmts = tuple(MXFormat(e, block=block, axis=axis, scale_mode=m) for e in elems for m in modes)
+  got_all = _kernel_fn(fmts, rows_per_tile)(x, None)
+  want_all = _xla_fn(fmts)(x, None)
+  for fmt, got, want in zip(fmts, got_all, want_all, strict=True):
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=repr(fmt))
+    name = "int8" if fmt.elem == "int8" else fmt.elem.name
+    with np.errstate(invalid="ignore"):
+      ref.assert_same_bits(got, mx_reference(x, name, block, axis, mode=fmt.scale_mode), x,
+                           repr(fmt))
+
+
+@pytest.mark.parametrize("elem", list(ELEMENTS))
+def test_scale_modes_match_xla_path_and_reference(elem):
+  """Each mode's boundary blocks (`scale_mode_blocks`: 100-odd blocks of 32, 8 tiles of 16) and,
+  along axis 0 with ragged blocks, the wide sample (G = 72, P = 32, 9 tiles of 8)."""
+  x = scale_mode_blocks(elem, np.random.default_rng(len(elem)))
+  check_modes(x, 32, -1, 16, [elem])
+  check_modes(sample((50, 24), 0, seed=7), 20, 0, 8, [elem])
+
+
+def test_scale_modes_special_values():
+  check_modes(special_blocks(), 32, -1, 4, ["float8_e4m3fn", "float4_e2m1fn", "int8"])
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("mode", SCALE_MODES)
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float6_e2m3fn", "int8"])
+def test_scale_modes_lower_to_triton(elem, mode):
+  fmt = MXFormat(elem, block=32, axis=-1, scale_mode=mode)
+  hlo = lowering.lower_for_h100(lambda x: mx_kernel.mx_quantize(x, fmt),
+                                jax.ShapeDtypeStruct((257, 1000), jnp.float32))
+  assert lowering.TRITON_CALL in hlo
+  assert "grid_x = 65 " in hlo
+
+
+def test_scale_mode_kernel_bodies_shift_below_width():
+  """Every shift in `mx_rows_bits` (incl. the "rceil" division) is below 32 bits on boundary
+  blocks (XLA and Triton disagree on wider shifts; kernel_lowering_test.py)."""
+  u = np.concatenate([scale_mode_blocks(e, np.random.default_rng(5)) for e in ELEMENTS])
+  u = np.concatenate([u, special_blocks()]).view(np.uint32)
+  bodies = {repr(f): (lambda u, r, f=f: mx_rows_bits(u, f))
+            for f in (MXFormat(e, scale_mode=m) for e in ("float8_e4m3fn", "int8")
+                      for m in SCALE_MODES)}
+  assert lowering.shifts_at_or_above_width(bodies, u, u) == []

@@ -1,0 +1,204 @@
+"""Block-scaled quantization with a float32 scale per block (DeepSeek-V3's fine-grained FP8,
+TransformerEngine's Float8BlockScaling), on float32 bit patterns.
+
+Layout: x is viewed as a matrix, `fmt.axis` moved last and the other axes flattened (row-major)
+into rows; a block covers r consecutive rows and c consecutive columns, (r, c) = fmt.block, each
+entry capped at the matrix's extent. Edge blocks are partial and use their own amax (computing
+it over a zero-padded block gives the same value).
+
+Semantics, per block, with A = max |x| over the block, M = elem.max and fl32 IEEE 754 binary32
+rounding to nearest even with gradual underflow:
+
+  s = fl32(A / M)                   one float32 division; s = 1 for an all-zero block (A = 0);
+                                    s = 2^-149 (the smallest positive float32) where A / M rounds
+                                    to zero (A > 0, A <= M · 2^-150);
+  s = 2^ceil(log2 s)                with pow2_scale=True: the smallest power of two >= that s,
+                                    read exactly from its bits (a subnormal s gives a subnormal
+                                    power of two; 2^127 at most, reached only for M < 2);
+  y = fl32(x / s)                   one float32 division per element (subnormal y exact);
+  q = elem(y)                       round to nearest even onto elem's grid, saturating to ±M;
+  value = fl32(q · s)               one float32 multiply (subnormal results exact; a product past
+                                    float32's range is ±inf as IEEE gives: it needs A within
+                                    about an ulp of float32's max, or, with pow2_scale, within
+                                    one element grid step of 2^128).
+
+Signed zeros are kept (an all-zero block is returned unchanged, elements rounding to zero keep
+their sign). A block holding inf or NaN becomes all NaN (0x7FC00000): its scale would be inf or
+NaN, and TransformerEngine's reference then dequantizes every element to NaN as well.
+
+Exactness: in `block_scaled_bits`, x / s and q · s are `jlp.numerics.ieee_f32.div_bits` /
+`mul_bits` (integer ops), so tiny-amax blocks, whose scales and results are float32 subnormals,
+are exact on XLA:CPU (which reads subnormal operands as 0 and flushes subnormal results) and in
+the Pallas kernel (`pallas_kernels.block_scaled`), which runs the same `block_scaled_bits` on
+tiles of blocks: both paths agree bit for bit. The XLA path switches (`lax.cond`) to the float
+division and multiply (3-4x faster on XLA:CPU) when they give the same bits (`_float_ops_exact`):
+every block is all zero, non-finite or has s >= 2^-100, and elem's smallest positive value is
+at least 2^-24. Then a quotient flushed to ±0 (|x / s| < 2^-126), or a subnormal x read as ±0
+(|x / s| < 2^-26), would round to that zero in elem anyway, q · s is 0 or a normal float32, and
+XLA divides by an elementwise divisor array with one IEEE rounding (it multiplies by a reciprocal
+only for a scalar divisor, as measured on this project's machines), which the tests check against numpy at the element
+grid's ties. The Pallas kernel, the default on GPU, always uses the integer ops.
+
+Peers:
+  DeepSeek-V3 (inference/kernel.py, `act_quant` / `weight_quant` / `weight_dequant`):
+    s = amax / 448, y = x / s cast to float8_e4m3fn (Triton's saturating cast), value = y · s --
+    this rule, except that an all-zero block gets s = 0 there (NaN). Later revisions of that
+    file clamp amax below at 1e-4 (so blocks with amax < 1e-4 differ from this rule) and add
+    scale_fmt="ue8m0": s = exp2(ceil(log2(s))) in float arithmetic, which pow2_scale computes
+    exactly from s's bits (float log2 can miss the ceiling for s just above a power of two).
+  TransformerEngine (tests/pytorch/references/quantize_scale_calc.py, `scale_from_amax_tensor`,
+    and blockwise_quantizer_reference.py, `BlockwiseQuantizerReference`): the quantization
+    scale is the reciprocal, scale = fl32(M / max(A, eps)) (eps = 0 by default; scale = the
+    input dtype's max where M / A overflows, 1 for A = 0), elements are fl32(x · scale) clamped and
+    cast, and dequantization multiplies by scale_inv = fl32(1 / scale). That rounds twice where
+    this rule rounds once (x · fl32(M / A) vs x / fl32(A / M), and q · fl32(1 / fl32(M / A))
+    vs q · fl32(A / M)), so values can differ in the last bit. With pow2_scale its scale is
+    2^floor(log2 fl32(M / A)), equal to this module's 1 / 2^ceil(log2 fl32(A / M)) except when
+    the two quotients round across a power of two differently. Its 1x128 and 128x128 tilings
+    zero-pad partial blocks, which leaves each block's amax unchanged, as here.
+
+References:
+  DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024, §3.3.
+  NVIDIA TransformerEngine, Float8BlockScaling recipe and its blockwise quantizer reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jlp.formats import BlockScaledFormat
+from jlp.numerics.float_cast import ABS, FRAC, INF, QNAN, cast_bits, float_bits, to_bits, u32
+from jlp.numerics.ieee_f32 import div_bits, mul_bits
+
+_ONE = float_bits(1.0)
+_MAX_POW2 = float_bits(2.0 ** 127)
+_FLOAT_OPS_MIN_SCALE = float_bits(2.0 ** -100)
+
+
+def scale_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+  """uint32 bits of each block's scale s (module docstring) from the bits of its finite `amax`."""
+  s = div_bits(amax, jnp.full_like(amax, float_bits(fmt.elem.max)))
+  s = jnp.maximum(s, u32(1))  # a quotient that rounds to zero: 2^-149
+  if fmt.pow2_scale:
+    field = s >> u32(23)
+    fraction = s & FRAC
+    normal = jnp.minimum((field + (fraction != 0).astype(jnp.uint32)) << u32(23), _MAX_POW2)
+    # Subnormal s = m · 2^-149 (1 <= m < 2^23): the power of two 2^ceil(log2 m) is
+    # 1 << (32 - clz(m - 1)) (m = 1: clz(0) = 32, 1 << 0), at most 2^23 (2^-126's bits).
+    m = jnp.where(field > 0, u32(1), fraction)  # keeps the shift below 32 for normal s
+    up = 32 - lax.clz((m - u32(1)).astype(jnp.int32))
+    s = jnp.where(field > 0, normal, u32(1) << up.astype(jnp.uint32))
+  return jnp.where(amax == 0, _ONE, s)
+
+
+def block_scaled_bits(u: jax.Array, amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+  """Element-wise block-scaled quantization of float32 bit patterns `u` whose blocks have the
+  max |x| bits `amax` (broadcast against u; >= INF: the block holds inf or NaN)."""
+  finite = amax < INF
+  s = scale_bits(jnp.where(finite, amax, u32(0)), fmt)
+  u = jnp.where((u & ABS) < INF, u, u32(0))  # elements of NaN blocks: any finite stand-in
+  elem = dataclasses.replace(fmt.elem, overflow="saturate")
+  out = mul_bits(cast_bits(div_bits(u, s), elem), s)
+  return jnp.where(finite, out, QNAN)
+
+
+def block_scaled_rows_bits(u: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+  """Quantizes each row of the uint32 (R, P) float32 bit patterns `u` as one block (the kernel
+  body: zero padding in a row leaves its amax, and so its other elements, unchanged)."""
+  return block_scaled_bits(u, jnp.max(u & ABS, axis=1, keepdims=True), fmt)
+
+
+def check_arguments(x, fmt) -> None:
+  """Raises for a format that is not a BlockScaledFormat, a non-float32 x or a bad axis."""
+  if not isinstance(fmt, BlockScaledFormat):
+    raise TypeError(f"fmt={fmt!r} is not allowed; expected a BlockScaledFormat.")
+  dtype = jnp.result_type(x)
+  if dtype != jnp.float32:
+    raise ValueError(f"x.dtype={dtype} is not allowed; expected float32.")
+  fmt.check_rank(jnp.ndim(x))
+
+
+def as_matrix(x: jax.Array, axis: int) -> tuple[jax.Array, tuple[int, ...]]:
+  """x with `axis` moved last and the other axes flattened into rows, and the moved shape."""
+  moved = jnp.moveaxis(x, axis, -1)
+  return moved.reshape(-1, moved.shape[-1]), moved.shape
+
+
+def from_matrix(m: jax.Array, moved_shape: tuple[int, ...], axis: int) -> jax.Array:
+  return jnp.moveaxis(m.reshape(moved_shape), -1, axis)
+
+
+def _block_amax(u: jax.Array, rows: int, cols: int) -> jax.Array:
+  """max |x| bits of every (rows, cols) block of the (R, C) bit patterns `u`, as an
+  (R/r, 1, C/c, 1) array: the matrix is zero-padded to whole blocks, split and reduced."""
+  num_r, num_c = -(-u.shape[0] // rows), -(-u.shape[1] // cols)
+  a = jnp.pad(u & ABS, ((0, num_r * rows - u.shape[0]), (0, num_c * cols - u.shape[1])))
+  return jnp.max(a.reshape(num_r, rows, num_c, cols), axis=(1, 3), keepdims=True)
+
+
+def _broadcast_blocks(per_block: jax.Array, shape: tuple[int, int], rows: int,
+                      cols: int) -> jax.Array:
+  """(R/r, 1, C/c, 1) values of the (rows, cols) blocks broadcast back to the (R, C) matrix."""
+  num_r, _, num_c, _ = per_block.shape
+  full = jnp.broadcast_to(per_block, (num_r, rows, num_c, cols))
+  return full.reshape(num_r * rows, num_c * cols)[:shape[0], :shape[1]]
+
+
+def _float_ops_exact(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+  """Whether float32 division and multiplication give `block_scaled_bits`'s bits for blocks with
+  the max |x| bits `amax` on any backend that flushes subnormals (module docstring)."""
+  elem = fmt.elem
+  if (elem.emin - elem.man if elem.subnormals else elem.emin) < -24:
+    return jnp.bool_(False)
+  finite = amax < INF
+  s = scale_bits(jnp.where(finite, amax, u32(0)), fmt)
+  return jnp.all((amax == 0) | ~finite | (s >= _FLOAT_OPS_MIN_SCALE))
+
+
+def _block_scaled_float_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+  """`block_scaled_bits` of the float32 matrix `m` with float division and multiplication, exact
+  where `_float_ops_exact` holds (`amax` per element, as there)."""
+  finite = amax < INF
+  s = lax.bitcast_convert_type(scale_bits(jnp.where(finite, amax, u32(0)), fmt), jnp.float32)
+  m = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)  # elements of NaN blocks: any finite stand-in
+  elem = dataclasses.replace(fmt.elem, overflow="saturate")
+  q = lax.bitcast_convert_type(cast_bits(to_bits(m / s), elem), jnp.float32)
+  return jnp.where(finite, to_bits(q * s), QNAN)
+
+
+def block_scaled_quantize(x: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+  """float32 `x` quantized to `fmt` (module docstring), as float32 (the XLA path of
+  `jlp.quantize` for a BlockScaledFormat).
+
+  Args:
+    x: float32 array with at least one axis; `fmt.axis` must be one of them.
+    fmt: the block-scaled format.
+
+  Returns:
+    float32 array of x's shape.
+
+  Raises:
+    TypeError: fmt is not a BlockScaledFormat.
+    ValueError: x is not float32, or fmt.axis is out of range, before any computation.
+  """
+  check_arguments(x, fmt)
+  x = jnp.asarray(x)
+  if x.size == 0:
+    return x
+  m, moved_shape = as_matrix(x, fmt.axis)
+  rows, cols = min(fmt.block[0], m.shape[0]), min(fmt.block[1], m.shape[1])
+  amax = _block_amax(to_bits(m), rows, cols)
+
+  # The branches take m, not its bits (a bitcast outside lax.cond can make XLA:CPU copy).
+  def integer_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
+    return block_scaled_bits(to_bits(m), _broadcast_blocks(amax, m.shape, rows, cols), fmt)
+
+  def float_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
+    return _block_scaled_float_ops(m, _broadcast_blocks(amax, m.shape, rows, cols), fmt)
+
+  out = lax.cond(_float_ops_exact(amax, fmt), float_ops, integer_ops, m, amax)
+  return from_matrix(lax.bitcast_convert_type(out, jnp.float32), moved_shape, fmt.axis)

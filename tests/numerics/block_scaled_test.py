@@ -1,0 +1,274 @@
+"""Block-scaled (DeepSeek-V3 / TransformerEngine Float8BlockScaling) quantization against a numpy
+reference written from the issue's rule, and the exact float32 division / multiplication.
+
+`block_scaled_reference` loops over the blocks of the matrix view (axis moved last, other axes
+flattened) with numpy float32 arithmetic, which is IEEE 754 with gradual underflow on the host:
+A = max |x| of the block (partial edge blocks as they are), s = float32(A) / float32(max) (one
+division; 1 for A = 0; the smallest subnormal if it rounds to 0), with pow2_scale s = 2^k for
+the least k with 2^k >= s (from frexp), y = x / s, q = the ml_dtypes cast of clip(y, ±max)
+(round to nearest even, saturating), value = q * s; a block with inf or NaN is NaN.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jlp
+from jlp.formats import BlockScaledFormat, FloatFormat, MXFormat
+from jlp.numerics import block_scaled
+from jlp.numerics.block_scaled import block_scaled_quantize
+from jlp.numerics.ieee_f32 import div_bits, mul_bits
+import references as ref
+
+F32 = np.float32
+F32_MAX = F32(np.finfo(np.float32).max)
+TINY = F32(2.0 ** -149)
+DTYPES = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2,
+          "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def block_scaled_reference(x, elem, block, axis, pow2=False):
+  dtype = DTYPES[elem]
+  largest = F32(ml_dtypes.finfo(dtype).max)
+  moved = np.moveaxis(np.asarray(x, F32), axis, -1)
+  m = moved.reshape(-1, moved.shape[-1])
+  out = np.empty_like(m)
+  r, c = min(block[0], m.shape[0]), min(block[1], m.shape[1])
+  with np.errstate(under="ignore", over="ignore", invalid="ignore"):
+    for i in range(0, m.shape[0], r):
+      for j in range(0, m.shape[1], c):
+        b = m[i:i + r, j:j + c]
+        if not np.isfinite(b).all():
+          out[i:i + r, j:j + c] = np.nan
+          continue
+        amax = np.abs(b).max()
+        s = F32(1.0) if amax == 0 else max(F32(amax) / largest, TINY)
+        if pow2 and amax != 0:
+          mant, e = np.frexp(np.float64(s))  # s = mant · 2^e, mant in [0.5, 1)
+          s = F32(2.0 ** min(e - 1 if mant == 0.5 else e, 127))
+        q = np.clip(b / s, -largest, largest).astype(dtype).astype(F32)
+        out[i:i + r, j:j + c] = q * s
+  return np.moveaxis(out.reshape(moved.shape), -1, axis)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fmt):
+  return jax.jit(lambda x: block_scaled_quantize(x, fmt))
+
+
+def quantize(x, fmt):
+  return np.asarray(_jitted(fmt)(jnp.asarray(x, jnp.float32)))
+
+
+def outlier_normal(shape, seed):
+  """N(0, 1) with 1 % outliers (x 2^6..2^12), signed zeros and a few float32 subnormals."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape)
+  kind = rng.random(shape)
+  x = np.where(kind < 0.01, x * 2.0 ** rng.integers(6, 13, shape), x).astype(F32)
+  x[(kind > 0.01) & (kind < 0.02)] = 0.0
+  x[(kind > 0.02) & (kind < 0.025)] = -0.0
+  x[(kind > 0.025) & (kind < 0.03)] = F32(3e-41)
+  return x
+
+
+def boundary_values(shape, seed, low=-140, high=120):
+  """np.linspace(-12, 12) and the same values ± 1e-3 (ties and near-ties of the E4M3 grid at the
+  scales 12 / 448 and 2^-5), shuffled into blocks, with rows scaled by 2^low..2^high; with
+  low >= -60 also an inf and a NaN."""
+  rng = np.random.default_rng(seed)
+  base = np.linspace(-12, 12, 193)
+  values = np.concatenate([base, base + 1e-3, base - 1e-3]).astype(F32)
+  x = rng.choice(values, shape).astype(F32)
+  x = x * F32(2.0) ** rng.integers(low, high, (shape[0], 1)).astype(F32)
+  if low >= -60:
+    x[shape[0] // 2, 3], x[-1, -1] = np.inf, np.nan
+  return x
+
+
+def special_rows(cols, seed):
+  """Rows (one (1, c) block each for c >= cols) with tiny maxima (subnormal scales and results,
+  quotients rounding to 0), all zeros (signed), float32's max, inf, NaN and power-of-two edges."""
+  rng = np.random.default_rng(seed)
+  sign = lambda n: rng.choice(np.array([-1, 1], F32), n)  # noqa: E731
+  rows = [np.linspace(-1, 1, cols, dtype=F32) * F32(2.0 ** -130),          # subnormal s and y
+          np.linspace(-1, 1, cols, dtype=F32) * F32(448 * 2.0 ** -126),      # s = 2^-126 edge
+          (rng.integers(0, 2 ** 23, cols).astype(np.uint32)).view(F32) * sign(cols),  # subnormal
+          np.where(np.arange(cols) == 3, TINY, F32(0.0)),                    # A / max rounds to 0
+          np.where(np.arange(cols) % 2 == 0, F32(0.0), F32(-0.0)),           # all zero, signed
+          F32_MAX * sign(cols),                                              # all maxima
+          rng.random(cols).astype(F32) * F32_MAX,
+          np.full(cols, F32(448.0)) * sign(cols),                            # s = 1
+          np.linspace(-3, 3, cols, dtype=F32), np.linspace(-3, 3, cols, dtype=F32),
+          np.full(cols, F32(2.0 ** 100) * F32(1.0000001))]
+  x = np.stack(rows)
+  x[8, 5], x[9, 0] = np.inf, np.nan
+  return x
+
+
+CASES = [  # (name, x, block, axis)
+    ("128x128 normal", lambda: outlier_normal((128, 128), 0), (1, 128), -1),
+    ("256x272 normal", lambda: outlier_normal((256, 272), 1), (128, 128), -1),
+    ("304x304 boundary", lambda: boundary_values((304, 304), 2), (1, 128), -1),
+    ("320x256 boundary", lambda: boundary_values((320, 256), 3), (128, 128), -1),
+    ("320x256 moderate", lambda: boundary_values((320, 256), 3, -60, 60), (1, 128), -1),
+    ("304x304 axis 0", lambda: outlier_normal((304, 304), 4), (128, 128), 0),
+    ("3-d axis 1 ragged", lambda: outlier_normal((5, 50, 7), 5), (3, 16), 1),
+    ("specials", lambda: special_rows(200, 6), (1, 128), -1),
+    ("all zeros", lambda: np.zeros((130, 140), F32), (128, 128), -1),
+    ("all maxima", lambda: np.full((130, 140), F32_MAX), (128, 128), -1),
+]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("name,make,block,axis", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(name, make, block, axis, elem, pow2):
+  x = make()
+  fmt = BlockScaledFormat(elem, block=block, axis=axis, pow2_scale=pow2)
+  ref.assert_same_bits(quantize(x, fmt), block_scaled_reference(x, elem, block, axis, pow2), x,
+                       f"{name} {fmt!r}")
+
+
+@pytest.mark.parametrize("name,make,block,axis,fast", [
+    ("128x128 normal", lambda: outlier_normal((128, 128), 0), (1, 128), -1, True),
+    ("320x256 moderate", lambda: boundary_values((320, 256), 3, -60, 60), (1, 128), -1, True),
+    ("all zeros", lambda: np.zeros((130, 140), F32), (128, 128), -1, True),
+    ("all maxima", lambda: np.full((130, 140), F32_MAX), (128, 128), -1, True),
+    ("304x304 boundary", lambda: boundary_values((304, 304), 2), (1, 128), -1, False),
+    ("specials", lambda: special_rows(200, 6), (1, 128), -1, False),
+])
+def test_the_float_ops_path_is_taken_where_it_is_exact(name, make, block, axis, fast):
+  """The XLA path's float division and multiplication (`_float_ops_exact`) serve the cases above
+  with moderate scales (their reference checks then cover it), not those with blocks of
+  s < 2^-100, nor elements whose smallest value is below 2^-24 (bfloat16)."""
+  del name
+  m = np.moveaxis(make(), axis, -1)
+  m = m.reshape(-1, m.shape[-1])
+  amax = block_scaled._block_amax(jnp.asarray(m).view(jnp.uint32), *block)
+  for elem in ("float8_e4m3fn", "float8_e5m2", "float16"):
+    for pow2 in (False, True):
+      fmt = BlockScaledFormat(elem, block=block, pow2_scale=pow2)
+      assert bool(block_scaled._float_ops_exact(amax, fmt)) == fast
+  assert not bool(block_scaled._float_ops_exact(amax, BlockScaledFormat("bfloat16", block=block)))
+
+
+def scaled_ties(elem, seed):
+  """(64, 128) blocks, each with a non-power-of-two scale s = fl32(A / max) (A random, first
+  element) whose other elements are x = fl32(t · s) for midpoints t of the element grid and their
+  float32 neighbours: x / s lands on or next to a tie, where one rounded division and a
+  multiplication by fl32(1 / s) (TransformerEngine's order) round differently."""
+  dtype = DTYPES[elem]
+  rng = np.random.default_rng(seed)
+  grid = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)))
+  grid = grid[np.isfinite(grid)]
+  mids = ((grid[:-1] + grid[1:]) / 2).astype(F32)
+  largest = F32(ml_dtypes.finfo(dtype).max)
+  amax = (rng.random(64) + 1).astype(F32) * F32(2.0) ** rng.integers(-30, 30, 64).astype(F32)
+  s = amax / largest
+  t = rng.choice(mids, (64, 127)) * rng.choice(np.array([-1, 1], F32), (64, 127))
+  x = t * s[:, None]
+  x[:, 1::3] = np.nextafter(x[:, 1::3], F32(0))
+  return np.concatenate([amax[:, None], x], axis=1)
+
+
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
+def test_one_rounded_division_at_grid_ties(elem):
+  x = scaled_ties(elem, 16)
+  fmt = BlockScaledFormat(elem)
+  want = block_scaled_reference(x, elem, (1, 128), -1)
+  ref.assert_same_bits(quantize(x, fmt), want, x, repr(fmt))
+  # The inputs tell the rule apart from x · fl32(1 / s) (checked in numpy, on the same scales).
+  dtype = DTYPES[elem]
+  largest = F32(ml_dtypes.finfo(dtype).max)
+  s = (np.abs(x).max(axis=1) / largest)[:, None]
+  by_reciprocal = np.clip(x * (F32(1) / s), -largest, largest).astype(dtype).astype(F32) * s
+  assert (by_reciprocal != want).sum() > 20
+
+
+@pytest.mark.parametrize("elem", ["float16", "bfloat16"])
+def test_wider_elements_with_subnormal_quotients(elem):
+  """float16 / bfloat16 elements: x / s reaches float32 subnormals that bfloat16 keeps."""
+  x = np.concatenate([special_rows(130, 7), boundary_values((6, 130), 8),
+                      outlier_normal((4, 130), 9)])
+  x[-1, :64] *= F32(2.0 ** -120)
+  for pow2 in (False, True):
+    fmt = BlockScaledFormat(FloatFormat.from_name(elem), block=(1, 64), pow2_scale=pow2)
+    ref.assert_same_bits(quantize(x, fmt), block_scaled_reference(x, elem, (1, 64), -1, pow2), x,
+                         repr(fmt))
+
+
+def test_documented_values():
+  """By hand (E4M3, max 448): A = 896 gives s = 2: 3 / 2 = 1.5 stays, -1.3 / 2 = -0.65 rounds to
+  -0.625 (steps of 1/16), so -1.25; an all-zero block is unchanged; A = 2^-140 gives
+  s = fl32(2^-146 / 7) = 2^-149 (8/7 units round to 1), so 2^-140 / s = 512 saturates to 448
+  (value 448 · 2^-149) while -2^-141 / s = -256 stays exact; a NaN block is NaN. With pow2_scale,
+  A = 900 rounds s = 900 / 448 up to 4: 225 -> 224, 0.75, -0.325 -> -0.3125."""
+  x = np.zeros((4, 128), F32)
+  x[0, :3] = [896.0, 3.0, -1.3]
+  x[1, ::2] = -0.0
+  x[2, :2] = [2.0 ** -140, -(2.0 ** -141)]
+  x[3, 4] = np.nan
+  got = quantize(x, BlockScaledFormat())
+  np.testing.assert_array_equal(got[0, :3], [896.0, 3.0, -1.25])
+  ref.assert_same_bits(got[1], x[1])
+  ref.assert_same_bits(got[2, :2], np.array([448 * 2.0 ** -149, -(2.0 ** -141)], F32))
+  assert np.isnan(got[3]).all()
+  x[0, 0] = 900.0
+  got = quantize(x[:1], BlockScaledFormat(pow2_scale=True))
+  np.testing.assert_array_equal(got[0, :3], [896.0, 3.0, -1.25])
+
+
+def test_jlp_quantize_dispatches_and_is_straight_through():
+  x = outlier_normal((16, 256), 10)
+  fmt = BlockScaledFormat(block=(8, 128), pow2_scale=True)
+  w = np.random.default_rng(11).standard_normal((16, 256)).astype(F32)
+  grad = jax.grad(lambda v: jnp.sum(jlp.quantize(v, fmt, impl="xla") * w))(x)
+  ref.assert_same_bits(np.asarray(grad), w)
+  want = block_scaled_reference(x, "float8_e4m3fn", (8, 128), -1, True)
+  ref.assert_same_bits(np.asarray(jlp.quantize(x, fmt, impl="xla")), want, x)
+
+
+def test_argument_errors():
+  x = jnp.ones((4, 8), jnp.float32)
+  with pytest.raises(TypeError, match="fmt=.* is not allowed; expected a BlockScaledFormat"):
+    block_scaled_quantize(x, MXFormat("float8_e4m3fn"))
+  with pytest.raises(ValueError, match="x.dtype=bfloat16 is not allowed; expected float32"):
+    block_scaled_quantize(x.astype(jnp.bfloat16), BlockScaledFormat())
+  with pytest.raises(ValueError, match="axis=2"):
+    block_scaled_quantize(x, BlockScaledFormat(axis=2))
+  with pytest.raises(ValueError, match="ndim=0"):
+    block_scaled_quantize(jnp.float32(1.0), BlockScaledFormat())
+  with pytest.raises(ValueError, match="block"):
+    BlockScaledFormat(block=(0, 128))
+  with pytest.raises(ValueError, match="elem"):
+    BlockScaledFormat(FloatFormat.from_name("e4m3", rounding="stochastic"))
+  assert block_scaled_quantize(jnp.zeros((0, 8), jnp.float32), BlockScaledFormat()).shape == (0, 8)
+
+
+# -- exact float32 division and multiplication ------------------------------------------------
+
+def _finite_patterns(n, seed):
+  rng = np.random.default_rng(seed)
+  u = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
+  u = np.where((u & 0x7F800000) == 0x7F800000, u & np.uint32(0x807FFFFF), u)
+  u[: n // 8] &= np.uint32(0x807FFFFF)  # subnormals
+  wide = (rng.standard_normal(n // 4) * 2.0 ** rng.integers(-150, -90, n // 4)).astype(F32)
+  u[n // 8: n // 8 + n // 4] = wide.view(np.uint32)
+  u[-64:] = [0, 0x80000000, 1, 0x80000001, 0x7F7FFFFF, 0x00800000, 0x007FFFFF, 0x3F800000] * 8
+  return u
+
+
+def test_div_and_mul_bits_match_numpy():
+  a, b = _finite_patterns(1 << 19, 11), _finite_patterns(1 << 19, 12)[::-1].copy()
+  b = np.where((b & 0x7FFFFFFF) == 0, np.uint32(0x3F800000), b)
+  got_div, got_mul = jax.jit(lambda a, b: (div_bits(a, b), mul_bits(a, b)))(a, b)
+  with np.errstate(all="ignore"):
+    want_div = (a.view(F32) / b.view(F32)).view(np.uint32)
+    want_mul = (a.view(F32) * b.view(F32)).view(np.uint32)
+  np.testing.assert_array_equal(np.asarray(got_div), want_div)
+  np.testing.assert_array_equal(np.asarray(got_mul), want_mul)

@@ -1,0 +1,182 @@
+"""The block-scaled Pallas kernel (interpret mode) against its XLA path and the numpy reference.
+
+References: `jlp.numerics.block_scaled.block_scaled_quantize` (the XLA path, compared as uint32
+bit patterns) and `block_scaled_reference` of tests/numerics/block_scaled_test.py (numpy float32
+arithmetic and ml_dtypes casts, written from the issue's rule; NaNs compared by sign only).
+Grids stay at <= 16 steps. The lowering for cuda uses `lower_for_h100` of
+kernel_lowering_test.py, and its shift-width check covers the kernel body.
+"""
+
+import functools
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jlp
+from jlp.formats import BlockScaledFormat, FloatFormat, MXFormat
+from jlp.numerics import block_scaled as xla_block_scaled
+from jlp.numerics.block_scaled import block_scaled_rows_bits
+from numerics.block_scaled_test import (block_scaled_reference, boundary_values, outlier_normal,
+                                        scaled_ties, special_rows)
+from pallas_kernels import block_scaled as kernel
+import references as ref
+
+
+def _lowering_helpers():
+  """tests/pallas_kernels/kernel_lowering_test.py, loaded by path (the directory is not a package,
+  and `pallas_kernels` names the kernels' package)."""
+  path = pathlib.Path(__file__).with_name("kernel_lowering_test.py")
+  spec = importlib.util.spec_from_file_location("_kernel_lowering_helpers", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+lowering = _lowering_helpers()
+
+
+@functools.lru_cache(maxsize=None)
+def _both(fmts: tuple, rows_per_tile):
+  """One jitted function: (kernel results, XLA results) for every format."""
+  def run(x):
+    return ([kernel.block_scaled_quantize(x, f, interpret=True, rows_per_tile=rows_per_tile)
+             for f in fmts], [xla_block_scaled.block_scaled_quantize(x, f) for f in fmts])
+  return jax.jit(run)
+
+
+def check(x, block, axis, rows_per_tile, elems=("float8_e4m3fn", "float8_e5m2")):
+  """Kernel == XLA path (uint32 views) == reference, for each element format, pow2 on and off."""
+  fmts = tuple(BlockScaledFormat(e, block=block, axis=axis, pow2_scale=p)
+               for e in elems for p in (False, True))
+  got_all, want_all = _both(fmts, rows_per_tile)(jnp.asarray(x))
+  for fmt, got, want in zip(fmts, got_all, want_all, strict=True):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=repr(fmt))
+    ref.assert_same_bits(got, block_scaled_reference(x, fmt.elem.name, block, axis,
+                                                     fmt.pow2_scale), x, repr(fmt))
+
+
+CASES = [
+    # (1, 128): G = 128, P = 128, default tiles of 32 -> 4 steps
+    ("128x128 normal", lambda: outlier_normal((128, 128), 0), (1, 128), -1, None),
+    # (128, 128): G = 2 x 3 = 6 one-block tiles of 16384 (272 = 128 + 128 + 16)
+    ("256x272 normal", lambda: outlier_normal((256, 272), 1), (128, 128), -1, None),
+    # (1, 128): G = 304 x 3 = 912, 15 tiles of 64
+    ("304x304 boundary", lambda: boundary_values((304, 304), 2), (1, 128), -1, 64),
+    # (128, 128) along axis 0: G = 9 ragged blocks (304 = 128 + 128 + 48)
+    ("304x304 axis 0", lambda: boundary_values((304, 304), 3), (128, 128), 0, None),
+    # (128, 128): G = 3 x 2 = 6
+    ("320x256 normal", lambda: outlier_normal((320, 256), 4), (128, 128), -1, None),
+    # (1, 128): G = 640, 10 tiles of 64
+    ("320x256 boundary", lambda: boundary_values((320, 256), 5), (1, 128), -1, 64),
+    # moderate scales (the XLA path's float ops), inf and NaN blocks: 10 tiles of 64
+    ("320x256 moderate", lambda: boundary_values((320, 256), 5, -60, 60), (1, 128), -1, 64),
+    # x / s on and beside the E4M3 grid's ties: 64 blocks, 4 tiles
+    ("ties", lambda: scaled_ties("float8_e4m3fn", 17), (1, 128), -1, 16),
+    # 11 special rows of 200: G = 22 (200 = 128 + 72), tiles of 2 -> 11 steps
+    ("specials", lambda: special_rows(200, 6), (1, 128), -1, 2),
+    ("all zeros", lambda: np.zeros((130, 140), np.float32), (128, 128), -1, None),
+    ("all maxima", lambda: np.full((130, 140), np.finfo(np.float32).max, np.float32),
+     (128, 128), -1, None),
+    # rank 3, blocks (3, 16) along axis 1 (moved last): a (35, 50) matrix, G = 12 x 4 = 48,
+    # P = 64, tiles of 4 -> 12 steps
+    ("3-d axis 1 ragged", lambda: outlier_normal((5, 50, 7), 7), (3, 16), 1, 4),
+]
+
+
+@pytest.mark.parametrize("name,make,block,axis,rows_per_tile", CASES, ids=[c[0] for c in CASES])
+def test_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile):
+  del name  # the test id
+  check(make(), block, axis, rows_per_tile)
+
+
+def test_wider_elements():
+  """float16 / bfloat16 elements (subnormal quotients): G = 17 x 3 = 51 blocks of 64, 13 tiles."""
+  x = np.concatenate([special_rows(130, 8), outlier_normal((6, 130), 9)])
+  check(x, (1, 64), -1, 4, elems=("float16", "bfloat16"))
+
+
+def test_jlp_quantize_pallas_equals_xla_with_gradient():
+  x = outlier_normal((32, 256), 10)
+  w = np.random.default_rng(11).standard_normal(x.shape).astype(np.float32)
+  fmt = BlockScaledFormat("float8_e5m2", block=(16, 128))
+  bwd = BlockScaledFormat(block=(1, 128), axis=0, pow2_scale=True)
+
+  def loss(v, impl):
+    return jnp.sum(jlp.quantize(v, fmt, bwd=bwd, impl=impl) * w)
+
+  run = jax.jit(jax.grad(loss), static_argnums=1)
+  got, want = np.asarray(run(jnp.asarray(x), "pallas")), np.asarray(run(jnp.asarray(x), "xla"))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  ref.assert_same_bits(got, block_scaled_reference(w, "float8_e4m3fn", (1, 128), 0, True), w)
+  value = np.asarray(jlp.quantize(jnp.asarray(x), fmt, impl="pallas"))
+  ref.assert_same_bits(value, block_scaled_reference(x, "float8_e5m2", (16, 128), -1), x)
+
+
+def test_empty_and_argument_errors():
+  out = kernel.block_scaled_quantize(jnp.zeros((0, 8), jnp.float32), BlockScaledFormat(),
+                                     interpret=True)
+  assert out.shape == (0, 8) and out.dtype == jnp.float32
+  x = jnp.ones((4, 256), jnp.float32)
+  with pytest.raises(TypeError, match="expected a BlockScaledFormat"):
+    kernel.block_scaled_quantize(x, MXFormat("int8"), interpret=True)
+  with pytest.raises(ValueError, match="x.dtype=float16 is not allowed"):
+    kernel.block_scaled_quantize(x.astype(jnp.float16), BlockScaledFormat(), interpret=True)
+  with pytest.raises(ValueError, match="axis=-3"):
+    kernel.block_scaled_quantize(x, BlockScaledFormat(axis=-3), interpret=True)
+  with pytest.raises(ValueError, match="rows_per_tile=3 is not allowed"):
+    kernel.block_scaled_quantize(x, BlockScaledFormat(), interpret=True, rows_per_tile=3)
+  with pytest.raises(ValueError, match="expected at most 1048576 elements per block"):
+    kernel.block_scaled_quantize(jnp.ones((2048, 1024), jnp.float32),
+                                 BlockScaledFormat(block=(2048, 1024)), interpret=True)
+
+
+LOWERING_FORMATS = [BlockScaledFormat(e, block=b, pow2_scale=p)
+                    for e in ("float8_e4m3fn", "float8_e5m2") for b in ((1, 128), (128, 128))
+                    for p in (False, True)] + [BlockScaledFormat(FloatFormat.from_name("bfloat16"),
+                                                                 block=(2, 48), axis=0)]
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("fmt", LOWERING_FORMATS, ids=repr)
+def test_lowers_to_triton(fmt):
+  """(1000, 1000): (1, 128) blocks -> G = 8000, tiles of 32 -> 250 steps; (128, 128) -> 64
+  one-block tiles of 16384; (2, 48) along axis 0 -> P = 128, 500 x 21 blocks."""
+  hlo = lowering.lower_for_h100(lambda x: kernel.block_scaled_quantize(x, fmt),
+                                jax.ShapeDtypeStruct((1000, 1000), jnp.float32))
+  assert lowering.TRITON_CALL in hlo
+  grid = {(1, 128): 250, (128, 128): 64, (2, 48): -(-500 * 21 // 32)}[fmt.block]
+  assert f"grid_x = {grid} " in hlo
+
+
+def test_kernel_body_shifts_below_width():
+  """Every shift in `block_scaled_rows_bits` (division, multiply, element cast, pow2 scale) is
+  below 32 bits on blocks with tiny, zero-quotient, zero, huge and non-finite maxima."""
+  u = np.concatenate([special_rows(128, 12), outlier_normal((8, 128), 13),
+                      boundary_values((8, 128), 14)]).view(np.uint32)
+  bodies = {repr(f): (lambda u, r, f=f: block_scaled_rows_bits(u, f))
+            for f in LOWERING_FORMATS if f.block == (1, 128)}
+  assert lowering.shifts_at_or_above_width(bodies, u, u) == []
+
+
+def test_auto_picks_the_kernel_on_gpu(monkeypatch):
+  calls = []
+  quantize_kernel = kernel.block_scaled_quantize
+
+  def spy(x, fmt, *, interpret=False, **kwargs):
+    calls.append(interpret)
+    return quantize_kernel(x, fmt, interpret=True, **kwargs)
+
+  x = jnp.asarray(outlier_normal((8, 256), 15))
+  run = lambda x, impl: jlp.quantize(x, BlockScaledFormat(), impl=impl)  # noqa: E731
+  want = np.asarray(jax.jit(run, static_argnums=1)(x, "xla"))
+  monkeypatch.setattr(kernel, "block_scaled_quantize", spy)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  got = np.asarray(jax.jit(run, static_argnums=1)(x, "auto"))
+  assert calls == [False]  # compiled (not interpreted) on a GPU
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
