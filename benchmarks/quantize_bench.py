@@ -13,8 +13,8 @@ GB/s counts one read and one write of the buffer (medians). Two rows after
 stand-in draws (a Weyl sequence of the element index, not random; a floor for the
 cast alone) and "(hash only)" writes the Threefry draws without the cast. Ratios are the median
 over the alternating pairs of reference_time / time (1.0 = as fast as the
-reference). The Pallas path is only timed on a GPU
-(interpret mode is a correctness tool).
+reference). `--impl=pallas` times the Pallas kernels instead (meant for a GPU: interpret mode
+is a correctness tool).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 from jax import lax
 
-from jlp import BFPFormat, FloatFormat, MXFormat
+from jlp import BFPFormat, BlockScaledFormat, FloatFormat, MXFormat, NVFP4Format
 from jlp.numerics import random_bits
 from jlp.numerics.float_cast import float_cast, from_bits
 from jlp.quantize import quantize
@@ -36,6 +36,9 @@ from jlp.quantize import quantize
 _ELEMENTS = flags.DEFINE_integer("elements", 128 * 2 ** 20, "float32 elements per buffer (multiple of 1024).")
 _REPEATS = flags.DEFINE_integer("repeats", 11, "timed (reference, candidate) pairs per format.")
 _ONLY = flags.DEFINE_string("only", "", "comma-separated substrings: run only matching formats.")
+_IMPL = flags.DEFINE_enum("impl", "xla", ["xla", "pallas"],
+                          "The XLA path, or the Pallas kernels (compiled on a GPU; interpreted, "
+                          "and slow, elsewhere).")
 
 FLOAT_NAMES = ["float16", "bfloat16", "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e3m4",
                "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn", "e3m0", "e6m9"]
@@ -53,7 +56,13 @@ def formats():
            ("BFP m8 (1,16) nearest", BFPFormat(8, (1, 16), rounding="nearest")),
            ("BFP FB12 NHWC (1,3,3,24)", BFPFormat(4, (1, 3, 3, 24))),
            ("MX e4m3fn /32", MXFormat("float8_e4m3fn")),
-           ("MX e2m1fn /32", MXFormat("float4_e2m1fn"))]
+           ("MX e2m1fn /32", MXFormat("float4_e2m1fn")),
+           ("MX e4m3fn /32 rceil", MXFormat("float8_e4m3fn", scale_mode="rceil")),
+           ("NVFP4 1x16", NVFP4Format()),
+           ("NVFP4 16x16", NVFP4Format(block=(16, 16))),
+           ("NVFP4 1x16 torchao", NVFP4Format(compat="torchao")),
+           ("block FP8 1x128", BlockScaledFormat()),
+           ("block FP8 128x128", BlockScaledFormat(block=(128, 128)))]
   only = [s for s in _ONLY.value.split(",") if s]
   return [(n, f) for n, f in fmts if not only or any(s in n for s in only)]
 
@@ -109,8 +118,8 @@ def main(argv):
   key = jax.random.key(0)
   x = jax.random.normal(key, shape, jnp.float32)
   r = jnp.ones(shape, jnp.float32)
-  print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device); "
-        f"{n} float32 ({4 * n / 2 ** 20:.0f} MiB), median of {_REPEATS.value}, reference = donated x*2\n")
+  print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device), "
+        f"impl={_IMPL.value}; {n} float32 ({4 * n / 2 ** 20:.0f} MiB), median of {_REPEATS.value}, reference = donated x*2\n")
   header = f"{'format':26s} {'jlp GB/s':>9s} {'ref GB/s':>9s} {'jlp/ref':>8s}   {'astype GB/s':>11s} {'astype/ref':>10s}"
   print(header)
   print("-" * len(header))
@@ -119,7 +128,8 @@ def main(argv):
     # 4-D blocks quantize an NHWC buffer (N, 32, 32, 1024); reshaping inside the jitted function
     # instead would keep XLA from writing the donated buffer in place.
     view = (-1, 32, 32, 1024) if isinstance(fmt, BFPFormat) and len(fmt.block) == 4 else shape
-    cand = jax.jit(lambda v, fmt=fmt, k=k: quantize(v, fmt, key=k, impl="xla"), donate_argnums=0)
+    cand = jax.jit(lambda v, fmt=fmt, k=k: quantize(v, fmt, key=k, impl=_IMPL.value),
+                   donate_argnums=0)
     tc, tr, ratio, x, r = compare(cand, reference, x.reshape(view), r.reshape(view), _REPEATS.value)
     x, r = x.reshape(shape), r.reshape(shape)
     line = f"{name:26s} {gb / tc:9.2f} {gb / tr:9.2f} {ratio:8.2f}"
