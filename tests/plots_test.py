@@ -106,7 +106,8 @@ def test_plot_cli(tmp_path):
   assert out.exists()
   r = subprocess.run([sys.executable, "-m", "experiments.plot", "--out=x.png"], cwd=ROOT,
                      capture_output=True, text=True, timeout=120)
-  assert r.returncode != 0 and "expected one or more run directories" in r.stderr
+  assert r.returncode == 2 and "no run directory given" in r.stderr, r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_plot_accuracy_vs_bytes_draws_one_point_per_row(tmp_path):
