@@ -47,12 +47,27 @@ def _use_pallas(impl: str) -> bool:
   return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
 
 
+# pallas_kernels.block_scaled.MAX_BLOCK_ELEMENTS (not imported here: the kernels load lazily).
+_PALLAS_MAX_BLOCK = 2 ** 20
+
+
+def _block_elements(shape: tuple[int, ...], fmt: BlockScaledFormat) -> int:
+  """Elements in one (capped) block of a BlockScaledFormat on an array of `shape`."""
+  if not shape:
+    return 1
+  cols = shape[fmt.axis % len(shape)]
+  rows = math.prod(shape) // max(cols, 1)
+  return min(fmt.block[0], rows) * min(fmt.block[1], cols)
+
+
 def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
                  impl: str = "xla", *, index_offset=0, rng: str = "pairs") -> jax.Array:
   """float32 x rounded to `fmt` (no custom_vjp, no validation): the shared core.
 
   A FloatFormat generates its draws inside the cast (XLA fusion or kernel tile); the block
-  formats take them as an array from `random_bits`.
+  formats take them as an array from `random_bits`. With impl="auto", a BlockScaledFormat block
+  of more than 2^20 elements (the Pallas kernel's limit, e.g. `TENSOR_BLOCK` on a large tensor)
+  runs the XLA path, which gives the same bits.
   """
   pallas = _use_pallas(impl)
   interpret = jax.default_backend() != "gpu"
@@ -77,6 +92,8 @@ def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
     from jlp.numerics import nvfp4  # pylint: disable=g-import-not-at-top
     return nvfp4.nvfp4_quantize(x, fmt, rbits)
   if isinstance(fmt, BlockScaledFormat):
+    if pallas and impl == "auto" and _block_elements(x.shape, fmt) > _PALLAS_MAX_BLOCK:
+      pallas = False  # one block per Triton tile: a larger block (e.g. TENSOR_BLOCK) runs in XLA
     if pallas:
       from pallas_kernels import block_scaled as kernel  # pylint: disable=g-import-not-at-top
       return kernel.block_scaled_quantize(x, fmt, interpret=interpret)

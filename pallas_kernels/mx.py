@@ -14,7 +14,8 @@ of the element format (stochastic rounding consumes `rbits[i]` for element
     ±max(elem) (MXINT8: k / 64, k = round-half-even(v · 64) clamped to ±127),
     times 2^shared_exp;
   a block holding inf or NaN, or with shared_exp > 127, is all NaN (0x7FC00000);
-  all-zero blocks and elements rounding to zero keep their signs,
+  all-zero blocks and elements rounding to zero keep their signs; with `fmt.prescale` = p != 1
+  the elements are multiplied by p before the cast and divided by p after it (IEEE float32),
 
 with the power-of-two scalings done on bit patterns, so float32 subnormal inputs
 and results are exact on any backend (OCP MX v1.0 §5-§6; `jlp.numerics.mx`).

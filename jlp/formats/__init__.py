@@ -15,10 +15,10 @@ from typing import Any, Union
 from jlp.formats.block import BFP_ROUNDINGS, INT8, MX_SCALE_MODES, BFPFormat, MXFormat
 from jlp.formats.float_format import (COMPATS, OVERFLOWS, ROUNDINGS, SPECIALS, FloatFormat,
                                       Rounding, _invalid)
-from jlp.formats.scaled import BlockScaledFormat, NVFP4Format
+from jlp.formats.scaled import SCALE_RULES, TENSOR_BLOCK, BlockScaledFormat, NVFP4Format
 
 __all__ = ["BFPFormat", "BlockScaledFormat", "FloatFormat", "Format", "MXFormat", "NVFP4Format",
-           "as_format"]
+           "TENSOR_BLOCK", "as_format"]
 
 Format = Union[FloatFormat, BFPFormat, MXFormat, NVFP4Format, BlockScaledFormat]
 _FORMAT_TYPES = (FloatFormat, BFPFormat, MXFormat, NVFP4Format, BlockScaledFormat)

@@ -91,6 +91,19 @@ class MXFormat:
     scale_mode: how the shared exponent is chosen, torchao's `ScaleCalculationMode` of the same
       name bit for bit: "floor" (the OCP rule, below), "rceil", "ceil" or "even" (see
       `jlp.numerics.mx`).
+    prescale: p, a float32 in (0, 1] (default 1.0: plain OCP MX). The shared exponent is chosen
+      from the block as given; the elements are then multiplied by p before the element cast and
+      divided by p after it, so the block's effective scale is 2^shared_exp / p:
+        value = fl32(fl32(elem(fl32(x · p) / 2^shared_exp) · 2^shared_exp) / p)
+      (one IEEE float32 multiply and one division, subnormals exact; the power-of-two scalings
+      as without p). p = 0.75 is Tseng et al.'s scaling for stochastic rounding (Tseng, Yu,
+      Park, "Training LLMs with MXFP4", arXiv:2502.20586; in their code,
+      amazon-science/mxfp4-llm, microxcaling's `dither_scale` rounding quantizes
+      3·x / 2^(shared_exp + 2) and multiplies the result by 2^(shared_exp + 2) / 3: the same
+      float32 values wherever no intermediate is a float32 subnormal or overflows; the random
+      draws are jlp's). With the "floor" exponent max|x| / 2^shared_exp < 2^(emax + 1), so
+      p·|x| / 2^shared_exp stays below 0.75 · 8 = 6 = max(E2M1): no element is clipped, and
+      stochastic rounding stays unbiased (E[elem(v)] = v, v = fl32(x · p) / 2^shared_exp).
 
   Scale exponent ("floor") = floor(log2(max|x| in block)) - emax(elem), clamped below at
   -127; elements are rounded with the element format's rounding and clamped to
@@ -101,6 +114,7 @@ class MXFormat:
   block: int = 32
   axis: int = -1
   scale_mode: str = "floor"
+  prescale: float = 1.0
 
   def __post_init__(self):
     if isinstance(self.elem, str) and self.elem.lower() != INT8:
@@ -115,6 +129,11 @@ class MXFormat:
     if isinstance(self.axis, bool) or not isinstance(self.axis, (int, np.integer)):
       raise _invalid("axis", self.axis, "an int")
     _check_choice("scale_mode", self.scale_mode, MX_SCALE_MODES)
+    p = self.prescale
+    if (isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0 < p <= 1
+        or float(np.float32(p)) != float(p)):
+      raise _invalid("prescale", p, "a float32 in (0, 1], e.g. 0.75 (Tseng et al.) or 1.0 (none)")
+    object.__setattr__(self, "prescale", float(p))
 
   @property
   def elem_emax(self) -> int:
@@ -134,6 +153,8 @@ class MXFormat:
 
   def representable_in(self, dtype) -> bool:
     info = ml_dtypes.finfo(dtype)
+    if self.prescale != 1.0:  # q · 2^shared_exp / p: any float32
+      return int(info.nexp) == 8 and int(info.nmant) >= 23
     elem_man, elem_low = (6, -6) if self.elem == INT8 else (self.elem.man, self.elem.emin - self.elem.man)
     return (int(info.nexp) == 8 and elem_man <= int(info.nmant)
             and elem_low - 127 >= int(np.log2(float(info.smallest_subnormal))))
@@ -141,4 +162,6 @@ class MXFormat:
   def __repr__(self) -> str:
     e = "int8" if self.elem == INT8 else self.elem.name
     mode = "" if self.scale_mode == "floor" else f", scale_mode={self.scale_mode!r}"
+    if self.prescale != 1.0:
+      mode += f", prescale={self.prescale!r}"
     return f"MXFormat(elem={e}, block={self.block}, axis={self.axis}{mode})"

@@ -26,6 +26,11 @@ from jlp.formats.float_format import FloatFormat, _check_choice, _invalid
 NVFP4_BLOCKS = ((1, 16), (16, 16))
 NVFP4_ROUNDINGS = ("nearest", "stochastic")
 NVFP4_COMPATS = (None, "torchao")
+#: BlockScaledFormat.scale_rule values (its docstring).
+SCALE_RULES = ("divide", "reciprocal")
+#: A BlockScaledFormat block covering any tensor (each entry is capped at the matrix's extent):
+#: one scale per tensor.
+TENSOR_BLOCK = (2 ** 31 - 1, 2 ** 31 - 1)
 
 
 def _check_axis(axis) -> None:
@@ -125,16 +130,26 @@ class BlockScaledFormat:
     block: (rows, elements along `axis`): (1, 128) for activations and gradients, (128, 128)
       for weights; a partial edge block uses its own amax.
     axis: the axis the block's second entry runs along (moved last; the other axes are rows).
-    pow2_scale: round the scale up to a power of two, s = 2^ceil(log2(amax / elem.max)).
+    pow2_scale: round the scale up to a power of two, s = 2^ceil(log2(amax / elem.max))
+      ("divide"; "reciprocal": the multiplier rounded down to a power of two, TE's
+      `force_pow_2_scales`).
+    scale_rule: "divide" (DeepSeek-V3's rule): s = amax_block / elem.max (a float32 division;
+      s = 1 for an all-zero block) and the value is float32(elem(x / s)) * s. "reciprocal"
+      (TransformerEngine's `compute_scale_from_amax`, shared by Float8CurrentScaling and
+      Float8BlockScaling): the multiplier m = elem.max / amax_block (a float32 division; 1 for
+      an all-zero block, float32's max where the quotient overflows), the value
+      float32(elem(x * m)) * float32(1 / m). The two can differ in the last bit of a value
+      (`jlp.numerics.block_scaled`).
 
-  s = amax_block / elem.max (a float32 division; s = 1 for an all-zero block) and the value is
-  float32(elem(x / s)) * s (`jlp.numerics.block_scaled`).
+  A block of `TENSOR_BLOCK` covers the whole tensor: one scale per tensor (per-tensor "current"
+  scaling, TransformerEngine's Float8CurrentScaling with scale_rule="reciprocal").
   """
 
   elem: Union[FloatFormat, str] = "float8_e4m3fn"
   block: tuple[int, int] = (1, 128)
   axis: int = -1
   pow2_scale: bool = False
+  scale_rule: str = "divide"
 
   def __post_init__(self):
     if isinstance(self.elem, str):
@@ -149,6 +164,7 @@ class BlockScaledFormat:
     _check_axis(self.axis)
     if not isinstance(self.pow2_scale, bool):
       raise _invalid("pow2_scale", self.pow2_scale, "True or False")
+    _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
 
   rounding = "nearest"
 
@@ -160,5 +176,7 @@ class BlockScaledFormat:
     return False
 
   def __repr__(self) -> str:
-    return (f"BlockScaledFormat(elem={self.elem.name}, block={self.block}, axis={self.axis}"
-            + (", pow2_scale=True" if self.pow2_scale else "") + ")")
+    block = "TENSOR_BLOCK" if self.block == TENSOR_BLOCK else str(self.block)
+    return (f"BlockScaledFormat(elem={self.elem.name}, block={block}, axis={self.axis}"
+            + (", pow2_scale=True" if self.pow2_scale else "")
+            + (f", scale_rule={self.scale_rule!r}" if self.scale_rule != "divide" else "") + ")")

@@ -23,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jlp.formats import BFPFormat, Format, FloatFormat, MXFormat, as_format
+from jlp.formats import (BFPFormat, BlockScaledFormat, Format, FloatFormat, MXFormat, NVFP4Format,
+                         as_format)
 from jlp.gemm.accum import check_promote_every
 
 ROLES = ("x", "w", "y", "wgrad_dy", "wgrad_x", "wgrad_out", "dgrad_dy", "dgrad_w", "dgrad_out")
-FIELDS = ROLES + ("accum", "kahan", "bwd_from_fwd", "promote_every")
+FIELDS = ROLES + ("accum", "kahan", "bwd_from_fwd", "promote_every", "matrix_view")
+#: Formats that `matrix_view` applies to: those that scale blocks along one `axis`.
+MATRIX_VIEW_FORMATS = (MXFormat, NVFP4Format, BlockScaledFormat)
 
 # BFPsim key -> (jlp role, tensor kind). Kinds: "act" (NCHW / (B, F)), "weight" (OIHW / (out, in)).
 BFPSIM_ROLES = {
@@ -57,9 +60,9 @@ def _check_format(role: str, value: Any) -> Format | None:
     return None
   if isinstance(value, str):
     return as_format(value, role)
-  if not isinstance(value, (FloatFormat, BFPFormat, MXFormat)):
+  if not isinstance(value, (FloatFormat, BFPFormat, MXFormat, NVFP4Format, BlockScaledFormat)):
     raise ValueError(f"{role}={value!r} is not allowed; expected None, a FloatFormat, "
-                     "BFPFormat, MXFormat or a format name.")
+                     "BFPFormat, MXFormat, NVFP4Format, BlockScaledFormat or a format name.")
   return value
 
 
@@ -69,7 +72,9 @@ class GemmQuant:
 
   Each role is None (use as is), a FloatFormat, a BFPFormat (its `block` has one
   entry per axis of that tensor, in the layout jlp sees: NHWC activations, HWIO
-  kernels, (B, F) / (F_in, F_out) for dense layers) or an MXFormat.
+  kernels, (B, F) / (F_in, F_out) for dense layers), an MXFormat, an NVFP4Format or a
+  BlockScaledFormat (their `axis` is an axis of that tensor; `jlp.nn.recipe_rules` puts it on
+  the contraction axis of the role's GEMM, as hardware block scaling needs).
 
   Attributes:
     x, w, y: forward operands and output.
@@ -83,6 +88,13 @@ class GemmQuant:
       with promotion (`jlp.gemm.accum.matmul`): each run of n_c consecutive
       products of every GEMM is accumulated in `accum`, then added to a float32
       accumulator (DeepSeek-V3's N_C = 128).
+    matrix_view: quantize every role whose format is an MXFormat, NVFP4Format or
+      BlockScaledFormat on TransformerEngine's 2-D view of its tensor: shape (..., n) as the
+      (prod(...), n) matrix (all leading axes flattened, row-major, into rows; a 1-D tensor is
+      one row), so the format's `axis` is -1 (along the last axis) or -2 (along the flattened
+      rows: the weight-gradient GEMM's contraction over batch, tokens and positions, in TE's
+      columnwise order). False: the format sees the tensor as it is. Other formats are not
+      affected. `matrix_shape` gives the view's shape.
   """
 
   x: Format | None = None
@@ -98,6 +110,7 @@ class GemmQuant:
   kahan: bool = False
   bwd_from_fwd: bool = True
   promote_every: int | None = None
+  matrix_view: bool = False
 
   def __post_init__(self):
     for role in ROLES:
@@ -106,7 +119,7 @@ class GemmQuant:
       object.__setattr__(self, "accum", as_format(self.accum, "accum"))
     if self.accum is not None and not isinstance(self.accum, FloatFormat):
       raise ValueError(f"accum={self.accum!r} is not allowed; expected None or a FloatFormat.")
-    for flag in ("kahan", "bwd_from_fwd"):
+    for flag in ("kahan", "bwd_from_fwd", "matrix_view"):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(f"{flag}={getattr(self, flag)!r} is not allowed; expected True or False.")
     if self.kahan and self.accum is None:
@@ -115,6 +128,10 @@ class GemmQuant:
     if self.promote_every is not None and self.accum is None:
       raise ValueError(f"promote_every={self.promote_every!r} is not allowed with accum=None; "
                        "expected promote_every=None, or an accumulator FloatFormat in accum.")
+
+  def views(self, role: str) -> bool:
+    """Whether role `role` is quantized on the 2-D view of its tensor (`matrix_view`)."""
+    return self.matrix_view and isinstance(getattr(self, role), MATRIX_VIEW_FORMATS)
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "GemmQuant":
@@ -174,6 +191,18 @@ class GemmQuant:
       else:
         roles[role] = None
     return cls(**roles)
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+  """TransformerEngine's 2-D view of a tensor of `shape` (`GemmQuant.matrix_view`): (the product
+  of all axes but the last, the last axis); a scalar is (1, 1)."""
+  shape = tuple(int(d) for d in shape)
+  if not shape:
+    return (1, 1)
+  rows = 1
+  for d in shape[:-1]:
+    rows *= d
+  return (rows, shape[-1])
 
 
 def _parse_dims(field: str, dims: Any) -> tuple[int, ...]:

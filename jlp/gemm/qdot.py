@@ -85,9 +85,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jlp.formats import BFPFormat, Format, MXFormat
+from jlp.formats import BFPFormat, FloatFormat, Format
 from jlp.gemm import accum as accum_lib
-from jlp.gemm.config import GemmQuant, ROLES
+from jlp.gemm.config import GemmQuant, ROLES, matrix_shape
 from jlp.numerics import bfp as bfp_numerics
 from jlp.quantize import is_stochastic, quantize_f32, random_bits
 
@@ -111,7 +111,9 @@ def _validate(cfg: Any, key: Any, lhs_shape, rhs_shape, out_shape, op: str) -> N
     fmt = getattr(cfg, role)
     if fmt is None:
       continue
-    if isinstance(fmt, (BFPFormat, MXFormat)):
+    if cfg.views(role):
+      shapes[role] = matrix_shape(shapes[role])
+    if not isinstance(fmt, FloatFormat):  # block formats: a block / axis per tensor axis
       try:
         fmt.check_rank(len(shapes[role]))
       except ValueError as e:
@@ -139,7 +141,8 @@ def _q(cfg: GemmQuant, role: str, x: jax.Array, key: jax.Array | None,
 
   A role present in `widths` (a BFP role) is quantized by the XLA path
   `bfp_quantize(x, fmt, rbits, man=widths[role])` (traced width, same bits as
-  the static BFPFormat of that width).
+  the static BFPFormat of that width). With `cfg.matrix_view`, an MX / NVFP4 / block-scaled
+  role is quantized on the (prod(leading axes), last axis) view of x and reshaped back.
   """
   fmt: Format | None = getattr(cfg, role)
   if fmt is None:
@@ -148,6 +151,8 @@ def _q(cfg: GemmQuant, role: str, x: jax.Array, key: jax.Array | None,
   if widths is not None and role in widths:
     rbits = random_bits(rkey, x.shape) if rkey is not None else None
     return bfp_numerics.bfp_quantize(x, fmt, rbits, man=widths[role])
+  if cfg.views(role) and x.ndim != 2:
+    return quantize_f32(x.reshape(matrix_shape(x.shape)), fmt, rkey, "auto").reshape(x.shape)
   return quantize_f32(x, fmt, rkey, "auto")
 
 

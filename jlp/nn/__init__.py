@@ -2,6 +2,9 @@
 
   quantize_model(model, rules, rngs=None) -> QuantReport   (jlp.nn.rules)
   load_bfpsim_preset(path_or_dict_or_name) -> [QuantRule]   (jlp.nn.bfpsim)
+  recipe_rules(name, model, *example) -> [QuantRule]         (jlp.nn.recipes: TE's NVFP4 and
+                                                               MXFP8, MXFP4, DeepSeek-V3 FP8,
+                                                               TE's per-tensor current scaling)
 
 BFPsim compatibility: quantize_model(..., bfpsim_inplace_fi=True) reproduces the side effect of
 BFPsim's in-place input quantization on the zoo's ResNets (jlp.nn.inplace_fi).
@@ -11,6 +14,7 @@ zero-setting errors as metrics (bfp_zse_metrics), and `jlp.nn.zse` / `jlp.nn.con
 """
 
 from jlp.nn.bfpsim import PRESETS, bfpsim_to_path, load_bfpsim_preset
+from jlp.nn.recipes import RECIPES, gemm_call_order, recipe_gemm, recipe_rules
 from jlp.nn.rules import (KINDS, BFPWidths, QConv, QDotGeneral, QEinsum, QuantReport, QuantRule,
                           ZSEProbe, bfp_zse_metrics, get_widths, layer_kind, quantize_model,
                           set_widths, unquantize_model)
@@ -19,6 +23,7 @@ __all__ = [
     "BFPWidths",
     "KINDS",
     "PRESETS",
+    "RECIPES",
     "QConv",
     "QDotGeneral",
     "QEinsum",
@@ -27,10 +32,13 @@ __all__ = [
     "ZSEProbe",
     "bfp_zse_metrics",
     "bfpsim_to_path",
+    "gemm_call_order",
     "get_widths",
     "layer_kind",
     "load_bfpsim_preset",
     "quantize_model",
+    "recipe_gemm",
+    "recipe_rules",
     "set_widths",
     "unquantize_model",
 ]

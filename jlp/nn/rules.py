@@ -70,7 +70,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jlp.formats import BFPFormat, FloatFormat, MXFormat
+from jlp.formats import BFPFormat, FloatFormat
 from jlp.gemm.config import GemmQuant, ROLES
 from jlp.gemm.qdot import biw_zse_block, bwo_zse_block, qconv, qdot_general
 from jlp.quantize import is_stochastic
@@ -459,6 +459,8 @@ def _summary(cfg: GemmQuant | None) -> str:
                  + (f"+promote{cfg.promote_every}" if cfg.promote_every is not None else ""))
   if not cfg.bwd_from_fwd:
     parts.append("bwd_from_fwd=False")
+  if cfg.matrix_view:
+    parts.append("matrix_view")
   return " ".join(parts) or "identity"
 
 
@@ -477,10 +479,10 @@ def _check_weight_roles(cfg: GemmQuant, module: Any, path: str, rule: QuantRule)
   kernel = getattr(module, "kernel", None)
   if kernel is None:
     return
-  ndim = len(kernel.shape)
   for role in _WEIGHT_ROLES:
     fmt = getattr(cfg, role)
-    if isinstance(fmt, (BFPFormat, MXFormat)):
+    if fmt is not None and not isinstance(fmt, FloatFormat):  # block formats
+      ndim = 2 if cfg.views(role) else len(kernel.shape)
       try:
         fmt.check_rank(ndim)
       except ValueError as e:

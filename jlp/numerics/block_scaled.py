@@ -22,6 +22,23 @@ rounding to nearest even with gradual underflow:
                                     about an ulp of float32's max, or, with pow2_scale, within
                                     one element grid step of 2^128).
 
+scale_rule="reciprocal" (TransformerEngine's `compute_scale_from_amax`,
+transformer_engine/common/recipe/recipe_common.cuh, epsilon 0, the rule of Float8CurrentScaling
+and Float8BlockScaling), per block:
+
+  m = fl32(M / A)                   one float32 division (`__fdiv_rn`); m = 1 for A = 0; float32's
+                                    largest finite value where the quotient overflows;
+  m = m & 0xFF800000                with pow2_scale (TE's force_pow_2_scales: m rounded down to a
+                                    power of two, so the scale 1 / m is rounded up);
+  q = elem(fl32(x · m))             one float32 multiply, then the saturating cast (TE's satfinite
+                                    FP8 conversion);
+  value = fl32(q · fl32(1 / m))     the value TE's scale_inv = 1 / m gives the element.
+
+TE's GEMM applies scale_inv to the accumulated products rather than to each element; the
+element-wise value above is the quantized operand that the emulated GEMM then multiplies. For a
+block holding inf, TE's multiplier is 1 (an infinite amax) and the saturating cast maps the
+infinities to ±M, where a non-finite block is all NaN here (below).
+
 Signed zeros are kept (an all-zero block is returned unchanged, elements rounding to zero keep
 their sign). A block holding inf or NaN becomes all NaN (0x7FC00000): its scale would be inf or
 NaN, and TransformerEngine's reference then dequantizes every element to NaN as well.
@@ -75,6 +92,7 @@ from jlp.numerics.float_cast import ABS, FRAC, INF, QNAN, cast_bits, float_bits,
 from jlp.numerics.ieee_f32 import div_bits, mul_bits
 
 _ONE = float_bits(1.0)
+_FLT_MAX = float_bits(float(jnp.finfo(jnp.float32).max))
 _MAX_POW2 = float_bits(2.0 ** 127)
 _FLOAT_OPS_MIN_SCALE = float_bits(2.0 ** -100)
 
@@ -95,14 +113,31 @@ def scale_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   return jnp.where(amax == 0, _ONE, s)
 
 
+def multiplier_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+  """uint32 bits of each block's multiplier m under scale_rule="reciprocal" (TransformerEngine's
+  `compute_scale_from_amax` with epsilon 0: elem.max / amax, float32's max where that overflows,
+  rounded down to a power of two with pow2_scale, 1 for amax = 0) from the bits of its finite
+  `amax`."""
+  m = div_bits(jnp.full_like(amax, float_bits(fmt.elem.max)), jnp.where(amax == 0, _ONE, amax))
+  m = jnp.where(m >= INF, _FLT_MAX, m)
+  if fmt.pow2_scale:
+    m = m & u32(0xFF800000)  # m is a normal float32: elem.max / amax >= elem.max / FLT_MAX
+  return jnp.where(amax == 0, _ONE, m)
+
+
 def block_scaled_bits(u: jax.Array, amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   """Element-wise block-scaled quantization of float32 bit patterns `u` whose blocks have the
   max |x| bits `amax` (broadcast against u; >= INF: the block holds inf or NaN)."""
   finite = amax < INF
-  s = scale_bits(jnp.where(finite, amax, u32(0)), fmt)
+  amax = jnp.where(finite, amax, u32(0))
   u = jnp.where((u & ABS) < INF, u, u32(0))  # elements of NaN blocks: any finite stand-in
   elem = dataclasses.replace(fmt.elem, overflow="saturate")
-  out = mul_bits(cast_bits(div_bits(u, s), elem), s)
+  if fmt.scale_rule == "reciprocal":
+    m = multiplier_bits(amax, fmt)
+    out = mul_bits(cast_bits(mul_bits(u, m), elem), div_bits(jnp.full_like(m, _ONE), m))
+  else:
+    s = scale_bits(amax, fmt)
+    out = mul_bits(cast_bits(div_bits(u, s), elem), s)
   return jnp.where(finite, out, QNAN)
 
 
@@ -152,7 +187,7 @@ def _float_ops_exact(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   """Whether float32 division and multiplication give `block_scaled_bits`'s bits for blocks with
   the max |x| bits `amax` on any backend that flushes subnormals (module docstring)."""
   elem = fmt.elem
-  if (elem.emin - elem.man if elem.subnormals else elem.emin) < -24:
+  if fmt.scale_rule != "divide" or (elem.emin - elem.man if elem.subnormals else elem.emin) < -24:
     return jnp.bool_(False)
   finite = amax < INF
   s = scale_bits(jnp.where(finite, amax, u32(0)), fmt)

@@ -35,6 +35,13 @@ instead of NaN; and its "rceil" fallback takes ceil(torch.log2(D)) in float32, w
 one too low when D lies a few ulps above a power of two (torchao's later
 `_f32_to_e8m0_rceil` and the hardware instruction take the exact ceiling, as here).
 
+With `fmt.prescale` = p != 1 (Tseng et al.'s 3/4, arXiv:2502.20586) the shared exponent is
+chosen as above from the block as given; each finite element is then multiplied by p (one IEEE
+float32 multiply, `jlp.numerics.ieee_f32.mul_bits`), scaled down, cast and scaled back as above,
+and divided by p (one IEEE float32 division, `div_bits`; an infinite product stays infinite):
+value = fl32(fl32(elem(fl32(x · p) / 2^shared_exp) · 2^shared_exp) / p). It always takes the
+scale-down-cast-scale-back path.
+
 Special cases: a block holding inf or NaN, or one whose shared_exp would exceed
 127 (an E8M0 NaN scale), becomes all NaN; an all-zero block keeps its signed
 zeros; elements keep their sign when they round to zero.
@@ -82,7 +89,7 @@ from jax import lax
 from jlp.formats import INT8, FloatFormat, MXFormat
 from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, cast_bits, float_bits,
                                      from_bits, to_bits, u32)
-from jlp.numerics.ieee_f32 import div_bits
+from jlp.numerics.ieee_f32 import div_bits, mul_bits
 
 E8M0_MIN_EXP = -127
 E8M0_MAX_EXP = 127
@@ -253,6 +260,8 @@ def _mx_bits_given_scale(u: jax.Array, code: jax.Array, fmt: MXFormat,
   nan_scale = code >= NAN_SCALE
 
   finite = jnp.where(a >= INF, u32(0), u)
+  if fmt.prescale != 1.0:
+    finite = mul_bits(finite, jnp.full_like(finite, float_bits(fmt.prescale)))
   exact = _exponent_scaling_is_exact(fmt)
   scaled = _scale_down_bits(finite, shared_exp) if exact else ldexp_bits(finite, -shared_exp)
   if fmt.elem == INT8:
@@ -260,6 +269,10 @@ def _mx_bits_given_scale(u: jax.Array, code: jax.Array, fmt: MXFormat,
   else:
     q = cast_bits(scaled, _saturating(fmt.elem), rbits)
   out = _scale_up_bits(q, shared_exp) if exact else ldexp_bits(q, shared_exp)
+  if fmt.prescale != 1.0:
+    infinite = (out & ABS) >= INF  # an element of a "ceil" / "even" / "rceil" block near 2^128
+    out = jnp.where(infinite, out, div_bits(jnp.where(infinite, u32(0), out),
+                                            jnp.full_like(out, float_bits(fmt.prescale))))
   return jnp.where(nan_scale, QNAN, out)
 
 
@@ -394,7 +407,7 @@ def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> 
     r = jnp.asarray(rbits, jnp.uint32) if fmt.rounding == "stochastic" else None
     return from_bits(_mx_bits_given_scale(to_bits(x), code, fmt, r))
 
-  if fmt.rounding != "nearest":
+  if fmt.rounding != "nearest" or fmt.prescale != 1.0:
     return general(x, codes)
 
   def nearest(x: jax.Array, codes: jax.Array) -> jax.Array:

@@ -59,6 +59,18 @@ Fields (see `base_config` for defaults):
                                 quantization rules over module paths, first match wins (checked
                                 before the preset's rules), e.g. ((".*", {"x": "e4m3", "w": "e4m3",
                                 "dgrad_dy": "e5m2", "wgrad_dy": "e5m2"}),) for an fp8 model.
+  quant_recipe                  "none" (default) or a low-precision training recipe by name
+                                (jlp.nn.recipes: "nvfp4", "mxfp8", "mxfp4", "deepseek_fp8",
+                                "fp8_current"; "fp8_delayed" is not supported yet): its
+                                jlp.nn rules (`recipe_rules`) are put on the model after
+                                quant_rules, so quant_rules override the recipe for the layers
+                                they match (first match wins; the recipe ends in a catch-all
+                                rule for every Linear and Conv layer). "nvfp4" finds the first
+                                and last GEMM layers, kept in float32, by tracing the model on the
+                                first training batch. Stochastic rounding (of a recipe or of
+                                quant_rules) draws from nnx.Rngs(quant=seed + 2) (per layer and
+                                call, jlp.nn.rules). Not with bfp.preset / bfp.schedule /
+                                bfp.controller (the recipe's catch-all would shadow a preset).
   bfp.preset                    BFPsim preset name or JSON path applied with jlp.nn rules ("" = none).
   bfp.schedule                  {epoch: preset} switched at epoch boundaries (BFPsim's
                                 bfp-layer-conf-dict, intended semantics: optimizer state and LR
@@ -184,6 +196,7 @@ def base_config() -> ml_collections.ConfigDict:
       "kwargs": ml_collections.ConfigDict(), "plan": ""})
 
   c.quant_rules = ()
+  c.quant_recipe = "none"
   c.bfp = ml_collections.ConfigDict({
       "preset": "", "schedule": ml_collections.ConfigDict(), "controller": "", "window": 0})
   c.pipeline = ml_collections.ConfigDict(PIPELINE_DEFAULTS)
@@ -265,6 +278,29 @@ def quant_rules(config: ml_collections.ConfigDict) -> list[Any]:
   return out
 
 
+def quant_recipe(config: ml_collections.ConfigDict) -> str | None:
+  """config.quant_recipe checked: the recipe's name, or None for "none" (ValueError naming the
+  field: an unknown name, one not supported yet, or a recipe together with a BFP preset)."""
+  from jlp.nn import recipes  # pylint: disable=g-import-not-at-top
+  name = config.quant_recipe
+  if name == "none":
+    return None
+  if name in recipes.UNSUPPORTED:
+    raise ValueError(f"config.quant_recipe={name!r} is not supported yet: "
+                     f"{recipes.UNSUPPORTED[name]}; expected one of "
+                     f"{', '.join(repr(r) for r in ('none',) + recipes.RECIPES)}.")
+  _check(name in recipes.RECIPES, "quant_recipe", name,
+         f"one of {', '.join(repr(r) for r in ('none',) + recipes.RECIPES)}")
+  bfp = config.bfp
+  for field, value, off in (("bfp.preset", bfp.preset, ""), ("bfp.controller", bfp.controller, "")):
+    _check(value == off, field, value, f"{off!r} with config.quant_recipe={name!r} (the recipe's "
+           "catch-all rule would shadow the preset's rules)")
+  _check(not dict(bfp.schedule), "bfp.schedule", dict(bfp.schedule),
+         f"{{}} with config.quant_recipe={name!r} (the recipe's catch-all rule would shadow the "
+         "presets' rules)")
+  return name
+
+
 def compressor(config: ml_collections.ConfigDict) -> Any:
   """The jlp.compression Compressor of config.compression (None for "none"); ValueError naming
   the field and the allowed values."""
@@ -343,6 +379,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_compression(config, fmt)
 
   quant_rules(config)
+  quant_recipe(config)
   if config.bfp.controller:
     bfp_controller.SimpleController.from_string(config.bfp.controller)  # raises on a bad string
   _check(_int(config.bfp.window) and config.bfp.window >= 0, "bfp.window", config.bfp.window,

@@ -5,7 +5,8 @@ picks it).
 One call runs (or resumes) an experiment config (jlp.train.config) in `workdir`:
   1. Checks the config, finds the data and sizes the batches against the devices: every bad value
      is a ValueError / FileNotFoundError before anything compiles.
-  2. Builds the data pipelines, the model (with its BFPsim preset, when one is set), the optimizer
+  2. Builds the data pipelines, the model (with config.quant_rules, config.quant_recipe and the
+     BFPsim preset, when set: jlp.train.loop_common.QuantPlan), the optimizer
      and the data-parallel step (jlp.train.TrainStep with the config's gradient all-reduce).
   3. Restores the newest checkpoint of `workdir/checkpoints` if there is one, then trains to
      `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard; `wire_bytes` is
@@ -156,7 +157,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
   train_pipe, eval_pipe = recipe.pipelines(config, train_ds, eval_ds)
   spe = max(1, train_pipe.steps_per_epoch)
   lr = recipe.schedule(config, spe, train_ds.size)
-  quant = QuantPlan(config, spe)
+  quant = QuantPlan(config, spe, example=lambda: train_pipe.batch(0)["image"])
   model = recipe.model(config, train_ds)
   sync = recipe.plan_sync(config, sync, split_model(model)[1], mesh.size)
   return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, sync,

@@ -1,7 +1,7 @@
 """What both training loops (jlp.train.data_parallel_loop, jlp.train.pipeline_loop) share: the
-model's quantization plan (config.quant_rules, the BFPsim preset schedule and the Simple
-controller), the Ctrl-C handler, the checkpoint cadence, the progress bar, the log line and the
-closing of a run. Neither loop imports the other; `jlp.train.loop.train_and_evaluate` picks one.
+model's quantization plan (config.quant_rules, config.quant_recipe, the BFPsim preset schedule and
+the Simple controller), the Ctrl-C handler, the checkpoint cadence, the progress bar, the log line
+and the closing of a run. Neither loop imports the other; `jlp.train.loop.train_and_evaluate` picks one.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
 import numpy as np
 from flax import nnx
 
-from jlp.nn import bfpsim, controller as bfp_controller, rules as nn_rules
+from jlp.nn import bfpsim, controller as bfp_controller, recipes, rules as nn_rules
 from jlp.train.checkpoint import Checkpointer
-from jlp.train.config import quant_rules
+from jlp.train.config import quant_recipe, quant_rules
 from jlp.train.metrics import MetricsWriter
 
 __all__ = ["Interrupt", "QuantPlan", "checkpoint_due", "close_run", "log_line", "progress",
@@ -29,11 +29,21 @@ __all__ = ["Interrupt", "QuantPlan", "checkpoint_due", "close_run", "log_line", 
 
 
 class QuantPlan:
-  """The model's quantization: config.quant_rules, the BFPsim preset in force at each epoch and
-  the Simple controller (config.bfp)."""
+  """The model's quantization: config.quant_rules, then the rules of config.quant_recipe
+  (`jlp.nn.recipe_rules`), then the BFPsim preset in force at each epoch (a recipe and a preset
+  exclude each other), and the Simple controller (config.bfp). First match wins, so quant_rules
+  override the recipe. Stochastic rounding streams come from nnx.Rngs(quant=config.seed + 2).
 
-  def __init__(self, config: ml_collections.ConfigDict, steps_per_epoch: int):
+  `example`: a callable returning one model input (e.g. the first training batch's images),
+  called only when the recipe traces the model ("nvfp4": its first and last GEMM layers).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, steps_per_epoch: int,
+               example: Callable[[], Any] | None = None):
     self.rules = quant_rules(config)
+    self.recipe = quant_recipe(config)
+    self.example = example
+    self.seed = int(config.seed)
     entries = dict(config.bfp.schedule) or ({0: config.bfp.preset} if config.bfp.preset else {})
     for preset in entries.values():
       if preset and preset not in bfpsim.PRESETS and not os.path.isfile(preset):
@@ -48,16 +58,30 @@ class QuantPlan:
     self.window = config.bfp.window or steps_per_epoch
     self.controller: bfp_controller.SimpleController | None = None
 
+  def recipe_rules(self, model: nnx.Module) -> list[nn_rules.QuantRule]:
+    """The recipe's rules for `model` ([] without a recipe)."""
+    if self.recipe is None:
+      return []
+    if self.recipe in recipes.FIRST_LAST_FLOAT32:
+      if self.example is None:
+        raise ValueError(f"config.quant_recipe={self.recipe!r} needs an example model input to "
+                         "find the first and last GEMM layers; expected QuantPlan(..., "
+                         "example=...).")
+      return recipes.recipe_rules(self.recipe, model, self.example())
+    return recipes.recipe_rules(self.recipe, model)
+
   def preset_at(self, epoch: int) -> str | None:
     return None if self.schedule is None else self.schedule.at(epoch) or None
 
   def quantize(self, model: nnx.Module, preset: str | None) -> nn_rules.QuantReport | None:
-    """Puts the config's rules, then `preset`'s, on `model` in place (earlier ones removed)."""
+    """Puts the config's rules, the recipe's, then `preset`'s on `model` in place (earlier ones
+    removed)."""
     nn_rules.unquantize_model(model)
-    rules = self.rules + (bfpsim.load_bfpsim_preset(preset) if preset else [])
+    rules = self.rules + self.recipe_rules(model) + (
+        bfpsim.load_bfpsim_preset(preset) if preset else [])
     if not rules:
       return None
-    report = nn_rules.quantize_model(model, rules)
+    report = nn_rules.quantize_model(model, rules, rngs=nnx.Rngs(quant=self.seed + 2))
     if self.controller_spec:
       bits = bfp_controller.bits_from_configs(dict(report))
       if self.controller is None:

@@ -4,12 +4,13 @@ config.pipeline.schedule is "gpipe" or "1f1b" (`jlp.train.loop.train_and_evaluat
 One call runs (or resumes) the config in `workdir`:
   1. Checks the config (`jlp.train.config.validate`, then `pipeline_size` against the devices):
      N = pipeline.pipelines (0: devices / S) pipelines of S = pipeline.stages stages.
-  2. Builds the data pipelines, the model (config.quant_rules and a fixed bfp.preset applied),
-     splits it into S stages (`jlp.pipeline.stages.split_model`, pipeline.boundaries or the
-     stage rule's default) and builds `jlp.pipeline.Pipeline` on the first N*S devices with the
-     config's optimizer (one state per pipeline and stage), sync (pipeline.sync; "allreduce" sums
-     with the config's gradient sync, `recipe.grad_sync`, over the N pipelines) and virtual-time
-     model (`Hetero`, `PReduce`, `HetPipe` from the pipeline.* knobs, seeded by config.seed).
+  2. Builds the data pipelines, the model (config.quant_rules, config.quant_recipe and a fixed
+     bfp.preset applied), splits it into S stages (`jlp.pipeline.stages.split_model`,
+     pipeline.boundaries or the stage rule's default) and builds `jlp.pipeline.Pipeline` on the
+     first N*S devices with the config's optimizer (one state per pipeline and stage), sync
+     (pipeline.sync; "allreduce" sums with the config's gradient sync, `recipe.grad_sync`, over
+     the N pipelines) and virtual-time model (`Hetero`, `PReduce`, `HetPipe` from the pipeline.*
+     knobs, seeded by config.seed).
   3. Restores the newest checkpoint of `workdir/checkpoints` (the whole `PipelineState`, sharded
      [N, S, ...]: weights, 1F1B's mini-batches in flight, virtual clocks), then trains to
      max_steps in calls of pipeline.batches_per_call mini-batches (`Pipeline.run`, the steps
@@ -162,7 +163,7 @@ def setup(config: ml_collections.ConfigDict) -> PipelineRun:
   spe = max(1, train_pipe.steps_per_epoch)
   lr = recipe.schedule(config, spe, train_ds.size)
   grad_sync = recipe.grad_sync(config, num_pipelines) if p.sync == "allreduce" else None
-  quant = QuantPlan(config, spe)
+  quant = QuantPlan(config, spe, example=lambda: train_pipe.batch(0)["image"])
   model = recipe.model(config, train_ds)
   quant.quantize(model, quant.preset_at(0))
   split = split_model(model, num_stages, boundaries=tuple(p.boundaries) or None)

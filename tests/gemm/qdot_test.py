@@ -444,3 +444,78 @@ def test_bfloat16_operands():
   want = reference(cfg, x, w, g, **DENSE)
   for gt, wt in zip(got, want, strict=True):
     ref.assert_same_bits(gt.astype(jnp.float32), wt.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------- matrix_view
+
+
+def _view_q(x, fmt):
+  """`fmt` on TransformerEngine's 2-D view of x: leading axes flattened into rows."""
+  return x if fmt is None else jlp.quantize(x.reshape(-1, x.shape[-1]), fmt).reshape(x.shape)
+
+
+def test_matrix_view_quantizes_the_2d_view_of_every_block_format_role():
+  """A conv (NHWC x HWIO) with MX, NVFP4 and block-scaled roles on the (N*H*W, C) and
+  (H*W*I, O) views: the wgrad operands are blocked along the flattened rows."""
+  kw, x, w, g = conv_operands("nhwc-s2-same", 8)
+  cfg = GemmQuant(x=jlp.MXFormat("float8_e4m3fn", block=2, axis=-1),
+                  w=jlp.BlockScaledFormat(block=(4, 2), axis=-2),
+                  dgrad_dy=jlp.NVFP4Format(axis=-1), dgrad_w=jlp.MXFormat("float6_e2m3fn", 4),
+                  wgrad_x=jlp.MXFormat("float8_e5m2", block=8, axis=-2),
+                  wgrad_dy=jlp.BlockScaledFormat("float8_e5m2", block=(1, 6), axis=-2),
+                  bwd_from_fwd=False, matrix_view=True)
+  ops = conv_ops(**kw)
+  want = jax.jit(lambda x, w, g: (
+      ops["fwd"](_view_q(x, cfg.x), _view_q(w, cfg.w)),
+      ops["dlhs"](_view_q(g, cfg.dgrad_dy), _view_q(w, cfg.dgrad_w)),
+      ops["drhs"](_view_q(x, cfg.wgrad_x), _view_q(g, cfg.wgrad_dy))))(x, w, g)
+  got = run(lambda a, b: qconv(a, b, cfg=cfg, **kw), x, w, g)
+  for name, gt, wt in zip("yxw", got, want, strict=True):
+    np.testing.assert_allclose(gt, wt, rtol=1e-6, atol=1e-6, err_msg=name)
+  plain = run(lambda a, b: qconv(a, b, cfg=cfg.replace(matrix_view=False), **kw), x, w, g)
+  assert not np.array_equal(np.asarray(plain[2]), np.asarray(got[2]))  # the views matter
+
+
+def test_matrix_view_leaves_other_formats_and_2d_tensors_alone(gen_operands):
+  x, w, g = gen_operands
+  cfg = GemmQuant(x=FMT, w=BFPFormat(3, (1, 2, 2)), dgrad_dy=FMT, matrix_view=True)
+  check(run(lambda a, b: qdot_general(a, b, GEN_DN, cfg), x, w, g),
+        reference(cfg.replace(matrix_view=False), x, w, g, **GEN))
+  rng = np.random.default_rng(9)
+  xd, wd, gd = normal(rng, (8, 32)), normal(rng, (32, 16)), normal(rng, (8, 16))
+  mx = dict(x=jlp.MXFormat("float8_e4m3fn"), wgrad_x=jlp.MXFormat("float8_e4m3fn", axis=-2))
+  dn = (((1,), (0,)), ((), ()))
+  viewed = run(lambda a, b: qdot_general(a, b, dn, GemmQuant(**mx, matrix_view=True)), xd, wd, gd)
+  plain = run(lambda a, b: qdot_general(a, b, dn, GemmQuant(**mx)), xd, wd, gd)
+  for a, b in zip(viewed, plain, strict=True):
+    ref.assert_same_bits(a, b)
+
+
+def test_matrix_view_validation_and_shape():
+  from jlp.gemm.config import matrix_shape  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r"matrix_view=1 is not allowed; expected True or False"):
+    GemmQuant(matrix_view=1)
+  assert GemmQuant.from_dict({"matrix_view": True}).matrix_view
+  assert matrix_shape((2, 3, 4)) == (6, 4) and matrix_shape((5,)) == (1, 5)
+  assert matrix_shape(()) == (1, 1)
+  # an axis is checked against the view's rank (2), not the tensor's
+  x, w = jnp.ones((2, 3, 8)), jnp.ones((8, 4))
+  dn = (((2,), (0,)), ((), ()))
+  with pytest.raises(ValueError, match=r"cfg.x=NVFP4Format.* shape \(6, 8\).*axis=-3"):
+    qdot_general(x, w, dn, GemmQuant(x=jlp.NVFP4Format(axis=-3), matrix_view=True))
+  qdot_general(x, w, dn, GemmQuant(x=jlp.NVFP4Format(axis=-3)))  # fine on the 3-D tensor
+
+
+def test_block_scaled_and_nvfp4_formats_are_roles():
+  cfg = GemmQuant(x=jlp.NVFP4Format(), w=jlp.BlockScaledFormat(block=(16, 16), axis=0))
+  assert isinstance(cfg.x, jlp.NVFP4Format) and isinstance(cfg.w, jlp.BlockScaledFormat)
+  rng = np.random.default_rng(10)
+  x, w, g = normal(rng, (4, 32)), normal(rng, (32, 8)), normal(rng, (4, 8))
+  dn = (((1,), (0,)), ((), ()))
+  got = run(lambda a, b: qdot_general(a, b, dn, cfg), x, w, g)
+  want = reference(cfg, x, w, g, **DENSE)
+  for name, gt, wt in zip("yxw", got, want, strict=True):
+    np.testing.assert_allclose(gt, wt, rtol=1e-6, atol=1e-6, err_msg=name)
+  with pytest.raises(ValueError, match=r"x=\{\} is not allowed; expected None, a FloatFormat, "
+                                       r"BFPFormat, MXFormat, NVFP4Format, BlockScaledFormat"):
+    GemmQuant(x={})

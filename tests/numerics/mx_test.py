@@ -75,8 +75,10 @@ def round_elements(scaled, elem, rbits=None):
   return ref.round_to_format(clipped.astype(np.float32), stochastic, rbits).astype(np.float64)
 
 
-def reference_blocks(blocks, elem, rbits=None, mode="floor"):
-  """Each row of `blocks` (float32) quantized as one MX block, in float64."""
+def reference_blocks(blocks, elem, rbits=None, mode="floor", prescale=1.0):
+  """Each row of `blocks` (float32) quantized as one MX block, in float64; with a prescale p the
+  shared exponent comes from the block, the elements from float32(x * p), and the result is
+  divided by p in float32 (numpy's IEEE float32, gradual underflow)."""
   v = blocks.astype(np.float64)
   amax = np.abs(v).max(axis=1, keepdims=True)
   if mode == "floor":
@@ -85,16 +87,18 @@ def reference_blocks(blocks, elem, rbits=None, mode="floor"):
   else:
     finite_amax = np.where(np.isfinite(amax), amax, 0.0)
     shared = np.maximum(shared_exponent(finite_amax, elem, mode), -127).astype(np.float64)
-  with np.errstate(invalid="ignore", over="ignore"):
-    scaled = v / 2.0 ** shared
+  with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+    elements = (blocks.astype(np.float32) * np.float32(prescale)).astype(np.float64)
+    scaled = elements / 2.0 ** shared
     out = round_elements(np.where(np.isfinite(scaled), scaled, 0.0), elem, rbits) * 2.0 ** shared
   out = np.where(amax == 0, v, out)  # all-zero block: signed zeros kept
   nan_block = ~np.isfinite(v).all(axis=1, keepdims=True) | (shared > 127)
-  with np.errstate(over="ignore"):  # 2^128 -> inf ("ceil", "even", "rceil" near float32's max)
-    return np.where(nan_block, np.nan, out).astype(np.float32)
+  with np.errstate(over="ignore", under="ignore"):  # 2^128 -> inf ("ceil", "even", "rceil")
+    out = np.where(nan_block, np.nan, out).astype(np.float32)
+    return out if prescale == 1.0 else out / np.float32(prescale)
 
 
-def mx_reference(x, elem, block, axis, rbits=None, mode="floor"):
+def mx_reference(x, elem, block, axis, rbits=None, mode="floor", prescale=1.0):
   x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
   n = x.shape[-1]
   padded = np.zeros(x.shape[:-1] + (-(-n // block) * block,), np.float32)
@@ -104,7 +108,8 @@ def mx_reference(x, elem, block, axis, rbits=None, mode="floor"):
     r = np.zeros(padded.shape, np.uint32)
     r[..., :n] = np.moveaxis(rbits, axis, -1)
     r = r.reshape(-1, block)
-  out = reference_blocks(padded.reshape(-1, block), elem, r, mode).reshape(padded.shape)[..., :n]
+  out = reference_blocks(padded.reshape(-1, block), elem, r, mode, prescale)
+  out = out.reshape(padded.shape)[..., :n]
   return np.moveaxis(out, -1, axis)
 
 
@@ -408,3 +413,73 @@ def test_torchao_goldens(elem):
     ref.assert_same_bits(got, want, x, f"{elem} {mode}")
     differ += int((~ref.same_bits(want, goldens["floor"])).sum())
   assert differ > 0  # the modes are told apart by these inputs
+
+
+# -- prescale (Tseng et al.'s 3/4 before stochastic rounding) -------------------------------------
+
+@pytest.mark.parametrize("elem, mode, stochastic", [
+    (e, m, s) for e in ("float4_e2m1fn", "float8_e4m3fn", "int8") for m in ("floor", "rceil")
+    for s in (False, True) if not (s and e == "int8")])  # MXINT8 rounds to nearest only
+def test_prescale_matches_reference(elem, mode, stochastic):
+  """Random wide blocks with zeros, float32 subnormals and specials, along the last axis and,
+  ragged, along axis 0."""
+  rng = np.random.default_rng(len(elem) + len(mode) + stochastic)
+  rounding = "stochastic" if stochastic else "nearest"
+  e = elem if elem == "int8" else FloatFormat.from_name(elem, rounding=rounding)
+  for shape, block, axis in LAYOUTS:
+    rows, cols = shape if axis == -1 else shape[::-1]
+    x = random_blocks(rng, rows, cols)
+    x = x if axis == -1 else x.T.copy()
+    rbits = rng.integers(0, 2 ** 32, x.shape, dtype=np.uint64).astype(np.uint32)
+    rbits = rbits if stochastic else None
+    fmt = MXFormat(e, block=block, axis=axis, scale_mode=mode, prescale=0.75)
+    want = mx_reference(x, elem, block, axis, rbits, mode, prescale=0.75)
+    ref.assert_same_bits(quantize(x, fmt, rbits), want, x, repr(fmt))
+
+
+def test_prescale_is_tseng_et_al_s_dither_scale():
+  """amazon-science/mxfp4-llm's microxcaling patch (round='dither_scale'), transcribed in float32:
+  shared_exp = floor(log2 amax) - 2 (OCP, E2M1), A = 3 * x / 2^(shared_exp + 2), stochastic
+  rounding onto E2M1 (saturating), then A * 2^(shared_exp + 2) / 3. With the same draws it gives
+  jlp's bits on normal-range blocks, and no element reaches the saturation bound."""
+  rng = np.random.default_rng(11)
+  f32 = np.float32
+  x = (rng.standard_normal((64, 32)) * 2.0 ** rng.integers(-20, 20, (64, 1))).astype(f32)
+  x[:, 0] = np.float32(7.99) * 2.0 ** rng.integers(-20, 20, 64)  # maxima where OCP would clip
+  rbits = rng.integers(0, 2 ** 32, x.shape, dtype=np.uint64).astype(np.uint32)
+  _, e = np.frexp(np.abs(x).max(axis=1, keepdims=True).astype(np.float64))
+  shared = (e - 1 - 2).astype(np.float64)
+  a = ((f32(3) * x).astype(np.float64) / 2.0 ** (shared + 2)).astype(f32)
+  assert np.abs(a).max() < 6  # no clipping
+  sr = FloatFormat.from_name("float4_e2m1fn", rounding="stochastic", overflow="saturate")
+  q = ref.round_to_format(a, sr, rbits).astype(np.float64)
+  want = ((q * 2.0 ** (shared + 2)).astype(f32) / f32(3)).astype(f32)
+  fmt = MXFormat(FloatFormat.from_name("float4_e2m1fn", rounding="stochastic"), prescale=0.75)
+  ref.assert_same_bits(quantize(x, fmt, rbits), want, x)
+
+
+def test_prescale_keeps_stochastic_rounding_unbiased():
+  """Blocks whose maximum lies in (6, 8) x 2^shared_exp: plain OCP scaling clips it to 6 x
+  2^shared_exp, a bias stochastic rounding cannot undo; with the 3/4 prescale the mean of many
+  roundings converges to x."""
+  f32 = np.float32
+  row = np.linspace(-7.9, 7.9, 32).astype(f32)
+  x = np.tile(row, (4096, 1))
+  rbits = np.random.default_rng(2).integers(0, 2 ** 32, x.shape, dtype=np.uint64).astype(np.uint32)
+  sr = FloatFormat.from_name("float4_e2m1fn", rounding="stochastic")
+  unbiased = quantize(x, MXFormat(sr, prescale=0.75), rbits).mean(axis=0)
+  clipped = quantize(x, MXFormat(sr), rbits).mean(axis=0)
+  np.testing.assert_allclose(unbiased, row, atol=0.05)
+  assert abs(clipped[0] - row[0]) > 1.5 and abs(clipped[-1] - row[-1]) > 1.5  # clipped to ±6
+
+
+def test_prescale_validation_and_repr():
+  for bad in (0.0, -0.75, 1.5, 0.1, True, "0.75"):  # 0.1 is not a float32
+    with pytest.raises(ValueError, match=r"prescale=.* is not allowed; expected a float32 in"):
+      MXFormat("float4_e2m1fn", prescale=bad)
+  fmt = MXFormat("float4_e2m1fn", prescale=0.75)
+  assert repr(fmt) == "MXFormat(elem=float4_e2m1fn, block=32, axis=-1, prescale=0.75)"
+  assert MXFormat("float4_e2m1fn", prescale=1) == MXFormat("float4_e2m1fn")
+  assert MXFormat("float4_e2m1fn").representable_in(ml_dtypes.bfloat16)
+  assert fmt.representable_in(np.float32)  # values q * 2^e / p: float32 only
+  assert not fmt.representable_in(ml_dtypes.bfloat16)

@@ -48,9 +48,9 @@ def _both(fmts: tuple, rows_per_tile):
   return jax.jit(run)
 
 
-def check(x, block, axis, rows_per_tile, elems=("float8_e4m3fn", "float8_e5m2")):
+def check(x, block, axis, rows_per_tile, elems=("float8_e4m3fn", "float8_e5m2"), rule="divide"):
   """Kernel == XLA path (uint32 views) == reference, for each element format, pow2 on and off."""
-  fmts = tuple(BlockScaledFormat(e, block=block, axis=axis, pow2_scale=p)
+  fmts = tuple(BlockScaledFormat(e, block=block, axis=axis, pow2_scale=p, scale_rule=rule)
                for e in elems for p in (False, True))
   got_all, want_all = _both(fmts, rows_per_tile)(jnp.asarray(x))
   for fmt, got, want in zip(fmts, got_all, want_all, strict=True):
@@ -58,7 +58,7 @@ def check(x, block, axis, rows_per_tile, elems=("float8_e4m3fn", "float8_e5m2"))
     assert got.dtype == np.float32 and got.shape == x.shape
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=repr(fmt))
     ref.assert_same_bits(got, block_scaled_reference(x, fmt.elem.name, block, axis,
-                                                     fmt.pow2_scale), x, repr(fmt))
+                                                     fmt.pow2_scale, rule), x, repr(fmt))
 
 
 CASES = [
@@ -93,6 +93,21 @@ CASES = [
 def test_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile):
   del name  # the test id
   check(make(), block, axis, rows_per_tile)
+
+
+RECIPROCAL_CASES = [c for c in CASES if c[0] in ("128x128 normal", "304x304 axis 0", "ties",
+                                                 "specials", "3-d axis 1 ragged")] + [
+    # one (96 x 130) block: TE's per-tensor current scaling, P = 16384, one tile
+    ("per tensor", lambda: outlier_normal((96, 130), 10), (2 ** 31 - 1, 2 ** 31 - 1), -1, None),
+]
+
+
+@pytest.mark.parametrize("name,make,block,axis,rows_per_tile", RECIPROCAL_CASES,
+                         ids=[c[0] for c in RECIPROCAL_CASES])
+def test_reciprocal_rule_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile):
+  """scale_rule="reciprocal" (TransformerEngine's multiplier and scale_inv)."""
+  del name  # the test id
+  check(make(), block, axis, rows_per_tile, rule="reciprocal")
 
 
 def test_wider_elements():
@@ -139,7 +154,9 @@ def test_empty_and_argument_errors():
 LOWERING_FORMATS = [BlockScaledFormat(e, block=b, pow2_scale=p)
                     for e in ("float8_e4m3fn", "float8_e5m2") for b in ((1, 128), (128, 128))
                     for p in (False, True)] + [BlockScaledFormat(FloatFormat.from_name("bfloat16"),
-                                                                 block=(2, 48), axis=0)]
+                                                                 block=(2, 48), axis=0)] + [
+    BlockScaledFormat(e, block=(1, 128), pow2_scale=p, scale_rule="reciprocal")
+    for e in ("float8_e4m3fn", "float8_e5m2") for p in (False, True)]
 
 
 @pytest.mark.lowering

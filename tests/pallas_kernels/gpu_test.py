@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jlp import BFPFormat, BlockScaledFormat, FloatFormat, MXFormat, NVFP4Format
+from jlp.formats import TENSOR_BLOCK
 from jlp.compression import ops
 from jlp.gemm import matmul
 from jlp.quantize import quantize
@@ -85,6 +86,13 @@ CASTS = {
     "block fp8 1x128": BlockScaledFormat(), "block fp8 128x128": BlockScaledFormat(block=(128, 128)),
     "block fp8 pow2": BlockScaledFormat(pow2_scale=True),
     "block e5m2 axis 0": BlockScaledFormat("float8_e5m2", axis=0),
+    "block e4m3 per tensor reciprocal": BlockScaledFormat(block=TENSOR_BLOCK,
+                                                          scale_rule="reciprocal"),
+    "block e5m2 reciprocal pow2": BlockScaledFormat("float8_e5m2", pow2_scale=True,
+                                                    scale_rule="reciprocal"),
+    "mx e2m1 prescale stochastic": MXFormat(FloatFormat.from_name("float4_e2m1fn",
+                                                                  rounding="stochastic"),
+                                            prescale=0.75),
     "nvfp4": NVFP4Format(), "nvfp4 16x16": NVFP4Format(block=(16, 16)),
     "nvfp4 rht": NVFP4Format(rht=True), "nvfp4 stochastic": NVFP4Format(rounding="stochastic"),
     "nvfp4 torchao": NVFP4Format(compat="torchao"),

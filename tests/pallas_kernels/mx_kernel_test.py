@@ -295,11 +295,35 @@ def test_scale_modes_lower_to_triton(elem, mode):
 
 
 def test_scale_mode_kernel_bodies_shift_below_width():
-  """Every shift in `mx_rows_bits` (incl. the "rceil" division) is below 32 bits on boundary
+  """Every shift in `mx_rows_bits` (incl. the "rceil" division and the prescale's multiply and
+  division) is below 32 bits on boundary
   blocks (XLA and Triton disagree on wider shifts; kernel_lowering_test.py)."""
   u = np.concatenate([scale_mode_blocks(e, np.random.default_rng(5)) for e in ELEMENTS])
   u = np.concatenate([u, special_blocks()]).view(np.uint32)
-  bodies = {repr(f): (lambda u, r, f=f: mx_rows_bits(u, f))
-            for f in (MXFormat(e, scale_mode=m) for e in ("float8_e4m3fn", "int8")
-                      for m in SCALE_MODES)}
+  fmts = [MXFormat(e, scale_mode=m) for e in ("float8_e4m3fn", "int8") for m in SCALE_MODES]
+  fmts += [MXFormat("float4_e2m1fn", scale_mode=m, prescale=0.75) for m in ("floor", "rceil")]
+  bodies = {repr(f): (lambda u, r, f=f: mx_rows_bits(u, f)) for f in fmts}
   assert lowering.shifts_at_or_above_width(bodies, u, u) == []
+
+
+# -- prescale ------------------------------------------------------------------------------------
+
+def test_prescale_matches_xla_path_and_reference():
+  """Tseng et al.'s 3/4 prescale (nearest and stochastic E2M1, "floor" and "rceil" E4M3) on the
+  wide sample along axis 0 with ragged blocks (G = 72, P = 32, 9 tiles of 8)."""
+  x = sample((50, 24), 0, seed=9)
+  rbits = random_bits(x.shape, 3)
+  sr = FloatFormat.from_name("float4_e2m1fn", rounding="stochastic")
+  fmts = (MXFormat(sr, block=20, axis=0, prescale=0.75),
+          MXFormat("float4_e2m1fn", block=20, axis=0, prescale=0.75),
+          MXFormat("float8_e4m3fn", block=20, axis=0, scale_mode="rceil", prescale=0.75))
+  names = ("float4_e2m1fn", "float4_e2m1fn", "float8_e4m3fn")
+  got_all = _kernel_fn(fmts, 8)(x, rbits)
+  want_all = _xla_fn(fmts)(x, rbits)
+  for fmt, name, got, want in zip(fmts, names, got_all, want_all, strict=True):
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=repr(fmt))
+    r = rbits if fmt.rounding == "stochastic" else None
+    with np.errstate(invalid="ignore"):
+      ref.assert_same_bits(got, mx_reference(x, name, 20, 0, r, fmt.scale_mode, 0.75), x,
+                           repr(fmt))

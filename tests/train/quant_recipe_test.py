@@ -1,0 +1,156 @@
+"""config.quant_recipe: low-precision training recipes by name in both training loops.
+
+References: jlp.nn.recipe_rules (the rules a recipe stands for), the float32 run of the same config
+(the recipe must change the run, and on 8 devices stay within 3 points of its accuracy), the
+uninterrupted run for resume.
+"""
+
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import digits
+from jlp import models
+from jlp.formats import FloatFormat
+from jlp.gemm.config import GemmQuant
+from jlp.nn import RECIPES, recipe_gemm
+from jlp.train import config as config_lib, loop, recipe
+from jlp.train.loop_common import QuantPlan
+from jlp.train.metrics import read_metrics
+from runs import final_checkpoint, stable
+
+
+def small_config(name="none", **overrides):
+  c = digits.get_config()
+  c.model.kwargs.width = 8
+  c.batch_size = 64
+  c.max_steps = 6
+  c.log_every = 2
+  c.eval_every = 6
+  c.checkpoint_every = 3
+  c.quant_recipe = name
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+def test_the_field_defaults_to_none_and_is_documented():
+  assert config_lib.base_config().quant_recipe == "none"
+  doc = config_lib.__doc__
+  assert "quant_recipe" in doc and all(name in doc for name in RECIPES)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"quant_recipe": "fp4"},
+     r"^config.quant_recipe='fp4' is not allowed; expected one of 'none', 'nvfp4', 'mxfp8', "
+     r"'mxfp4', 'deepseek_fp8', 'fp8_current'\.$"),
+    ({"quant_recipe": "fp8_delayed"},
+     r"^config.quant_recipe='fp8_delayed' is not supported yet: TE's DelayedScaling .*; expected "
+     r"one of 'none', 'nvfp4', .*\.$"),
+    ({"quant_recipe": "nvfp4", "bfp": {"preset": "FB12", "schedule": {}, "controller": "",
+                                       "window": 0}},
+     r"^config.bfp.preset='FB12' is not allowed; expected '' with config.quant_recipe='nvfp4'"),
+    ({"quant_recipe": "mxfp8", "bfp": {"preset": "", "schedule": {"0": "FB12"}, "controller": "",
+                                       "window": 0}},
+     r"^config.bfp.schedule=.* is not allowed; expected \{\} with config.quant_recipe='mxfp8'"),
+])
+def test_bad_recipes_fail_in_one_line_before_the_model_is_built(overrides, message, monkeypatch,
+                                                                 tmp_path):
+  monkeypatch.setattr(recipe, "model", lambda *a, **k: pytest.fail("the model was built"))
+  c = small_config()
+  for k, v in overrides.items():
+    c[k] = v
+  with pytest.raises(ValueError, match=message) as e:
+    loop.train_and_evaluate(c, str(tmp_path), progress=False)
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_quant_rules_come_before_the_recipe():
+  """config.quant_rules override the recipe for the layers they match (first match wins); the
+  recipe covers the rest, nvfp4 with its first and last layer in float32."""
+  c = small_config("nvfp4", quant_rules=(("conv2", {"x": "e4m3"}),))
+  model = models.get_model("small_cnn", num_classes=10, width=8, rngs=nnx.Rngs(0))
+  plan = QuantPlan(c, 10, example=lambda: jnp.zeros((4, 8, 8, 1)))
+  report = plan.quantize(model, None)
+  assert dict(report) == {"conv2": GemmQuant(x=FloatFormat(4, 3))}
+  assert [report.rules[i].name for i in report.matched.values()] == [
+      "nvfp4: first GEMM layer, float32", None, "nvfp4: last GEMM layer, float32"]
+  c = small_config("mxfp4", quant_rules=(("conv1", {"x": "e4m3"}),))
+  report = QuantPlan(c, 10).quantize(model, None)  # mxfp4 needs no example
+  assert dict(report) == {"conv1": GemmQuant(x=FloatFormat(4, 3)),
+                          "conv2": recipe_gemm("mxfp4"), "linear": recipe_gemm("mxfp4")}
+
+
+def test_nvfp4_needs_the_loop_s_example_input():
+  plan = QuantPlan(small_config("nvfp4"), 10)
+  model = models.get_model("small_cnn", num_classes=10, width=8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="needs an example model input"):
+    plan.quantize(model, None)
+
+
+@pytest.fixture(scope="module")
+def float32_rows(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("float32"))
+  loop.train_and_evaluate(small_config(), workdir, progress=False)
+  return read_metrics(workdir)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_each_recipe_trains_digits_on_8_devices(name, float32_rows, tmp_path):
+  """A few data-parallel steps: finite losses that fall, and not the float32 run's numbers."""
+  workdir = str(tmp_path)
+  result = loop.train_and_evaluate(small_config(name), workdir, progress=False)
+  rows = read_metrics(workdir)
+  losses = [r["train_loss"] for r in rows]
+  assert [r["step"] for r in rows] == [2, 4, 6] and result["step"] == 6
+  assert np.isfinite(losses).all() and np.isfinite(result["eval_loss"])
+  assert losses[-1] < losses[0]
+  assert losses != [r["train_loss"] for r in float32_rows]
+
+
+def test_a_stochastic_recipe_resumes_bit_exact(tmp_path):
+  """nvfp4 (stochastic rounding streams in the model state, first / last layers traced again on
+  resume): a run that lost its last checkpoint resumes from step 3 to the same rows and state."""
+  ref_dir, workdir = str(tmp_path / "ref"), str(tmp_path / "run")
+  loop.train_and_evaluate(small_config("nvfp4"), ref_dir, progress=False)
+  shutil.copytree(ref_dir, workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
+  loop.train_and_evaluate(small_config("nvfp4"), workdir, progress=False)
+  assert stable(read_metrics(workdir)) == stable(read_metrics(ref_dir))
+  ref_step, ref_state = final_checkpoint(ref_dir)
+  step, state = final_checkpoint(workdir)
+  assert step == ref_step == 6 and state.keys() == ref_state.keys()
+  assert any("rng" in k and "count" in k for k in state)  # the streams are checkpointed
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
+def test_a_recipe_trains_a_pipelined_run(tmp_path, fast_compile):
+  """GPipe, 4 pipelines x 2 stages, with a stochastic recipe (mxfp4)."""
+  c = small_config("mxfp4", max_steps=20, log_every=10, eval_every=20, checkpoint_every=0)
+  c.schedule.name = "constant"
+  c.pipeline.schedule, c.pipeline.stages, c.pipeline.microbatches = "gpipe", 2, 2
+  result = loop.train_and_evaluate(c, str(tmp_path), progress=False)
+  losses = [r["train_loss"] for r in read_metrics(str(tmp_path))]
+  assert len(losses) == 2 and np.isfinite(losses).all() and losses[1] < losses[0]
+  assert result["step"] == 20 and np.isfinite(result["eval_loss"])
+
+
+@pytest.mark.slow
+def test_every_recipe_trains_digits_within_3_points_of_float32(tmp_path):
+  """configs/digits.py (small CNN, 300 steps, 8 data-parallel devices) with each recipe reaches an
+  eval accuracy at most 3 points below the float32 run's (the issue's acceptance bar)."""
+  accuracy = {}
+  for name in ("none",) + RECIPES:
+    c = digits.get_config()
+    c.quant_recipe = name
+    accuracy[name] = loop.train_and_evaluate(c, str(tmp_path / name), progress=False)[
+        "eval_accuracy"]
+  print("digits eval accuracy:", accuracy)
+  for name in RECIPES:
+    assert accuracy[name] >= accuracy["none"] - 0.03, (name, accuracy)
