@@ -1,7 +1,7 @@
 """ResNet18/CIFAR train step: float32 against quantized rule sets, timed alternately.
 
 Run: python -m benchmarks.train_step_bench [--batch=128] [--steps=5] [--width=64]
-         [--candidates=ResNet18_FB12,fp8_stochastic]
+         [--candidates=ResNet18_FB12,fp8_stochastic,nvfp4,deepseek_fp8]
 
 One SGD step (momentum 0.9, optax) of softmax cross-entropy on a random batch of
 --batch 32x32x3 images, BatchNorm in train mode (running statistics updated),
@@ -18,6 +18,10 @@ and classifier stay float32):
     rounding (x, dgrad_dy, wgrad_dy; the backward GEMMs take the forward-quantized
     activations), weights E4M3 rounded to nearest; keys from the model's "quant"
     RNG stream, advanced every step.
+  nvfp4, mxfp8, mxfp4, deepseek_fp8, fp8_current: the low-precision training recipe of that
+    name (`jlp.nn.recipe_rules`), on every conv and dense layer the recipe quantizes
+    ("nvfp4" keeps the stem conv and the classifier float32; the others quantize every layer),
+    stochastic rounding keyed from the model's "quant" stream.
 
 After one compile + warm-up step each, the steps run in turn (float32 first) --steps
 times; reported: median step time, img/s, and candidate/float32 as the ratio of the
@@ -40,7 +44,7 @@ from flax import nnx
 
 import jlp.models as zoo
 from jlp import FloatFormat, GemmQuant
-from jlp.nn import QuantRule, load_bfpsim_preset, quantize_model
+from jlp.nn import QuantRule, load_bfpsim_preset, quantize_model, recipes
 from jlp.nn.bfpsim import PRESETS
 
 _BATCH = flags.DEFINE_integer("batch", 128, "images per step.")
@@ -50,7 +54,8 @@ _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed steps per model after the c
 _WIDTH = flags.DEFINE_integer("width", 64, "ResNet18 base width (64 = full size).")
 _CANDIDATES = flags.DEFINE_list(
     "candidates", ["ResNet18_FB12", "fp8_stochastic"],
-    "rule sets timed against float32: BFPsim preset names or fp8_stochastic.")
+    "rule sets timed against float32: BFPsim preset names, fp8_stochastic or a recipe name "
+    "(jlp.nn.recipes.RECIPES).")
 
 RESIDUAL_CONVS = r"layer\d/\d+/conv\d"
 FP8_STOCHASTIC = GemmQuant(x=FloatFormat(4, 3, rounding="stochastic"), w=FloatFormat(4, 3),
@@ -58,11 +63,14 @@ FP8_STOCHASTIC = GemmQuant(x=FloatFormat(4, 3, rounding="stochastic"), w=FloatFo
                            wgrad_dy=FloatFormat(5, 2, rounding="stochastic"))
 
 
-def quantize_candidate(model: nnx.Module, name: str):
-  """Applies the rule set `name` to `model` in place; returns the QuantReport."""
+def quantize_candidate(model: nnx.Module, name: str, example: jax.Array | None = None):
+  """Applies the rule set `name` to `model` in place; returns the QuantReport. `example`: one
+  input batch (the "nvfp4" recipe traces the model on it to find its first and last layers)."""
   if name == "fp8_stochastic":
     return quantize_model(model, [QuantRule(RESIDUAL_CONVS, FP8_STOCHASTIC)],
                           rngs=nnx.Rngs(quant=1))
+  if name in recipes.RECIPES:
+    return quantize_model(model, recipes.recipe_rules(name, model, example), rngs=nnx.Rngs(quant=1))
   return quantize_model(model, load_bfpsim_preset(name))
 
 
@@ -127,9 +135,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   b, w = _BATCH.value, _WIDTH.value
   for name in _CANDIDATES.value:
-    if name != "fp8_stochastic" and name not in PRESETS and not os.path.isfile(name):
+    if (name != "fp8_stochastic" and name not in recipes.RECIPES and name not in PRESETS
+        and not os.path.isfile(name)):
       raise app.UsageError(f"--candidates entry {name!r} is not allowed; expected fp8_stochastic, "
-                           f"a BFPsim preset ({', '.join(PRESETS)}) or a BFPsim JSON file.")
+                           f"a recipe ({', '.join(recipes.RECIPES)}), a BFPsim preset "
+                           f"({', '.join(PRESETS)}) or a BFPsim JSON file.")
   key_x, key_y = jax.random.split(jax.random.key(0))
   x = jax.random.normal(key_x, (b, 32, 32, 3), jnp.float32)
   y = jax.random.randint(key_y, (b,), 0, 10)
@@ -140,7 +150,7 @@ def main(argv):
   runners = [Runner("float32", build(w), tx)]
   for name in _CANDIDATES.value:
     cand = build(w)
-    report = quantize_candidate(cand, name)
+    report = quantize_candidate(cand, name, x)
     cfg = next(iter(report.values()))
     print(f"{name}: {len(report)} of {len(report.kinds)} GEMM layers quantized (x {cfg.x}, "
           f"dgrad_dy {cfg.dgrad_dy})")

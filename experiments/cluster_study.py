@@ -10,9 +10,10 @@ unshaped), and every host runs `jlp.train.sync_timing.time_syncs`: one float32 g
 elements per device synced by float32 psum, the float32 ring, CPD's e4m3 ring on the packed and
 the float32 wire, and HiPress's onebit, TBQ and DGC on PS and ring, then fits SeCoPa's cost model
 on the same hosts (`jlp.compression.profile.fit_cost_model`, as `experiments.secopa --fit` does,
-once per compressor) and predicts each sync with it. Writes WORKDIR/<bandwidth>.json
+once per compressor) and predicts each sync with it, and times the sync SeCoPa plans with each
+compressor's fitted model (`planned_sync`: PS or ring, compress or not, K partitions). Writes WORKDIR/<bandwidth>.json
 (host 0's rows), WORKDIR/sync_time.md (the table: median ms per sync and bandwidth, ratio to
-float32 psum, SeCoPa's prediction, wire bytes per device) and WORKDIR/sync_time.png. Needs root (see
+float32 psum, SeCoPa's prediction, the plan's choice in brackets, wire bytes per device) and WORKDIR/sync_time.png. Needs root (see
 `experiments.cluster`); without it the hosts share localhost and only `none` runs.
 
 Then it trains `configs/digits_wide.py` (a 4.8M-parameter MLP on digits) on the same cluster
@@ -32,6 +33,7 @@ with `experiments.train`, and reads each run's metrics (`jlp.train.run_timing`):
 import json
 import os
 import sys
+from typing import Any
 
 from absl import app, flags
 
@@ -80,14 +82,15 @@ def _elements(text: str) -> int:
 FIT_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
 
 
-def _predictions(size: int, num_devices: int) -> dict[str, float]:
+def _fit_and_predict(size: int, num_devices: int) -> tuple[dict[str, float], dict[str, Any]]:
   """SeCoPa's predicted ms per case, from cost models fitted here (one per compressor: its
   encode and decode; the collectives the same), K = W partitions as the syncs use; the float32
-  rows are its uncompressed ring formula; the e4m3 rows have no SeCoPa formula."""
+  rows are its uncompressed ring formula; the e4m3 rows have no SeCoPa formula. Also returns the
+  fitted models by compressor name."""
   from jlp.compression import profile, secopa  # pylint: disable=g-import-not-at-top
-  out = {}
+  out, models = {}, {}
   for codec in ("onebit", "tbq", "dgc"):
-    model = profile.fit_cost_model(sizes=FIT_SIZES, compressor=codec, repeats=3)
+    model = models[codec] = profile.fit_cost_model(sizes=FIT_SIZES, compressor=codec, repeats=3)
     for topology, label in (("ps", "PS"), ("ring", "ring")):
       costs = secopa.sync_costs(size, num_nodes=num_devices, topology=topology, cost_model=model,
                                 compressor=codec)
@@ -95,16 +98,44 @@ def _predictions(size: int, num_devices: int) -> dict[str, float]:
     ring = secopa.sync_costs(size, num_nodes=num_devices, topology="ring", cost_model=model)
     out.setdefault("float32 psum", ring.orig[num_devices - 1])
     out.setdefault("float32 ring", ring.orig[num_devices - 1])
-  return out
+  return out, models
+
+
+def planned_sync(size: int, num_devices: int, codec: str, model: Any) -> tuple[Any, float, str]:
+  """The sync SeCoPa plans for one gradient {"g": size floats} with `codec` and the fitted
+  `model`: of its CaSync-PS and CaSync-Ring plans (each: compress or not, and the partition
+  count K), the one it predicts faster. (GradSync, predicted ms, e.g. "PS, K=3" or "ring, K=8,
+  uncompressed")."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jlp.compression import secopa  # pylint: disable=g-import-not-at-top
+  from jlp.sync import GradSync  # pylint: disable=g-import-not-at-top
+  grads = {"g": jax.ShapeDtypeStruct((size,), jnp.float32)}
+  best = None
+  for topology, label in (("ps", "PS"), ("ring", "ring")):
+    plan = secopa.plan_for_tree(grads, num_nodes=num_devices, topology=topology,
+                                cost_model=model, compressor=codec)
+    compress, k = plan["['g']"]
+    costs = secopa.sync_costs(size, num_nodes=num_devices, topology=topology, cost_model=model,
+                              compressor=codec)
+    predicted = (costs.comp if compress else costs.orig)[k - 1]
+    if best is None or predicted < best[1]:
+      best = (GradSync(compression=codec, topology=topology, min_size=0, plan=plan), predicted,
+              f"{label}, K={k}" + ("" if compress else ", uncompressed"))
+  return best
 
 
 def _host(size: int) -> None:
   from jlp.train import distributed, sync_timing  # pylint: disable=g-import-not-at-top
   info = distributed.initialize()
   rows = sync_timing.time_syncs(size, _REPEATS.value)
-  predicted = _predictions(size, info["global_devices"])
+  predicted, models = _fit_and_predict(size, info["global_devices"])
   for row in rows:
     row["secopa_ms"] = predicted.get(row["case"])
+  for codec, model in models.items():
+    sync, ms, plan = planned_sync(size, info["global_devices"], codec, model)
+    row, = sync_timing.time_syncs(size, _REPEATS.value, [(f"{codec} SeCoPa plan", sync)])
+    rows.append(dict(row, secopa_ms=ms, plan=plan))
   if info["process_index"] == 0:
     with open(_HOST_OUT.value, "w") as f:
       json.dump({"devices": info["global_devices"], "size": size, "rows": rows}, f, indent=1)
@@ -125,6 +156,8 @@ def _table(results: dict[str, dict]) -> str:
       ratio = row["ms"] / rows["float32 psum"]["ms"]
       predicted = row.get("secopa_ms")
       cell = f"{row['ms']:.1f} ({ratio:.2f}×)"
+      if row.get("plan"):
+        cell += f" [{row['plan']}]"
       if predicted is not None:
         cell += f" / {predicted:.1f}"
         total += 1

@@ -233,7 +233,11 @@ def test_the_cluster_study_writes_its_table(tmp_path):
   assert "| float32 psum | " in table and "| dgc ring | " in table and "1gbit" in table
   assert (tmp_path / "sync_time.png").stat().st_size > 0
   rows = json.load(open(tmp_path / "1gbit.json"))["rows"]
-  assert len(rows) == 10 and rows[0]["case"] == "float32 psum"
+  assert len(rows) == 13 and rows[0]["case"] == "float32 psum"
+  for row in rows[10:]:  # the syncs SeCoPa plans with each compressor's fitted cost model
+    assert row["case"].endswith("SeCoPa plan") and row["secopa_ms"] > 0 and row["ms"] > 0
+    assert row["plan"].split(",")[0] in ("PS", "ring") and ", K=" in row["plan"]
+  assert "| onebit SeCoPa plan | " in table
   steps = (tmp_path / "step_time.md").read_text()
   assert "| data parallel, float32 ring | " in steps and "| 1F1B | " in steps
   accuracy = (tmp_path / "time_to_accuracy.md").read_text()
