@@ -21,6 +21,15 @@ across the pipelines (AllReduce, PReduce, AD-PSGD, HetPipe) x stall length h of 
 cost model, with the executor directly (not the runner), and returns rows with the virtual
 seconds to a target test accuracy, the final accuracy, PReduce's mean group size and the curves;
 `render_pipeline_table` prints them as markdown.
+
+`recipe_study(config, workdir)` trains `config` once in float32 and once per low-precision
+training recipe (`config.quant_recipe`, `jlp.nn.recipes`: TransformerEngine's NVFP4BlockScaling,
+arXiv:2509.25149; MXFP8BlockScaling; MXFP4 with stochastic rounding, arXiv:2502.20586;
+DeepSeek-V3's 1x128 / 128x128 FP8 with promoted accumulation, arXiv:2412.19437 §3.3; TE's
+per-tensor Float8CurrentScaling) in `workdir/<recipe>`; its rows hold the final test accuracy, its
+gap to float32, the final train loss and the wall seconds per training step, and a recipe that
+`jlp.nn` names but does not build yet (TE's DelayedScaling, "fp8_delayed") gets a row saying so;
+`render_recipe_table` prints them as markdown.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ import ml_collections
 import numpy as np
 
 from jlp.compression.casync import TOPOLOGIES
+from jlp.nn.recipes import RECIPES, UNSUPPORTED
+from jlp.train import run_timing
 from jlp.train.loop import train_and_evaluate
 from jlp.train.metrics import read_metrics
 
@@ -460,4 +471,96 @@ def render_pipeline_table(rows: Sequence[dict[str, Any]], target_accuracy: float
     lines.append(f"| {r['sync']} | {r['hetero']:g} | {'-' if t is None else f'{t:.2f}'} | "
                  f"{ratio} | {r['updates_to_target'] or '-'} | {100 * r['final_accuracy']:.2f} | "
                  f"{r['virtual_s']:.2f} | {group} | {r['real_s']:.1f} |")
+  return "\n".join(lines)
+
+
+#: The recipe study's runs after float32: every recipe `jlp.nn` builds, then those it names but
+#: refuses (a row "not supported yet").
+STUDY_RECIPES = RECIPES + tuple(UNSUPPORTED)
+
+
+def _check_recipes(recipes: Sequence[str]) -> tuple[str, ...]:
+  allowed = ", ".join(repr(r) for r in STUDY_RECIPES)
+  if isinstance(recipes, str) or not recipes:
+    raise ValueError(f"recipes={recipes!r} is not allowed; expected a non-empty list of {allowed}.")
+  for name in recipes:
+    if name == "none":
+      raise ValueError("recipes entry='none' is not allowed; expected a recipe name (the float32 "
+                       "run is always part of the study).")
+    if name not in STUDY_RECIPES:
+      raise ValueError(f"recipes entry={name!r} is not allowed; expected one of {allowed}.")
+  if len(set(recipes)) != len(recipes):
+    raise ValueError(f"recipes={list(recipes)!r} is not allowed; expected each recipe once.")
+  return tuple(recipes)
+
+
+def _seconds_per_step(rows: Sequence[Mapping[str, Any]], batch_size: int) -> float:
+  """`jlp.train.run_timing.seconds_per_step` after the first logged window (its warm-up), or over
+  that window when it is the only one."""
+  logged = [r["step"] for r in rows if r.get("throughput")]
+  if not logged:
+    return float("nan")
+  return run_timing.seconds_per_step(rows, batch_size, logged[0] if len(logged) > 1 else 0)
+
+
+def recipe_study(config: ml_collections.ConfigDict, workdir: str,
+                 recipes: Sequence[str] = STUDY_RECIPES, *, fresh: bool = True,
+                 progress: bool | None = False) -> list[dict[str, Any]]:
+  """Trains `config` in float32 (quant_recipe "none"), then once per recipe; rows of final
+  metrics (module docstring).
+
+  recipes: names from `jlp.nn.RECIPES` (trained) and `jlp.nn.recipes.UNSUPPORTED` ("fp8_delayed":
+    a row saying it is not supported yet, nothing trained). config.quant_rules are kept (they
+    override the recipe layer by layer).
+  fresh: delete each run's directory first (otherwise an existing run is resumed, or just read
+    back when it is complete).
+
+  Rows: run (the directory under workdir), recipe ("none" for float32), supported, and for the
+  trained runs test_accuracy, gap_to_float32, train_loss, sec_per_step (the median after the first logged window, `jlp.train.run_timing`), step;
+  these are None for an unsupported recipe, whose `note` says why.
+  """
+  recipes = _check_recipes(recipes)
+  rows = []
+  for name in ("none",) + recipes:
+    run = "float32" if name == "none" else name
+    if name in UNSUPPORTED:
+      print(f"== {run}: not supported yet ({UNSUPPORTED[name]})", flush=True)
+      rows.append({"run": run, "recipe": name, "supported": False, "test_accuracy": None,
+                   "gap_to_float32": None, "train_loss": None, "sec_per_step": None,
+                   "step": None, "note": f"not supported yet: {UNSUPPORTED[name]}"})
+      continue
+    run_dir = os.path.join(workdir, run)
+    if fresh and os.path.isdir(run_dir):
+      shutil.rmtree(run_dir)
+    cfg = ml_collections.ConfigDict(config.to_dict())
+    cfg.quant_recipe = name
+    print(f"== {run}: " + ("float32 GEMMs" if name == "none" else f"quant_recipe={name!r}"),
+          flush=True)
+    train_and_evaluate(cfg, run_dir, progress=progress)
+    metrics = read_metrics(run_dir)
+    final = [r for r in metrics if r.get("eval_accuracy") is not None][-1]
+    rows.append({"run": run, "recipe": name, "supported": True,
+                 "test_accuracy": final["eval_accuracy"], "train_loss": final["train_loss"],
+                 "sec_per_step": _seconds_per_step(metrics, cfg.batch_size),
+                 "step": final["step"], "note": ""})
+  base = rows[0]["test_accuracy"]
+  for r in rows:
+    if r["supported"]:
+      r["gap_to_float32"] = r["test_accuracy"] - base
+  return rows
+
+
+def render_recipe_table(rows: Sequence[dict[str, Any]]) -> str:
+  """The recipe study's rows as a markdown table (accuracies and their gap to float32 in percent
+  points, wall seconds per step); an unsupported recipe's row says "not supported yet"."""
+  head = "| recipe | test acc % | vs float32 | final train loss | s/step |"
+  lines = [head, "| --- | ---: | ---: | ---: | ---: |"]
+  for r in rows:
+    name = "float32" if r["recipe"] == "none" else r["recipe"]
+    if not r["supported"]:
+      lines.append(f"| {name} | not supported yet | | | |")
+      continue
+    gap = "" if r["recipe"] == "none" else f"{100 * r['gap_to_float32']:+.2f}"
+    lines.append(f"| {name} | {100 * r['test_accuracy']:.2f} | {gap} | {r['train_loss']:.4f} | "
+                 f"{r['sec_per_step']:.4f} |")
   return "\n".join(lines)

@@ -4,6 +4,7 @@ cell clones, installs and finds jlp as notebooks/README.md says, tested without 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,9 +68,25 @@ def test_pipeline_executes(tmp_path, monkeypatch):
   assert len(images) >= 4  # schedule tables, loss curves, group sizes, accuracy vs virtual time
 
 
+def test_formats_now_executes(tmp_path, monkeypatch):
+  """notebooks/formats_now.ipynb: the error table of every format on every tensor, RHT on an
+  outlier block, stochastic rounding's bias, promotion against K, and their plots."""
+  outputs, images = execute("formats_now.ipynb", 0, tmp_path, monkeypatch)
+  for name in ("NVFP4 1x16 (TE)", "NVFP4 16x16", "MXFP8 e4m3 /32", "MXFP4 /32",
+               "FP8 1x128 (DeepSeek)", "FP8 per tensor", "e4m3 (no scale)"):
+    assert f"| {name} | " in outputs, name
+  assert "| one 100x value per block | yes |" in outputs
+  sr = re.search(r"float4_e2m1fn 2.4: nearest 2.000000 \(bias -4.00e-01\); mean of 262144 "
+                 r"stochastic casts \S+ \(bias ([-+]\S+)\)", outputs)
+  assert sr and abs(float(sr.group(1))) < 0.01, outputs
+  promotion = re.search(r"^\| 4096 \| (\S+) % \| (\S+) % \| (\S+) % \|$", outputs, re.M)
+  assert promotion and float(promotion.group(2)) < float(promotion.group(1))
+  assert len(images) >= 4  # error bars, RHT block, SR convergence, promotion against K
+
+
 # ------------------------------------------------------------------ the set-up cell (no network)
 
-NOTEBOOKS = ("quickstart.ipynb", "compression.ipynb", "pipeline.ipynb")
+NOTEBOOKS = ("quickstart.ipynb", "compression.ipynb", "pipeline.ipynb", "formats_now.ipynb")
 URL_LINE = 'JLP_REPO_URL = ""  # @param {type:"string"}'
 
 
