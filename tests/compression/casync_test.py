@@ -359,8 +359,10 @@ def one_leaf_program(comp, topology, n, k, key=None):
       np.asarray(report["payload_bytes"])[0])
 
 
-@pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("name", ["tbq", "dgc"])
+# DGC on the ring (about 40 s here) runs in the slow tier.
+@pytest.mark.parametrize("name,topology", [
+    (n, t) if (n, t) != ("dgc", "ring") else pytest.param(n, t, marks=pytest.mark.slow)
+    for n in ("tbq", "dgc") for t in TOPOLOGIES])
 def test_a_plan_never_adds_traffic(name, topology):
   """A leaf of 4096 elements in K = 8, 4, 2, 1 partitions: the bytes per device (averaged) that
   the compiled program's collectives move, read from its HLO (hlo_bytes), do not grow as K

@@ -92,7 +92,10 @@ def _loss_and_grads(name, model, x):
   return float(loss), flat
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+# FCN and VGG19 (25-35 s each here) run in the slow tier; ResNet18/50, DavidNet and the small
+# CNN cover the conv layers in the default one.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("fcn", "vgg19")
+                                  else n for n in sorted(TINY)])
 def test_quantized_forward_and_backward_under_jit(name):
   x = TINY[name][1](jax.random.key(3))
   ref_loss, ref_grads = _loss_and_grads(name, _build(name), x)

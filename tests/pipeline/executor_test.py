@@ -508,8 +508,12 @@ def test_compressed_allreduce_inside_the_pipeline(mesh):
   np.testing.assert_array_equal(got[S - 1]["b"][0], got[S - 1]["b"][1])  # one sum for both
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("rule", ["e4m3", "e4m3_stochastic", "bfp"])
+# Each schedule with one rule in the default tier (15-35 s a case here); the rest in the slow one.
+@pytest.mark.parametrize("schedule,rule", [
+    ("1f1b", "e4m3_stochastic"), ("gpipe", "bfp"),
+    *[pytest.param(s, r, marks=pytest.mark.slow)
+      for s, r in (("gpipe", "e4m3"), ("1f1b", "e4m3"), ("gpipe", "e4m3_stochastic"),
+                   ("1f1b", "bfp"))]])
 def test_quantized_zoo_model_trains_in_a_pipeline(mesh, schedule, rule):
   """The digits CNN with quantized layers (jlp.nn rules: e4m3 weights; e4m3 inputs and weights
   with stochastic rounding, whose per-layer RNG counters live in the stage state; BFP inputs and
@@ -611,7 +615,9 @@ _STAGE_SYNCS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(_STAGE_SYNCS))
+# DGC's top-k on every stage compiles for a minute here: slow tier (onebit and TernGrad stay).
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "dgc_ps" else c
+                                  for c in sorted(_STAGE_SYNCS)])
 def test_syncs_see_each_stages_own_gradient(mesh, case):
   """The stages hold 56, 45, 42 and 24 parameters, packed into buffers of 56. Each stage's sync
   gets its own gradient: the update, the report and the compression state (shaped for the
