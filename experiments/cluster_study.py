@@ -104,25 +104,30 @@ def _fit_and_predict(size: int, num_devices: int) -> tuple[dict[str, float], dic
 def planned_sync(size: int, num_devices: int, codec: str, model: Any) -> tuple[Any, float, str]:
   """The sync SeCoPa plans for one gradient {"g": size floats} with `codec` and the fitted
   `model`: of its CaSync-PS and CaSync-Ring plans (each: compress or not, and the partition
-  count K), the one it predicts faster. (GradSync, predicted ms, e.g. "PS, K=3" or "ring, K=8,
-  uncompressed")."""
+  count K), the one it predicts faster, as process 0 planned it. (GradSync, predicted ms, e.g.
+  "PS, K=3" or "ring, K=8, uncompressed")."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   from jlp.compression import secopa  # pylint: disable=g-import-not-at-top
   from jlp.sync import GradSync  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   grads = {"g": jax.ShapeDtypeStruct((size,), jnp.float32)}
-  best = None
-  for topology, label in (("ps", "PS"), ("ring", "ring")):
+  choices = []
+  for topology in ("ps", "ring"):
     plan = secopa.plan_for_tree(grads, num_nodes=num_devices, topology=topology,
                                 cost_model=model, compressor=codec)
     compress, k = plan["['g']"]
     costs = secopa.sync_costs(size, num_nodes=num_devices, topology=topology, cost_model=model,
                               compressor=codec)
-    predicted = (costs.comp if compress else costs.orig)[k - 1]
-    if best is None or predicted < best[1]:
-      best = (GradSync(compression=codec, topology=topology, min_size=0, plan=plan), predicted,
-              f"{label}, K={k}" + ("" if compress else ", uncompressed"))
-  return best
+    choices.append(((costs.comp if compress else costs.orig)[k - 1], topology, compress, k))
+  predicted, topology, compress, k = min(choices)
+  # Each host fits its own model from its own timings: all of them run process 0's plan.
+  choice = np.array([predicted, topology == "ring", compress, k], np.float64)
+  predicted, ring, compress, k = multihost_utils.broadcast_one_to_all(choice).tolist()
+  topology, compress, k = ("ring" if ring else "ps"), bool(compress), int(k)
+  sync = GradSync(compression=codec, topology=topology, min_size=0, plan={"['g']": (compress, k)})
+  return sync, predicted, f"{'ring' if ring else 'PS'}, K={k}" + ("" if compress else ", uncompressed")
 
 
 def _host(size: int) -> None:
