@@ -26,10 +26,11 @@ seconds to a target test accuracy, the final accuracy, PReduce's mean group size
 training recipe (`config.quant_recipe`, `jlp.nn.recipes`: TransformerEngine's NVFP4BlockScaling,
 arXiv:2509.25149; MXFP8BlockScaling; MXFP4 with stochastic rounding, arXiv:2502.20586;
 DeepSeek-V3's 1x128 / 128x128 FP8 with promoted accumulation, arXiv:2412.19437 §3.3; TE's
-per-tensor Float8CurrentScaling) in `workdir/<recipe>`; its rows hold the final test accuracy, its
-gap to float32, the final train loss and the wall seconds per training step, and a recipe that
-`jlp.nn` names but does not build yet (TE's DelayedScaling, "fp8_delayed") gets a row saying so;
-`render_recipe_table` prints them as markdown.
+per-tensor Float8CurrentScaling and DelayedScaling, arXiv:2209.05433) in `workdir/<recipe>`; its
+rows hold the final test accuracy, its gap to float32, the final train loss and the wall seconds
+per training step, and a recipe that `jlp.nn` names but does not build yet
+(`jlp.nn.recipes.UNSUPPORTED`, empty at present) gets a row saying so; `render_recipe_table`
+prints them as markdown.
 """
 
 from __future__ import annotations
@@ -509,9 +510,9 @@ def recipe_study(config: ml_collections.ConfigDict, workdir: str,
   """Trains `config` in float32 (quant_recipe "none"), then once per recipe; rows of final
   metrics (module docstring).
 
-  recipes: names from `jlp.nn.RECIPES` (trained) and `jlp.nn.recipes.UNSUPPORTED` ("fp8_delayed":
-    a row saying it is not supported yet, nothing trained). config.quant_rules are kept (they
-    override the recipe layer by layer).
+  recipes: names from `jlp.nn.RECIPES` (trained) and `jlp.nn.recipes.UNSUPPORTED` (none at
+    present: a row saying it is not supported yet, nothing trained). config.quant_rules are kept
+    (they override the recipe layer by layer).
   fresh: delete each run's directory first (otherwise an existing run is resumed, or just read
     back when it is complete).
 

@@ -493,6 +493,14 @@ def _check_probe(cfg: GemmQuant, probe: Any, lhs_ndim: int, op: str):
 # ----------------------------------------------------------------------------- public API
 
 
+def _check_not_delayed(cfg: Any, op: str) -> None:
+  from jlp.gemm.fp8_delayed import DelayedScaling  # pylint: disable=g-import-not-at-top (cycle)
+  if isinstance(cfg, DelayedScaling):
+    raise ValueError(f"{op}: cfg={cfg!r} is not allowed: DelayedScaling keeps per-layer amax "
+                     "histories and scales; expected a stateless GemmQuant (quantize a model with "
+                     "jlp.nn.quantize_model to use DelayedScaling).")
+
+
 def _static_dn(dimension_numbers):
   (lc, rc), (lb, rb) = dimension_numbers
   return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
@@ -538,6 +546,7 @@ def qdot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, cfg: GemmQua
   """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   dn = _static_dn(dimension_numbers)
+  _check_not_delayed(cfg, "qdot_general")
   if isinstance(cfg, GemmQuant):
     widths = _check_widths(cfg, widths, "qdot_general")
     zse_probe = _check_probe(cfg, zse_probe, lhs.ndim, "qdot_general")
@@ -608,6 +617,7 @@ def qconv(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding
   lhs_dil = (1,) * nsp if lhs_dilation is None else tuple(int(d) for d in lhs_dilation)
   rhs_dil = (1,) * nsp if rhs_dilation is None else tuple(int(d) for d in rhs_dilation)
   dn = _static_conv_dn(dimension_numbers)
+  _check_not_delayed(cfg, "qconv")
   if isinstance(cfg, GemmQuant):
     widths = _check_widths(cfg, widths, "qconv")
     zse_probe = _check_probe(cfg, zse_probe, lhs.ndim, "qconv")

@@ -8,9 +8,10 @@ accumulates in float32 unless `accum` says otherwise.
 
 Block axes. Hardware block scaling runs along each GEMM's contraction (K) axis, and
 TransformerEngine quantizes every tensor as a 2-D matrix, its leading axes flattened into rows.
-So every recipe sets `GemmQuant.matrix_view` (each operand is quantized on its (prod(leading
-axes), last axis) view: (B, F), (B*T, F), (N*H*W, C) activations and gradients; (in, out) and
-(H*W*I, O) kernels) and gives each operand role its block along the axis its GEMM contracts:
+So every block-scaled recipe sets `GemmQuant.matrix_view` (each operand is quantized on its
+(prod(leading axes), last axis) view: (B, F), (B*T, F), (N*H*W, C) activations and gradients;
+(in, out) and (H*W*I, O) kernels) and gives each operand role its block along the axis its GEMM
+contracts:
 
   x, dgrad_dy   axis -1: the features (channels) of the layer input / of the output gradient
                 (TE's rowwise blocks);
@@ -31,9 +32,9 @@ except that the Hadamard transform of "nvfp4" needs the rows of the weight-gradi
 
 Operands of the backward GEMMs are quantized from the float32 tensors (bwd_from_fwd=False), as TE
 quantizes a tensor's rowwise and columnwise copies from the high-precision input ("to avoid
-double quantization errors", TE's recipe docs), except for "fp8_current", whose per-tensor scale
-makes the transposed FP8 tensor the same values, so the backward GEMMs reuse the forward ones
-(bwd_from_fwd=True, dgrad_w = wgrad_x = None).
+double quantization errors", TE's recipe docs), except for "fp8_current" and "fp8_delayed", whose
+per-tensor scales make the transposed FP8 tensor the same values, so the backward GEMMs reuse the
+forward ones (bwd_from_fwd=True, dgrad_w = wgrad_x = None; no block axes, so no matrix_view).
 
 Recipes (`RECIPES`):
 
@@ -85,14 +86,27 @@ Recipes (`RECIPES`):
     scales its own shard of the activations and gradients. TE fprop's fast accumulation on
     Hopper (use_split_accumulator=False) is not modelled.
 
-  "fp8_delayed" (TE's DelayedScaling) is not supported yet (`UNSUPPORTED`): its scales come from
-  an amax history that is state of the model, updated in the backward pass and all-reduced over
-  the data-parallel devices; `recipe_rules` raises a ValueError naming it.
+  "fp8_delayed": TE's DelayedScaling (defaults: fp8_format HYBRID, amax_history_len 1024,
+  amax_compute_algo "max", margin 0; Micikevicius et al., arXiv:2209.05433):
+      DelayedScaling()   (`jlp.gemm.fp8_delayed`; reported as x, w e4m3fn, dgrad_dy, wgrad_dy e5m2)
+    One scale per tensor (x, w and the output gradient dy), from an amax history that is state of
+    the model (`Fp8Meta` variables of each layer's adapter, `jlp.nn.fp8_delayed`): the tensor is
+    quantized with the scale of the history *before* this step (q = fp8(clip(t · s)), saturating,
+    dequantized by 1 / s), s = fp8_max / max(history) / 2^margin (the old s kept where that amax
+    is 0 or not finite; first step s = 1, history 0), E4M3 for x and w, E5M2 for dy; then the
+    step's amax is rolled into the history (h' = roll(h, -1), h'[0] = amax) and s recomputed. The
+    backward GEMMs use the forward's FP8 x and w (per-tensor scales: the transposed copies are the
+    same values). dy's amax is known in the backward pass only: the new histories and scales are
+    the "gradients" of the meta variables (Flax's OVERWRITE_WITH_GRADIENT), which
+    `jlp.train.TrainStep` writes back (never through the optimizer) after taking the max of the
+    histories over the data-parallel devices, as TE all-reduces its amaxes; every device keeps
+    the same state. Data-parallel runs only: the pipelined loop refuses it.
 
 References:
   NVIDIA TransformerEngine, transformer_engine/common/recipe/__init__.py (NVFP4BlockScaling,
-    MXFP8BlockScaling, Float8CurrentScaling, DelayedScaling) and the low-precision training
-    pages of its user guide.
+    MXFP8BlockScaling, Float8CurrentScaling, DelayedScaling), common/recipe/delayed_scaling.cu
+    and the low-precision training pages of its user guide.
+  Micikevicius et al., "FP8 Formats for Deep Learning", arXiv:2209.05433, 2022.
   NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, 2025.
   Tseng, Yu, Park, "Training LLMs with MXFP4", arXiv:2502.20586, 2025.
   DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024, §3.3.
@@ -107,19 +121,18 @@ from flax import nnx
 
 from jlp.formats import (TENSOR_BLOCK, BlockScaledFormat, FloatFormat, MXFormat, NVFP4Format)
 from jlp.gemm.config import GemmQuant
+from jlp.gemm.fp8_delayed import DelayedScaling
 from jlp.nn.rules import QuantRule, _QuantOp, _hook, _path_str, layer_kind
 
-__all__ = ["RECIPES", "UNSUPPORTED", "check_recipe", "gemm_call_order", "recipe_gemm",
+__all__ = ["RECIPES", "STATEFUL", "UNSUPPORTED", "check_recipe", "gemm_call_order", "recipe_gemm",
            "recipe_rules"]
 
 #: The recipes `recipe_rules` builds (module docstring).
-RECIPES = ("nvfp4", "mxfp8", "mxfp4", "deepseek_fp8", "fp8_current")
-#: Recipes that are named but not built yet, with the reason.
-UNSUPPORTED = {
-    "fp8_delayed": "TE's DelayedScaling needs an amax history in the model state, written by the "
-                   "backward pass and all-reduced over the data-parallel devices, which jlp's "
-                   "quantized layers do not keep yet",
-}
+RECIPES = ("nvfp4", "mxfp8", "mxfp4", "deepseek_fp8", "fp8_current", "fp8_delayed")
+#: Recipes that are named but not built yet, with the reason (none at present).
+UNSUPPORTED: dict[str, str] = {}
+#: Recipes whose layers keep state updated by the train step (data-parallel runs only).
+STATEFUL = ("fp8_delayed",)
 #: Recipes that keep the first and the last GEMM layer in float32 (they need the model and an
 #: example input).
 FIRST_LAST_FLOAT32 = ("nvfp4",)
@@ -168,6 +181,8 @@ def recipe_gemm(name: str) -> GemmQuant:
                         for r, ax in a.items()},
                      accum=FloatFormat(8, 13, rounding="truncate"), promote_every=128,
                      bwd_from_fwd=False, matrix_view=True)
+  if name == "fp8_delayed":
+    return DelayedScaling()
   # fp8_current
   fwd = BlockScaledFormat("float8_e4m3fn", TENSOR_BLOCK, scale_rule="reciprocal")
   bwd = BlockScaledFormat("float8_e5m2", TENSOR_BLOCK, scale_rule="reciprocal")

@@ -48,6 +48,12 @@ variable, not an nnx.Param) whose gradient is the layer's "biw" zero-setting
 error. `bfp_zse_metrics(model, grads, report)` returns {path: {"fw", "bwo",
 "biw"}} (grads taken with `wrt=nnx.Any(nnx.Param, ZSEProbe)` for "biw").
 
+FP8 delayed scaling (TE's DelayedScaling, `jlp.gemm.fp8_delayed`). An adapter whose GemmQuant is a
+`DelayedScaling` holds an `Fp8DelayedState` under "fp8": the amax histories and scales of x, w and
+the output gradient as `Fp8Meta` variables (model state), and computes its GEMMs with them
+(`jlp.nn.fp8_delayed`; their gradients are their new values, written back by
+`overwrite_fp8_meta` or by `jlp.train.TrainStep`).
+
 References:
   qwix (google/qwix): `QuantizationRule.module_path`, first match wins,
     `get_unused_rules`.
@@ -72,11 +78,14 @@ from jax import lax
 
 from jlp.formats import BFPFormat, FloatFormat
 from jlp.gemm.config import GemmQuant, ROLES
+from jlp.gemm.fp8_delayed import DelayedScaling
 from jlp.gemm.qdot import biw_zse_block, bwo_zse_block, qconv, qdot_general
+from jlp.nn.fp8_delayed import Fp8DelayedState, Fp8Meta
 from jlp.quantize import is_stochastic
 
 __all__ = [
     "BFPWidths",
+    "Fp8Meta",
     "KINDS",
     "ZSEProbe",
     "bfp_zse_metrics",
@@ -248,8 +257,9 @@ def _bfp_roles(cfg: GemmQuant) -> tuple[str, ...]:
 
 class _QuantOp(nnx.Module):
   """Common state of the injected ops: the static GemmQuant, the path, an optional RngStream,
-  the traced BFP widths (`BFPWidths`, when any role is BFP) and the biw ZSE probe
-  (`ZSEProbe`, when dgrad_w is BFP)."""
+  the traced BFP widths (`BFPWidths`, when any role is BFP), the biw ZSE probe
+  (`ZSEProbe`, when dgrad_w is BFP) and the FP8 delayed-scaling state (`Fp8DelayedState`, when
+  the GemmQuant is a `DelayedScaling`)."""
 
   def __init__(self, cfg: GemmQuant, path: str, original: Any, rng: nnx.RngStream | None):
     self.cfg = cfg
@@ -261,6 +271,7 @@ class _QuantOp(nnx.Module):
         [getattr(cfg, r).man if r in roles else 0 for r in ROLES], jnp.int32))
     self.zse_probe = (ZSEProbe(jnp.zeros((), jnp.float32)) if isinstance(cfg.dgrad_w, BFPFormat)
                       else None)
+    self.fp8 = Fp8DelayedState(cfg) if isinstance(cfg, DelayedScaling) else None
 
   def _key(self) -> jax.Array | None:
     return None if self.rng is None else self.rng()
@@ -288,6 +299,8 @@ class QDotGeneral(_QuantOp):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                out_sharding=None):
     self._check_sharding(out_sharding)
+    if self.fp8 is not None:
+      return self.fp8.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     return qdot_general(lhs, rhs, dimension_numbers, self.cfg, key=self._key(), precision=precision,
                         preferred_element_type=preferred_element_type, widths=self._widths(),
                         zse_probe=self._probe(jnp.ndim(lhs)))
@@ -308,6 +321,9 @@ class QConv(_QuantOp):
     if batch_group_count != 1:
       raise ValueError(f"batch_group_count={batch_group_count} is not allowed for the quantized "
                        f"layer {self.path!r}; expected 1.")
+    if self.fp8 is not None:
+      return self.fp8.conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                           dimension_numbers, feature_group_count, preferred_element_type)
     y = qconv(lhs, rhs, window_strides, padding, self.cfg, lhs_dilation=lhs_dilation,
               rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
               feature_group_count=feature_group_count, key=self._key(), widths=self._widths(),
@@ -333,6 +349,9 @@ class QEinsum(_QuantOp):
       raise ValueError(f"einsum arguments {sorted(kwargs)} are not allowed for the quantized layer "
                        f"{self.path!r}; expected only precision and preferred_element_type.")
     dn, perm = _einsum_to_dot_general(spec, jnp.ndim(lhs), jnp.ndim(rhs), self.path)
+    if self.fp8 is not None:
+      y = self.fp8.dot_general(lhs, rhs, dn, precision, preferred_element_type)
+      return y if perm == tuple(range(y.ndim)) else jnp.transpose(y, perm)
     y = qdot_general(lhs, rhs, dn, self.cfg, key=self._key(), precision=precision,
                      preferred_element_type=preferred_element_type, widths=self._widths(),
                      zse_probe=self._probe(jnp.ndim(lhs)))
@@ -453,6 +472,9 @@ def _fmt_short(fmt: Any) -> str:
 def _summary(cfg: GemmQuant | None) -> str:
   if cfg is None:
     return "float32"
+  if isinstance(cfg, DelayedScaling):
+    return (f"fp8_delayed({cfg.fp8_format}, history={cfg.amax_history_len}, "
+            f"{cfg.amax_compute_algo}, margin={cfg.margin})")
   parts = [f"{r}={_fmt_short(getattr(cfg, r))}" for r in ROLES if getattr(cfg, r) is not None]
   if cfg.accum is not None:
     parts.append(f"accum={_fmt_short(cfg.accum)}" + ("+kahan" if cfg.kahan else "")

@@ -61,7 +61,10 @@ Fields (see `base_config` for defaults):
                                 "dgrad_dy": "e5m2", "wgrad_dy": "e5m2"}),) for an fp8 model.
   quant_recipe                  "none" (default) or a low-precision training recipe by name
                                 (jlp.nn.recipes: "nvfp4", "mxfp8", "mxfp4", "deepseek_fp8",
-                                "fp8_current"; "fp8_delayed" is not supported yet): its
+                                "fp8_current", "fp8_delayed"; "fp8_delayed", TE's
+                                DelayedScaling, keeps amax histories and scales in the model
+                                state, updated by the data-parallel step with a max over the
+                                devices, and is not supported with pipeline.schedule): its
                                 jlp.nn rules (`recipe_rules`) are put on the model after
                                 quant_rules, so quant_rules override the recipe for the layers
                                 they match (first match wins; the recipe ends in a catch-all
@@ -410,6 +413,12 @@ def _check_pipeline(config: ml_collections.ConfigDict, fmt: FloatFormat | None) 
              f"pipeline.{field}", value, f"{default!r} with pipeline.schedule='none' (set "
              "pipeline.schedule to 'gpipe' or '1f1b' to train pipelined)")
     return
+  from jlp.nn import recipes  # pylint: disable=g-import-not-at-top
+  if config.quant_recipe in recipes.STATEFUL:
+    raise ValueError(f"config.quant_recipe={config.quant_recipe!r} is not allowed with "
+                     f"pipeline.schedule={p.schedule!r}: its amax histories are updated by the "
+                     "data-parallel step, so it is supported in data-parallel runs only "
+                     "(pipeline.schedule='none').")
   from jlp.pipeline import stages as stage_rules  # pylint: disable=g-import-not-at-top
   zoo = sorted(n for rule in stage_rules.STAGE_RULES.values() for n in rule.zoo_names)
   _check(config.model.name in zoo, "model.name", config.model.name,

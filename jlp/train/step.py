@@ -51,6 +51,13 @@ The state after a step is a deterministic function of the state and the global b
     node n draws from its keys folded with n (`jax.random.fold_in(key, n)`); the stored keys do
     not change. Other non-parameter state (RNG counters, BFP widths, ...) is taken from node 0;
     it evolves identically on every node.
+  * FP8 delayed-scaling state (`Fp8Meta` variables of "fp8_delayed" layers, `jlp.nn.fp8_delayed`):
+    every node differentiates with respect to them beside the parameters; their gradients are
+    the node's new amax histories (Flax's OVERWRITE_WITH_GRADIENT). The new history is their
+    elementwise max over the N nodes of the device and then over the W devices (`lax.pmax`, after
+    the gradient sync: TE all-reduces amaxes with max over the data-parallel group), and each
+    scale is recomputed from it (`overwrite_fp8_meta`): the same state on every device, never
+    seen by the optimizer or by the gradient sync.
   * Metrics: `loss` (the mean of the node losses, without loss_scale) and the mean over the nodes
     of every entry of `aux` (float32 scalars), each summed in node order as above; and the
     gradient sync's report (`jlp.sync.reduce_gradients`): `wire_bytes` (below), `payload_bytes`
@@ -98,6 +105,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jlp.nn.fp8_delayed import Fp8Meta, overwrite_fp8_meta
 from jlp.nn.rules import ZSEProbe, bfp_zse_metrics
 from jlp.numerics.sums import sequential_sum
 from jlp.train.mesh import batch_sharding, replicate, replicated
@@ -213,6 +221,11 @@ def _check_loss_scale(loss_scale: Any) -> float:
   if not (math.isfinite(loss_scale) and loss_scale > 0):
     raise ValueError(f"loss_scale={loss_scale!r} is not allowed; expected a positive finite float.")
   return float(loss_scale)
+
+
+def _split_fp8(model_state: nnx.State) -> tuple[nnx.State, nnx.State]:
+  """(the Fp8Meta variables, the rest) of a model state."""
+  return nnx.split_state(model_state, Fp8Meta, ...)
 
 
 def _node_unroll(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int) -> Any:
@@ -377,9 +390,11 @@ class TrainStep:
       probes, others = nnx.split_state(model_state, ZSEProbe, ...)
     else:
       probes, others = nnx.State({}), model_state
+    metas, others = _split_fp8(others)
 
-    def scaled_loss(p, probe_values):
-      model = nnx.merge(self.graphdef, p, batch_stats, keys, probe_values, others, copy=True)
+    def scaled_loss(p, probe_values, meta_values):
+      model = nnx.merge(self.graphdef, p, batch_stats, keys, probe_values, meta_values, others,
+                        copy=True)
       loss, aux = self.loss_fn(model, micro_batch)
       _, _, new_stats, _, new_state = split_model(model)
       scaled = loss / self.num_nodes
@@ -387,9 +402,9 @@ class TrainStep:
         scaled = scaled * self.loss_scale
       return scaled, (loss, aux, new_stats, new_state)
 
-    (grads, probe_grads), (loss, aux, new_stats, new_state) = jax.grad(
-        scaled_loss, argnums=(0, 1), has_aux=True)(params, probes)
-    return grads, loss, aux, new_stats, new_state, probe_grads
+    (grads, probe_grads, meta_grads), (loss, aux, new_stats, new_state) = jax.grad(
+        scaled_loss, argnums=(0, 1, 2), has_aux=True)(params, probes, metas)
+    return grads, loss, aux, new_stats, new_state, probe_grads, meta_grads
 
   def _node_means(self, tree: Any) -> Any:
     """Means over all W*N nodes of per-node values (leaves stacked [N, ...] on each device),
@@ -422,7 +437,7 @@ class TrainStep:
       out = _node_scan(node, (micro, stats_copies), first, n)
     else:
       out = _node_unroll(node, (micro, stats_copies), first, n)
-    grads, loss, aux, stats, state, probe_grads = out
+    grads, loss, aux, stats, state, probe_grads, meta_grads = out
     if not sync.uses_emulation:
       grads = jax.tree.map(lambda g: g[0], grads)
     own_state = jax.tree.map(lambda x: x[0], sync_state)  # this rank's row
@@ -433,11 +448,19 @@ class TrainStep:
     # collectives deadlock (seen: a ring's ppermute against this all_gather).
     per_node, _ = lax.optimization_barrier(((loss, aux, stats, probe_grads), (grads, report)))
     loss, aux, stats, probe_grads = self._node_means(per_node)
+    metas, _ = _split_fp8(model_state)
+    if jax.tree.leaves(metas):
+      # After the node means' all_gather (one collective at a time, see above).
+      meta_grads, _ = lax.optimization_barrier((meta_grads, (loss, aux, stats)))
+      reduce = lambda h: lax.pmax(jnp.max(h, axis=0), sync.axis_name)
+      new_metas = overwrite_fp8_meta(metas, meta_grads, reduce)
     metrics = {"loss": loss, **aux, **report}
     if self.zse_report is not None:
       model = nnx.merge(self.graphdef, params, batch_stats, rng_keys, model_state, copy=True)
       metrics["zse"] = bfp_zse_metrics(model, nnx.merge_state(grads, probe_grads), self.zse_report)
     state = jax.tree.map(lambda x: x[0], state)
+    if jax.tree.leaves(metas):
+      state = nnx.merge_state(state, new_metas)
     return grads, stats, state, metrics, sync_state
 
   def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -47,10 +47,11 @@ def test_the_field_defaults_to_none_and_is_documented():
 @pytest.mark.parametrize("overrides, message", [
     ({"quant_recipe": "fp4"},
      r"^config.quant_recipe='fp4' is not allowed; expected one of 'none', 'nvfp4', 'mxfp8', "
-     r"'mxfp4', 'deepseek_fp8', 'fp8_current'\.$"),
-    ({"quant_recipe": "fp8_delayed"},
-     r"^config.quant_recipe='fp8_delayed' is not supported yet: TE's DelayedScaling .*; expected "
-     r"one of 'none', 'nvfp4', .*\.$"),
+     r"'mxfp4', 'deepseek_fp8', 'fp8_current', 'fp8_delayed'\.$"),
+    ({"quant_recipe": "fp8_delayed", "bfp": {"preset": "FB12", "schedule": {}, "controller": "",
+                                             "window": 0}},
+     r"^config.bfp.preset='FB12' is not allowed; expected '' with "
+     r"config.quant_recipe='fp8_delayed'"),
     ({"quant_recipe": "nvfp4", "bfp": {"preset": "FB12", "schedule": {}, "controller": "",
                                        "window": 0}},
      r"^config.bfp.preset='FB12' is not allowed; expected '' with config.quant_recipe='nvfp4'"),
@@ -132,6 +133,44 @@ def test_a_stochastic_recipe_resumes_bit_exact(tmp_path):
   assert any("rng" in k and "count" in k for k in state)  # the streams are checkpointed
   for k in ref_state:
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
+def test_fp8_delayed_trains_and_resumes_bit_exact(tmp_path):
+  """TE's DelayedScaling on 8 data-parallel devices: the loss falls, and a run that lost its
+  last checkpoint resumes from step 3 to the same rows and the same state bit for bit: the
+  parameters, the optimizer state and every layer's amax histories and scales (model state,
+  checkpointed)."""
+  ref_dir, workdir = str(tmp_path / "ref"), str(tmp_path / "run")
+  loop.train_and_evaluate(small_config("fp8_delayed"), ref_dir, progress=False)
+  rows = read_metrics(ref_dir)
+  losses = [r["train_loss"] for r in rows]
+  assert np.isfinite(losses).all() and losses[-1] < losses[0]
+  shutil.copytree(ref_dir, workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
+  loop.train_and_evaluate(small_config("fp8_delayed"), workdir, progress=False)
+  assert stable(read_metrics(workdir)) == stable(rows)
+  ref_step, ref_state = final_checkpoint(ref_dir)
+  step, state = final_checkpoint(workdir)
+  assert step == ref_step == 6 and state.keys() == ref_state.keys()
+  histories = [k for k in state if "amax_history" in k]
+  scales = [k for k in state if k.endswith("_scale']") or "_scale'" in k]
+  assert len(histories) == 9 and len(scales) == 9  # x, w, dy of conv1, conv2, linear
+  for k in histories:  # six steps of amaxes: index 0 the newest, then the oldest five at the end
+    h = ref_state[k]
+    assert h.shape == (1024,) and (h[[0, -5, -4, -3, -2, -1]] > 0).all() and not h[1:-5].any()
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
+def test_fp8_delayed_is_refused_in_pipelined_runs(monkeypatch, tmp_path):
+  monkeypatch.setattr(recipe, "model", lambda *a, **k: pytest.fail("the model was built"))
+  c = small_config("fp8_delayed")
+  c.pipeline.schedule, c.pipeline.stages, c.pipeline.microbatches = "gpipe", 2, 2
+  with pytest.raises(ValueError, match=r"^config.quant_recipe='fp8_delayed' is not allowed with "
+                     r"pipeline.schedule='gpipe': .*supported in data-parallel runs only") as e:
+    loop.train_and_evaluate(c, str(tmp_path), progress=False)
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "checkpoints")
 
 
 def test_a_recipe_trains_a_pipelined_run(tmp_path, fast_compile):
