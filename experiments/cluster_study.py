@@ -53,7 +53,9 @@ _ACCURACY_BANDWIDTHS = flags.DEFINE_list("accuracy_bandwidths", ["100mbit"],
                                          "Bandwidths of the time-to-accuracy runs.")
 _TARGET = flags.DEFINE_float("target", 0.97, "Test accuracy of the time-to-accuracy runs.")
 _STAGES = flags.DEFINE_integer("stages", 4, "Stages of the pipelined runs.")
-_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 20, "Steps of the step-time runs.")
+_TRAIN_STEPS = flags.DEFINE_integer(
+    "train_steps", 40, "Steps of the step-time runs (1F1B drains and compiles its flush in the "
+    "last two intervals: the median is over the ones after the first).")
 _TRAIN_OVERRIDES = flags.DEFINE_multi_string("train_override", [],
                                              "--config.FIELD=VALUE for every training run.")
 

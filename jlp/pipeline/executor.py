@@ -108,6 +108,18 @@ from jlp.sync import SYNC_REPORT, GradSync
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
 
 
+def _put(value: Any, sharding: NamedSharding) -> jax.Array:
+  """`value` (host data that every process computes alike) laid out as `sharding`; each process
+  writes only its own devices' shards. `jax.device_put` of host data onto devices of several
+  processes first checks that every process passed the same value by gathering the whole value
+  from all of them over the network (the 1F1B in-flight buffers are 100s of MB): not here."""
+  if sharding.is_fully_addressable or (isinstance(value, jax.Array)
+                                       and not value.is_fully_addressable):
+    return jax.device_put(value, sharding)
+  host = np.asarray(value)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _host(array: jax.Array) -> np.ndarray:
   """A whole array on the host, also when its shards live in several processes."""
   if isinstance(array, jax.Array) and not array.is_fully_addressable:
@@ -321,14 +333,14 @@ class Pipeline:
       sync_state = stacked(self._sync_packer, stage_states)
     replicated = NamedSharding(self.mesh, P())
     state = PipelineState(
-        step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
+        step=_put(np.zeros((), np.int32), replicated),
         params=params,
         opt_state=stacked(opt_packer, opt_states),
         model_state=stacked(state_packer, states),
         global_params=stacked(param_packer, stage_params) if self.sync == "hetpipe" else {},
         sync_state=sync_state,
-        virtual_time=jax.device_put(jnp.zeros((N, S, 2), jnp.float32), replicated),
-        fill_start=jax.device_put(jnp.zeros((), jnp.int32), replicated),
+        virtual_time=_put(np.zeros((N, S, 2), np.float32), replicated),
+        fill_start=_put(np.zeros((), np.int32), replicated),
         inflight={})
     if batch is not None and self.schedule == "1f1b":
       if not (isinstance(batch, tuple) and len(batch) == 2):
@@ -557,8 +569,8 @@ class Pipeline:
     hetero = self.hetero if hetero is None else hetero
     if self.schedule == "1f1b":
       return self._execute_1f1b(state, layout, xs, ys, plan, hetero)
-    xs = jax.device_put(xs, batch_sharding)
-    ys = jax.device_put(ys, batch_sharding)
+    xs = jax.tree.map(lambda a: _put(a, batch_sharding), xs)
+    ys = jax.tree.map(lambda a: _put(a, batch_sharding), ys)
     return self._execute(state, layout, xs, ys, plan, hetero)
 
   def flush(self, state: PipelineState, *, plan: Any = None, hetero: Hetero | None = None
@@ -591,7 +603,7 @@ class Pipeline:
   def _scalar(self, value: Any) -> jax.Array:
     """A replicated int32 scalar of its own (a copy: a donated state must not hold one buffer
     twice)."""
-    return jax.device_put(np.int32(np.asarray(value)), NamedSharding(self.mesh, P()))
+    return _put(np.int32(np.asarray(value)), NamedSharding(self.mesh, P()))
 
   def _no_metrics(self) -> dict[str, Any]:
     names = self._metric_names or ("loss",)
@@ -650,7 +662,7 @@ class Pipeline:
     new_state, means = self._compiled[key](program_state, xs, ys, ticks,
                                            jnp.asarray(mix) if uses_mix else None)
     whole = np.floor(clocks)
-    new_state = new_state._replace(virtual_time=jax.device_put(
+    new_state = new_state._replace(virtual_time=_put(
         np.stack([whole, clocks - whole], -1).astype(np.float32), NamedSharding(self.mesh, P())))
     ticks = len(table.kind) * B
     computed = int(np.asarray(means.pop("computed_slots")))
@@ -766,7 +778,7 @@ class Pipeline:
       xs = jax.tree.map(lambda a: np.zeros((K,) + a.shape[1:], a.dtype), state.inflight["xs"])
       ys = jax.tree.map(lambda a: np.zeros((K,) + a.shape[1:], a.dtype), state.inflight["ys"])
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
-    xs, ys = jax.device_put(xs, batch_sharding), jax.device_put(ys, batch_sharding)
+    xs, ys = (jax.tree.map(lambda a: _put(a, batch_sharding), t) for t in (xs, ys))
     ticks = dict(kind=tables.kind, m=tables.m, slot=tables.slot, keep=tables.keep,
                  events=tables.events, count=np.int32(tables.ticks),
                  **{"global": tables.global_batch})
@@ -839,18 +851,18 @@ class Pipeline:
     for name, v in per_slot.items():
       new_pending[name] = np.array([item[2][name] for item in left] + pad, v.dtype)
     whole = np.floor(clocks)
-    new_state = new_state._replace(virtual_time=jax.device_put(
+    new_state = new_state._replace(virtual_time=_put(
         np.stack([whole, clocks - whole], -1).astype(np.float32), replicated))
     inflight = dict(new_state.inflight, fill_clock=state.inflight["fill_clock"],
                     fed_start=state.inflight["fed_start"],
-                    pending={k: jax.device_put(v, replicated) for k, v in new_pending.items()})
+                    pending={k: _put(v, replicated) for k, v in new_pending.items()})
     new_state = new_state._replace(inflight=inflight)
     if flush:  # an empty pipeline: the next fill starts here
       zeros = self._inflight_zeros(layout, None, None, new_state.virtual_time,
                                    like=new_state.inflight)
-      zeros["fed_start"] = jax.device_put(
+      zeros["fed_start"] = _put(
           np.array(fed_start, np.int32) + np.array(taken_after, np.int32), replicated)
-      zeros["pending"]["done"] = jax.device_put(np.int32(done_units + units), replicated)
+      zeros["pending"]["done"] = _put(np.int32(done_units + units), replicated)
       new_state = new_state._replace(inflight=zeros, fill_start=self._scalar(new_state.step))
     return new_state, metrics
 
@@ -873,20 +885,19 @@ class Pipeline:
     host = program.inflight_zeros(xs, ys, (N, S))
     per = NamedSharding(self.mesh, P(DATA, STAGE))
     replicated = NamedSharding(self.mesh, P())
-    put = lambda a, sharding: jax.device_put(a, sharding)
-    out = {k: jax.tree.map(lambda a: put(a, per), host[k])
+    out = {k: jax.tree.map(lambda a: _put(a, per), host[k])
            for k in ("buffers", "metrics", "sync_report")}
     for k in ("xs", "ys"):
-      out[k] = jax.tree.map(lambda a: put(a, NamedSharding(self.mesh, P(None, DATA))), host[k])
-    out["fill_clock"] = put(np.asarray(clock), replicated)
-    out["fed_start"] = put(np.zeros((N,), np.int32), replicated)
+      out[k] = jax.tree.map(lambda a: _put(a, NamedSharding(self.mesh, P(None, DATA))), host[k])
+    out["fill_clock"] = _put(np.asarray(clock), replicated)
+    out["fed_start"] = _put(np.zeros((N,), np.int32), replicated)
     capacity = self._pending_capacity
     pending = {"count": np.int32(0), "done": np.int32(0),
                "pipeline": np.zeros((capacity,), np.int32), "m": np.zeros((capacity,), np.int32)}
     pending.update({name: np.zeros((capacity,), np.float32) for name in layout.metric_names})
     if program.mode.reports:
       pending.update({name: np.zeros((capacity,), dtype) for name, dtype in SYNC_REPORT.items()})
-    out["pending"] = {k: put(v, replicated) for k, v in pending.items()}
+    out["pending"] = {k: _put(v, replicated) for k, v in pending.items()}
     return out
 
   def _program(self, layout: Layout) -> Program:
