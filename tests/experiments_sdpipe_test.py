@@ -16,6 +16,7 @@ import pytest
 from jlp import studies
 
 
+@pytest.mark.slow  # 20-60 s; tests/pipeline covers the executor it drives
 def test_sdpipe_digits_quick(tmp_path, capsys):
   from experiments import sdpipe_digits  # pylint: disable=g-import-not-at-top
   rows_by_layout = sdpipe_digits.run(str(tmp_path), quick=True)

@@ -41,6 +41,7 @@ def test_quickstart_executes(tmp_path, monkeypatch):
   assert len(images) >= 3  # formats explorer, the fp8 run's curves, the APS curves
 
 
+@pytest.mark.slow  # 20-35 s; the compression tests cover what it calls
 def test_compression_executes(tmp_path, monkeypatch):
   """notebooks/compression.ipynb in quick mode: every section runs; the PS and ring syncs agree on
   every rank; the study's table and the plots come out."""
@@ -55,6 +56,7 @@ def test_compression_executes(tmp_path, monkeypatch):
   assert len(images) >= 2  # error feedback, accuracy against bytes
 
 
+@pytest.mark.slow  # 20 s; the pipeline tests cover what it calls
 def test_pipeline_executes(tmp_path, monkeypatch):
   """notebooks/pipeline.ipynb in quick mode: the schedule tables, GPipe against 1F1B, PReduce
   under stalls (the simulator's groups, the training table) and their plots come out."""

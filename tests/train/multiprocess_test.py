@@ -87,6 +87,9 @@ def test_initialize_rejects_bad_arguments_before_starting(kwargs, field):
   assert not jax.distributed.is_initialized()
 
 
+# Slow tier: as root (CI), tests/train/cluster_test.py runs the same comparison on namespaced hosts
+# in the default tier.
+@pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile")
 def test_two_processes_equal_one_process(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top

@@ -173,6 +173,7 @@ def test_fp8_delayed_is_refused_in_pipelined_runs(monkeypatch, tmp_path):
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
+@pytest.mark.slow  # 18 s; tests/pipeline covers quantized zoo models in both schedules
 def test_a_recipe_trains_a_pipelined_run(tmp_path, fast_compile):
   """GPipe, 4 pipelines x 2 stages, with a stochastic recipe (mxfp4)."""
   c = small_config("mxfp4", max_steps=20, log_every=10, eval_every=20, checkpoint_every=0)
