@@ -11,10 +11,11 @@ elements per device synced by float32 psum, the float32 ring, CPD's e4m3 ring on
 the float32 wire, and HiPress's onebit, TBQ and DGC on PS and ring, then fits SeCoPa's cost model
 on the same hosts (`jlp.compression.profile.fit_cost_model`, as `experiments.secopa --fit` does,
 once per compressor) and predicts each sync with it, and times the sync SeCoPa plans with each
-compressor's fitted model (`planned_sync`: PS or ring, compress or not, K partitions). Writes WORKDIR/<bandwidth>.json
-(host 0's rows), WORKDIR/sync_time.md (the table: median ms per sync and bandwidth, ratio to
-float32 psum, SeCoPa's prediction, the plan's choice in brackets, wire bytes per device) and WORKDIR/sync_time.png. Needs root (see
-`experiments.cluster`); without it the hosts share localhost and only `none` runs.
+compressor's fitted model (`planned_sync`: PS or ring, compress or not, K partitions). Writes
+WORKDIR/<bandwidth>.json (host 0's rows), WORKDIR/sync_time.md (the table: median ms per sync
+and bandwidth, ratio to float32 psum, SeCoPa's prediction, the plan's choice in brackets, wire
+bytes per device) and WORKDIR/sync_time.png. Needs root (see `experiments.cluster`); without it
+the hosts share localhost and only `none` runs.
 
 Then it trains `configs/digits_wide.py` (a 4.8M-parameter MLP on digits) on the same cluster
 with `experiments.train`, and reads each run's metrics (`jlp.train.run_timing`):
@@ -129,7 +130,8 @@ def planned_sync(size: int, num_devices: int, codec: str, model: Any) -> tuple[A
   predicted, ring, compress, k = multihost_utils.broadcast_one_to_all(choice).tolist()
   topology, compress, k = ("ring" if ring else "ps"), bool(compress), int(k)
   sync = GradSync(compression=codec, topology=topology, min_size=0, plan={"['g']": (compress, k)})
-  return sync, predicted, f"{'ring' if ring else 'PS'}, K={k}" + ("" if compress else ", uncompressed")
+  label = f"{'ring' if ring else 'PS'}, K={k}" + ("" if compress else ", uncompressed")
+  return sync, predicted, label
 
 
 def _host(size: int) -> None:
