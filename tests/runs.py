@@ -1,5 +1,6 @@
-"""Helpers of the tests that compare training runs: metrics rows without their timing fields, the
-newest checkpoint of a run directory as flat arrays, and bitwise equality of two pytrees."""
+"""Helpers of the tests that compare training runs: a small digits config, metrics rows without
+their timing fields, the newest checkpoint of a run directory as flat arrays, and bitwise
+equality of two pytrees."""
 
 import os
 
@@ -9,6 +10,18 @@ import orbax.checkpoint as ocp
 
 #: Metrics fields that depend on the wall clock, not on the run's values.
 VOLATILE = ("time", "throughput")
+
+
+def small_digits(**fields):
+  """configs/digits.py with an 8-wide CNN and batches of 64, then each top-level `fields` entry
+  set."""
+  from configs import digits  # pylint: disable=g-import-not-at-top
+  c = digits.get_config()
+  c.model.kwargs.width = 8
+  c.batch_size = 64
+  for k, v in fields.items():
+    c[k] = v
+  return c
 
 
 def stable(rows):

@@ -57,6 +57,7 @@ import ml_dtypes
 import numpy as np
 
 from jlp.formats import FloatFormat
+from jlp.formats.float_format import _check_choice, _invalid
 from jlp.gemm.config import ROLES, GemmQuant
 
 __all__ = ["AMAX_ALGOS", "FP8_FORMATS", "TENSORS", "DelayedScaling", "amax_update", "fp8_grad_qdq",
@@ -94,18 +95,14 @@ class DelayedScaling(GemmQuant):
   margin: int = 0
 
   def __post_init__(self):
-    if self.fp8_format not in FP8_FORMATS:
-      raise ValueError(f"fp8_format={self.fp8_format!r} is not allowed; expected one of "
-                       f"{', '.join(repr(f) for f in FP8_FORMATS)}.")
+    _check_choice("fp8_format", self.fp8_format, FP8_FORMATS)
     n = self.amax_history_len
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-      raise ValueError(f"amax_history_len={n!r} is not allowed; expected an int >= 1.")
-    if self.amax_compute_algo not in AMAX_ALGOS:
-      raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r} is not allowed; expected one "
-                       f"of {', '.join(repr(a) for a in AMAX_ALGOS)}.")
+      raise _invalid("amax_history_len", n, "an int >= 1")
+    _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
     m = self.margin
     if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-      raise ValueError(f"margin={m!r} is not allowed; expected an int >= 0.")
+      raise _invalid("margin", m, "an int >= 0")
     expected = {r: None for r in ROLES}
     expected.update(x=FloatFormat.from_name(_E4M3), w=FloatFormat.from_name(_E4M3),
                     dgrad_dy=FloatFormat.from_name(self.dtype_name("dy")),

@@ -31,6 +31,21 @@ DTYPES = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.flo
           "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
+def _blockwise(x, block, axis, scaled):
+  """x with each block (rows x elements along `axis`, partial at the edges) replaced by
+  scaled(block); a block holding a non-finite value becomes NaN."""
+  moved = np.moveaxis(np.asarray(x, F32), axis, -1)
+  m = moved.reshape(-1, moved.shape[-1])
+  out = np.empty_like(m)
+  r, c = min(block[0], m.shape[0]), min(block[1], m.shape[1])
+  with np.errstate(under="ignore", over="ignore", invalid="ignore", divide="ignore"):
+    for i in range(0, m.shape[0], r):
+      for j in range(0, m.shape[1], c):
+        b = m[i:i + r, j:j + c]
+        out[i:i + r, j:j + c] = scaled(b) if np.isfinite(b).all() else np.nan
+  return np.moveaxis(out.reshape(moved.shape), -1, axis)
+
+
 def block_scaled_reference(x, elem, block, axis, pow2=False, rule="divide"):
   """rule="reciprocal": TransformerEngine's compute_scale_from_amax (recipe_common.cuh) and
   cast, transcribed: m = max / amax in float32 (1 for amax = 0, float32's max if that
@@ -40,52 +55,34 @@ def block_scaled_reference(x, elem, block, axis, pow2=False, rule="divide"):
     return te_reference(x, elem, block, axis, pow2)
   dtype = DTYPES[elem]
   largest = F32(ml_dtypes.finfo(dtype).max)
-  moved = np.moveaxis(np.asarray(x, F32), axis, -1)
-  m = moved.reshape(-1, moved.shape[-1])
-  out = np.empty_like(m)
-  r, c = min(block[0], m.shape[0]), min(block[1], m.shape[1])
-  with np.errstate(under="ignore", over="ignore", invalid="ignore"):
-    for i in range(0, m.shape[0], r):
-      for j in range(0, m.shape[1], c):
-        b = m[i:i + r, j:j + c]
-        if not np.isfinite(b).all():
-          out[i:i + r, j:j + c] = np.nan
-          continue
-        amax = np.abs(b).max()
-        s = F32(1.0) if amax == 0 else max(F32(amax) / largest, TINY)
-        if pow2 and amax != 0:
-          mant, e = np.frexp(np.float64(s))  # s = mant · 2^e, mant in [0.5, 1)
-          s = F32(2.0 ** min(e - 1 if mant == 0.5 else e, 127))
-        q = np.clip(b / s, -largest, largest).astype(dtype).astype(F32)
-        out[i:i + r, j:j + c] = q * s
-  return np.moveaxis(out.reshape(moved.shape), -1, axis)
+
+  def scaled(b):
+    amax = np.abs(b).max()
+    s = F32(1.0) if amax == 0 else max(F32(amax) / largest, TINY)
+    if pow2 and amax != 0:
+      mant, e = np.frexp(np.float64(s))  # s = mant · 2^e, mant in [0.5, 1)
+      s = F32(2.0 ** min(e - 1 if mant == 0.5 else e, 127))
+    q = np.clip(b / s, -largest, largest).astype(dtype).astype(F32)
+    return q * s
+  return _blockwise(x, block, axis, scaled)
 
 
 def te_reference(x, elem, block, axis, pow2):
   dtype = DTYPES[elem]
   largest = F32(ml_dtypes.finfo(dtype).max)
-  moved = np.moveaxis(np.asarray(x, F32), axis, -1)
-  m = moved.reshape(-1, moved.shape[-1])
-  out = np.empty_like(m)
-  r, c = min(block[0], m.shape[0]), min(block[1], m.shape[1])
-  with np.errstate(under="ignore", over="ignore", invalid="ignore", divide="ignore"):
-    for i in range(0, m.shape[0], r):
-      for j in range(0, m.shape[1], c):
-        b = m[i:i + r, j:j + c]
-        if not np.isfinite(b).all():
-          out[i:i + r, j:j + c] = np.nan
-          continue
-        amax = F32(np.abs(b).max())
-        scale = F32(1.0)
-        if amax != 0:
-          scale = largest / amax
-          if np.isinf(scale):
-            scale = F32_MAX
-          if pow2:
-            scale = (np.asarray(scale, F32).view(np.uint32) & np.uint32(0xFF800000)).view(F32)
-        q = np.clip(b * scale, -largest, largest).astype(dtype).astype(F32)
-        out[i:i + r, j:j + c] = q * (F32(1.0) / scale)
-  return np.moveaxis(out.reshape(moved.shape), -1, axis)
+
+  def scaled(b):
+    amax = F32(np.abs(b).max())
+    scale = F32(1.0)
+    if amax != 0:
+      scale = largest / amax
+      if np.isinf(scale):
+        scale = F32_MAX
+      if pow2:
+        scale = (np.asarray(scale, F32).view(np.uint32) & np.uint32(0xFF800000)).view(F32)
+    q = np.clip(b * scale, -largest, largest).astype(dtype).astype(F32)
+    return q * (F32(1.0) / scale)
+  return _blockwise(x, block, axis, scaled)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from configs import digits
 from jlp.train import loop, recipe, workdir as workdir_record
 from jlp.train.metrics import read_metrics
+from runs import small_digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,16 +24,8 @@ def entry_point(module, *args, timeout=180, env=None):
 
 
 def small_config(**overrides):
-  c = digits.get_config()
-  c.model.kwargs.width = 8
-  c.batch_size = 64
-  c.max_steps = 4
-  c.log_every = 2
-  c.eval_every = 4
-  c.checkpoint_every = 2
-  for k, v in overrides.items():
-    c[k] = v
-  return c
+  return small_digits(**{"max_steps": 4, "log_every": 2, "eval_every": 4, "checkpoint_every": 2,
+                         **overrides})
 
 
 # -- 1. devices on a CPU machine ------------------------------------------------------------------

@@ -12,26 +12,17 @@ import jax
 import numpy as np
 import pytest
 
-from configs import digits
 from jlp.train import loop, recipe
 from jlp.train.metrics import read_metrics
-from runs import final_checkpoint, stable
+from runs import final_checkpoint, small_digits, stable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def small_config(**overrides):
-  c = digits.get_config()
-  c.model.kwargs.width = 8
-  c.batch_size = 64
-  c.max_steps = 12
-  c.log_every = 2
-  c.eval_every = 6
-  c.checkpoint_every = 4
-  c.grad_exp, c.grad_man, c.use_aps = 4, 3, True  # a low-precision all-reduce with APS
-  for k, v in overrides.items():
-    c[k] = v
-  return c
+  # A low-precision all-reduce with APS.
+  return small_digits(**{"max_steps": 12, "log_every": 2, "eval_every": 6, "checkpoint_every": 4,
+                         "grad_exp": 4, "grad_man": 3, "use_aps": True, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -21,21 +21,12 @@ from jlp.nn import RECIPES, recipe_gemm
 from jlp.train import config as config_lib, loop, recipe
 from jlp.train.loop_common import QuantPlan
 from jlp.train.metrics import read_metrics
-from runs import final_checkpoint, stable
+from runs import final_checkpoint, small_digits, stable
 
 
 def small_config(name="none", **overrides):
-  c = digits.get_config()
-  c.model.kwargs.width = 8
-  c.batch_size = 64
-  c.max_steps = 6
-  c.log_every = 2
-  c.eval_every = 6
-  c.checkpoint_every = 3
-  c.quant_recipe = name
-  for k, v in overrides.items():
-    c[k] = v
-  return c
+  return small_digits(**{"max_steps": 6, "log_every": 2, "eval_every": 6, "checkpoint_every": 3,
+                         "quant_recipe": name, **overrides})
 
 
 def test_the_field_defaults_to_none_and_is_documented():
