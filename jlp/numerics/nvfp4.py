@@ -53,6 +53,13 @@ rht=True (TE's random Hadamard transform, `NVFP4QuantizerRef._apply_rht` with th
   The amax and the codes are those of the transformed tensor; `nvfp4_quantize` maps the decoded
   values back with T^T: w_j = y_j / 4, the same butterfly, then times s_i.
 
+The XLA path (`nvfp4_quantize`) computes the element operations with the hardware's float32
+products and sums where they provably give the same bits (`_float_ops`: no operand or result
+can be a float32 subnormal; checked at run time from the tensor's exponents) and otherwise,
+chosen by `lax.cond`, with the integer operations above; tiles along a non-minor axis are
+handled in place (no transposition). The Pallas kernel always uses the integer operations.
+Both give the same bits.
+
 References:
   NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, 2025.
   NVIDIA TransformerEngine: transformer_engine/pytorch/custom_recipes/quantization_nvfp4.py
@@ -74,6 +81,7 @@ from jlp.formats import FloatFormat, NVFP4Format
 from jlp.numerics import ieee_f32
 from jlp.numerics import random_bits as rb
 from jlp.numerics.bfp import group_rows
+from jlp.numerics.bit_max import max_all, max_rows
 from jlp.numerics.ieee_f32 import ieee_add
 from jlp.numerics.float_cast import (ABS, INF, QNAN, SIGN, cast_bits, float_bits, from_bits,
                                      to_bits, u32)
@@ -238,13 +246,9 @@ def _materialized(x, materialize: bool):
   return lax.optimization_barrier(x) if materialize else x
 
 
-def encode_rows(u: jax.Array, scalars: tuple[jax.Array, ...], fmt: NVFP4Format,
-                rbits: jax.Array | None = None, *,
-                materialize: bool = False) -> tuple[jax.Array, jax.Array]:
-  """(codes, scale bits) of rows u: one tile per row (uint32 (R, P), zero-padded), already
-  transformed when fmt.rht. codes: uint32 (R, P) in 0..15; scale bits: (R, 1), the float32 bits
-  of each tile's E4M3 scale. `materialize` (the XLA path) computes the per-tile values once."""
-  vmax = jnp.max(u & ABS, axis=1, keepdims=True)
+def tile_scales(vmax: jax.Array, scalars: tuple[jax.Array, ...],
+                fmt: NVFP4Format) -> tuple[jax.Array, jax.Array]:
+  """(scale bits s, encode scale bits) of tiles with the max |x| bits `vmax` (module docstring)."""
   if fmt.compat is None:
     gds, mult, _ = scalars
     s = cast_bits(_min_keep_nan(mul_bits(vmax, mult), _E4M3_MAX), E4M3)
@@ -257,7 +261,17 @@ def encode_rows(u: jax.Array, scalars: tuple[jax.Array, ...], fmt: NVFP4Format,
     clamped = jnp.where(block > INF, block, jnp.clip(block, _E4M3_EPS, _E4M3_MAX))
     s = cast_bits(clamped, E4M3)
     encode = div_bits(ipts if fmt.tensor_scale else _ONE, s)
-  s, encode = _materialized((s, encode), materialize)
+  return s, encode
+
+
+def encode_rows(u: jax.Array, scalars: tuple[jax.Array, ...], fmt: NVFP4Format,
+                rbits: jax.Array | None = None, *,
+                materialize: bool = False) -> tuple[jax.Array, jax.Array]:
+  """(codes, scale bits) of rows u: one tile per row (uint32 (R, P), zero-padded), already
+  transformed when fmt.rht. codes: uint32 (R, P) in 0..15; scale bits: (R, 1), the float32 bits
+  of each tile's E4M3 scale. `materialize` (the XLA path) computes the per-tile values once."""
+  vmax = jnp.max(u & ABS, axis=1, keepdims=True)
+  s, encode = _materialized(tile_scales(vmax, scalars, fmt), materialize)
   return _codes(mul_bits(u, encode), fmt, rbits), s
 
 
@@ -349,6 +363,148 @@ def prepare(x: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None):
   return rows, r, tensor_scalars(amax, fmt), lambda out: from_rows(out, ungroup)
 
 
+# -- the XLA path: hardware float operations where they give the same bits ---------------------
+
+# Below these magnitudes (nonzero inputs with rht; the amax) the exact integer path runs.
+_RHT_MIN_INPUT = float_bits(2.0 ** -90)
+_FLOAT_OPS_MIN_AMAX = float_bits(2.0 ** -60)
+
+
+def _butterfly_float(z: jax.Array) -> jax.Array:
+  """`_butterfly` along axis 2 (16 long) of the 4-D float32 `z`, with the hardware's float32
+  additions (exact where no sum is subnormal)."""
+  a_, t_, _, b_ = z.shape
+  for _ in range(4):
+    a, b = z[:, :, :8], z[:, :, 8:]
+    z = jnp.stack([a + b, a - b], axis=3).reshape(a_, t_, 16, b_)
+  return z
+
+
+def _tiles_view(shape: tuple[int, ...], fmt: NVFP4Format):
+  """(to_tiles, from_tiles) for the float path: x as a 4-D (A, T, P, B) array whose axis 2 runs
+  along a tile. 1 x 16 tiles need no data movement: A and B are the products of the axes before
+  and after fmt.axis, T the tiles along it (zero-padded to a multiple of 16). 16 x 16 tiles
+  are `layout`'s rows, as (G, 1, 256, 1)."""
+  if fmt.block != (1, 16):
+    to_rows, from_rows, _, _ = layout(shape, fmt)
+
+    def to_tiles(u):
+      rows, ungroup = to_rows(u)
+      return rows.reshape(rows.shape[0], 1, rows.shape[1], 1), ungroup
+
+    def from_tiles(t, ungroup):
+      return from_rows(t.reshape(t.shape[0], t.shape[2]), ungroup)
+    return to_tiles, from_tiles
+  axis = fmt.axis % len(shape)
+  a, n, b = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+  tiles = -(-n // 16)
+
+  def to_tiles(u):
+    u = u.reshape(a, n, b)
+    if tiles * 16 != n:
+      u = jnp.pad(u, ((0, 0), (0, tiles * 16 - n), (0, 0)))
+    return u.reshape(a, tiles, 16, b), None
+
+  def from_tiles(t, _):
+    return t.reshape(a, tiles * 16, b)[:, :n].reshape(shape)
+  return to_tiles, from_tiles
+
+
+def _tile_max(m: jax.Array) -> jax.Array:
+  """max over axis 2 of the 4-D uint32 `m`, keepdims."""
+  a, t, p, b = m.shape
+  if b == 1:
+    return max_rows(m.reshape(a * t, p)).reshape(a, t, 1, 1)
+  return jnp.max(m, axis=2, keepdims=True)  # a reduction over a leading axis: vectorized
+
+
+# E2M1's round-to-nearest-even decision points on [0, 6] (float32 bits) and, per point, whether
+# the tie goes up (the upper neighbour has the even code): the code is the count passed.
+_E2M1_STEPS = tuple((float_bits(b), up) for b, up in
+                    ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                     (3.5, True), (5.0, False)))
+
+
+def _e2m1_nearest_code(va: jax.Array) -> jax.Array:
+  """`_e2m1_code(cast_bits(min(va, 6), E2M1))` for magnitude bits va <= INF (round to nearest
+  even), by comparisons with the decision points."""
+  code = jnp.zeros(va.shape, jnp.uint32)
+  for point, up in _E2M1_STEPS:
+    code = code + ((va >= point) if up else (va > point)).astype(jnp.uint32)
+  return code
+
+
+def _codes_float_ops(v: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None) -> jax.Array:
+  """`_codes(v, fmt, rbits)`, with round to nearest even by comparisons."""
+  if fmt.rounding == "stochastic":
+    return _codes(v, fmt, rbits)
+  va = v & ABS
+  nan = va > INF
+  mag = _e2m1_nearest_code(va)
+  negative = (v >> u32(31)) << u32(3)
+  if fmt.compat is None:
+    return jnp.where(nan, u32(0), mag | jnp.where(va != 0, negative, u32(0)))
+  return jnp.where(nan, u32(3), mag | negative)
+
+
+def _float_ops(u: jax.Array, fmt: NVFP4Format,
+               rbits: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """(exact, bits): `quantize_rows`' result on the tiles u (`_tiles_view`: uint32 (A, T, P, B),
+  axis 2 along a tile, draws alike) computed with the hardware's float32 operations, and
+  whether that is `quantize_rows`' bits.
+
+  The per-tensor and per-tile values keep the integer operations (one per tile). The element
+  operations use float32 products and sums, which are IEEE operations on every backend (XLA on
+  a GPU keeps subnormals and divides approximately, but nothing here divides) except that
+  XLA:CPU reads subnormal operands as zero and flushes subnormal results. `exact` holds when
+  none of them can meet a subnormal:
+    * the amax is finite and at least 2^-60, so every nonzero decoded value,
+      e2m1 * s * (amax / 2688) >= 2^-1 * 2^-9 * 2^-72, or torchao's e2m1 * (pts * s), is a
+      normal float32 (and with rht every sum of the inverse transform is a nonzero multiple of
+      2^-107 or zero);
+    * with rht, every nonzero |x| is at least 2^-90: x / 4 and every sum of the transform are
+      then zero or nonzero multiples of 2^-115;
+    * every nonzero transformed element t of a tile is a normal float32 with
+      t * (encode scale) >= 2^-125, checked from exponents: t's exponent field is at least
+      129 - (the encode scale's), and the scale is normal.
+  A NaN or inf anywhere fails the first test. Otherwise the decoded values, and the codes
+  (the sign rule and the draws act on the product's bits), are the same bits. Products that
+  feed a sum are exact (a power of two times a normal float32), so a fused multiply-add gives
+  the same sum.
+  """
+  if fmt.rht:
+    magnitude = u & ABS
+    inputs_ok = ~jnp.any((magnitude != 0) & (magnitude < _RHT_MIN_INPUT))
+    signs = _sign_mask().reshape(1, 1, 16, 1)
+    t = lax.optimization_barrier(_butterfly_float(from_bits(u ^ signs) * 0.25))
+    tb = to_bits(t)
+  else:
+    inputs_ok, t, tb = jnp.bool_(True), from_bits(u), u
+  magnitude = tb & ABS
+  amax = max_all(magnitude.reshape(-1, magnitude.shape[2] * magnitude.shape[3]))
+  scalars = tensor_scalars(amax, fmt)
+  s, encode = lax.optimization_barrier(tile_scales(_tile_max(magnitude), scalars, fmt))
+  encode_field = (encode >> u32(23)).astype(jnp.int32)
+  min_field = jnp.where((encode_field > 0) & (encode_field < 255),
+                        jnp.maximum(129 - encode_field, 1), 256)  # 1: subnormal t fail
+  products_ok = ~jnp.any((magnitude != 0)
+                         & ((magnitude >> u32(23)).astype(jnp.int32) < min_field))
+  exact = inputs_ok & products_ok & (amax[0, 0] < INF) & (amax[0, 0] >= _FLOAT_OPS_MIN_AMAX)
+
+  codes = _codes_float_ops(to_bits(t * from_bits(encode)), fmt, rbits)
+  q = from_bits(e2m1_bits(codes))
+  if fmt.compat == "torchao" and fmt.tensor_scale:
+    out = q * from_bits(mul_bits(scalars[0], s))
+  elif fmt.compat == "torchao":
+    out = q * from_bits(s)
+  else:
+    out = q * from_bits(s) * from_bits(scalars[2])
+  if fmt.rht:
+    out = lax.optimization_barrier(out)  # else each output recomputes its 16 inputs' codes
+    return exact, to_bits(_butterfly_float(out * 0.25)) ^ signs
+  return exact, to_bits(out)
+
+
 def nvfp4_quantize(x: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None = None) -> jax.Array:
   """float32 x quantized to NVFP4 and decoded, as float32 (the XLA path of `jlp.quantize`).
 
@@ -364,8 +520,19 @@ def nvfp4_quantize(x: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None = Non
   x = jnp.asarray(x, jnp.float32)
   if x.size == 0:
     return x
-  rows, r, scalars, restore = prepare(x, fmt, rbits)
-  return from_bits(restore(quantize_rows(rows, scalars, fmt, r, materialize=True)))
+  to_tiles, from_tiles = _tiles_view(x.shape, fmt)
+  tiles, ungroup = to_tiles(to_bits(x))
+  r = to_tiles(jnp.asarray(rbits, jnp.uint32))[0] if fmt.rounding == "stochastic" else None
+  exact, float_bits_ = _float_ops(tiles, fmt, r)
+
+  # XLA:CPU runs a fused loop inside a conditional on one thread, and copies a branch's result
+  # that is an operand, so the float operations stay outside and select the integer path's
+  # result only when they are not exact (an all-zero stand-in otherwise).
+  def integer_ops(x: jax.Array, rbits: jax.Array | None) -> jax.Array:
+    rows, r, scalars, restore = prepare(x, fmt, rbits)
+    return restore(quantize_rows(rows, scalars, fmt, r, materialize=True))
+  fallback = lax.cond(exact, lambda x, _: jnp.zeros(x.shape, jnp.uint32), integer_ops, x, rbits)
+  return from_bits(jnp.where(exact, from_tiles(float_bits_, ungroup), fallback))
 
 
 def nvfp4_encode(x: jax.Array, fmt: NVFP4Format, *, key: jax.Array | None = None,

@@ -378,6 +378,83 @@ def test_rht_quantize_maps_back():
   assert rms(q_rht - x) < 2 * rms(q - x)
 
 
+# -- the XLA path's float operations -------------------------------------------------------------
+
+FLOAT_PATH_FMTS = (NVFP4Format(), NVFP4Format(block=(16, 16)), NVFP4Format(axis=0),
+                   NVFP4Format(rht=True), NVFP4Format(rht=True, axis=0, rounding="stochastic"),
+                   NVFP4Format(rounding="stochastic"), *AO_FMTS)
+
+
+@functools.lru_cache(maxsize=None)
+def _float_path(fmt):
+  """jitted x, rbits -> whether `nvfp4_quantize` takes its float path (the flag it computes)."""
+  def exact(x, r):
+    to_tiles, _ = nvfp4._tiles_view(x.shape, fmt)  # pylint: disable=protected-access
+    tiles = to_tiles(jax.lax.bitcast_convert_type(x, jnp.uint32))[0]
+    rt = to_tiles(r)[0] if fmt.rounding == "stochastic" else None
+    return nvfp4._float_ops(tiles, fmt, rt)[0]  # pylint: disable=protected-access
+  return jax.jit(exact)
+
+
+def check_float_path(x, taken, label, taken_rht=None, taken_single_level=None):
+  """`check` with XLA's optimisations on (the production build: fusion and the choice of fused
+  multiply-adds are the optimiser's) and the float path taken (or not) as `taken` says
+  (`taken_rht` for the formats with rht and `taken_single_level` for torchao's single level,
+  if given)."""
+  rbits = random_bits(x.shape, 81)
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    for fmt in FLOAT_PATH_FMTS:
+      want = taken
+      if fmt.rht and taken_rht is not None:
+        want = taken_rht
+      if fmt.compat == "torchao" and not fmt.tensor_scale and taken_single_level is not None:
+        want = taken_single_level
+      assert bool(_float_path(fmt)(x, rbits)) == want, f"{label} {fmt!r}: float path"
+    check(x, FLOAT_PATH_FMTS, rbits=rbits, label=label)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+def test_float_path_on_ordinary_tensors():
+  x = np.random.default_rng(82).standard_normal((64, 96)).astype(np.float32)
+  x[3, :20] = 0.0
+  x[7, 5] = -0.0
+  x[:, 9] *= 300  # an outlier channel
+  check_float_path(x, True, "ordinary")
+
+
+def test_float_path_guards():
+  """Each condition of the float path, just inside and just outside: a tile (of every tiling)
+  whose products with the encode scale reach 2^-125 or fall below float32's normal range (where
+  XLA:CPU would flush a negative one to -0, which TE codes as 0, not 8), an amax at 2^-60 and
+  below it, and (with rht, whose transform spreads a tile's maximum over the tile) a nonzero
+  input at 2^-90 and below it."""
+  rng = np.random.default_rng(83)
+  base = rng.standard_normal((64, 96)).astype(np.float32)
+  wide_ok, wide = base.copy(), base.copy()
+  wide_ok[4, 0] = wide[4, 0] = 2.0 ** 100
+  wide_ok[5, 0] = wide_ok[4, 1] = -(2.0 ** -20)
+  wide[5, 0] = wide[4, 1] = -(2.0 ** -40)
+  check_float_path(wide_ok, True, "wide tile, products normal")
+  # torchao's single level clamps the tile's scale at 448: its products stay normal.
+  check_float_path(wide, False, "wide tile, products below 2^-126", taken_rht=True,
+                   taken_single_level=True)
+  unit = base / np.abs(base).max()
+  check_float_path((unit * 2.0 ** -60).astype(np.float32), True, "amax 2^-60",
+                   taken_rht=False)  # the transformed amax is below 2^-60 here
+  check_float_path((unit * 2.0 ** -58).astype(np.float32), True, "amax 2^-58")
+  check_float_path((unit * 2.0 ** -61).astype(np.float32), False, "amax 2^-61")
+  tiny_input = base.copy()
+  tiny_input[9, 3] = np.float32(2.0 ** -90)
+  check_float_path(tiny_input, True, "rht input 2^-90")
+  tiny_input[9, 4] = np.float32(-(2.0 ** -91))
+  check_float_path(tiny_input, True, "rht input 2^-91", taken_rht=False)
+  tiny_input[10, 16:32] *= np.float32(2.0 ** -128)  # subnormal inputs and (with rht) sums
+  check_float_path(tiny_input, False, "a tile of subnormals")
+
+
 # -- jlp.quantize and bad arguments -------------------------------------------------------------
 
 def test_quantize_dispatch_and_straight_through_gradient():
