@@ -47,14 +47,17 @@ Exactness: in `block_scaled_bits`, x / s and q · s are `jlp.numerics.ieee_f32.d
 `mul_bits` (integer ops), so tiny-amax blocks, whose scales and results are float32 subnormals,
 are exact on XLA:CPU (which reads subnormal operands as 0 and flushes subnormal results) and in
 the Pallas kernel (`pallas_kernels.block_scaled`), which runs the same `block_scaled_bits` on
-tiles of blocks: both paths agree bit for bit. The XLA path switches (`lax.cond`) to the float
-division and multiply (3-4x faster on XLA:CPU) when they give the same bits (`_float_ops_exact`):
-every block is all zero, non-finite or has s >= 2^-100, and elem's smallest positive value is
-at least 2^-24. Then a quotient flushed to ±0 (|x / s| < 2^-126), or a subnormal x read as ±0
-(|x / s| < 2^-26), would round to that zero in elem anyway, q · s is 0 or a normal float32, and
-XLA divides by an elementwise divisor array with one IEEE rounding (it multiplies by a reciprocal
-only for a scalar divisor, as measured on this project's machines), which the tests check against numpy at the element
-grid's ties. The Pallas kernel, the default on GPU, always uses the integer ops.
+tiles of blocks: both paths agree bit for bit. The XLA path uses the float32 division (rule
+"divide", on a CPU only: a GPU's float division is approximate) or multiplication (rule
+"reciprocal", on any backend) and the float32 multiply when they give the same bits
+(`_float_ops`, several times faster on XLA:CPU; otherwise `lax.cond` runs the integer ops):
+every block is all zero, non-finite or has s >= 2^-100 (m <= 2^100), and elem's smallest
+positive value is at least 2^-24. Then a quotient or product flushed to ±0 (below 2^-126), or a
+subnormal x read as ±0 (|x / s| < 2^-26), would round to that zero in elem anyway, q · s is 0
+or a normal float32, and XLA:CPU divides by an elementwise divisor array with one IEEE rounding
+(it multiplies by a reciprocal only for a scalar divisor, as measured on this project's
+machines), which the tests check against numpy at the element grid's ties. The Pallas kernel,
+the default on GPU, always uses the integer ops.
 
 Peers:
   DeepSeek-V3 (inference/kernel.py, `act_quant` / `weight_quant` / `weight_dequant`):
@@ -88,6 +91,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jlp.formats import BlockScaledFormat
+from jlp.numerics.bit_max import max_rows
 from jlp.numerics.float_cast import ABS, FRAC, INF, QNAN, cast_bits, float_bits, to_bits, u32
 from jlp.numerics.ieee_f32 import div_bits, mul_bits
 
@@ -95,6 +99,7 @@ _ONE = float_bits(1.0)
 _FLT_MAX = float_bits(float(jnp.finfo(jnp.float32).max))
 _MAX_POW2 = float_bits(2.0 ** 127)
 _FLOAT_OPS_MIN_SCALE = float_bits(2.0 ** -100)
+_FLOAT_OPS_MAX_MULTIPLIER = float_bits(2.0 ** 100)
 
 
 def scale_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
@@ -169,10 +174,15 @@ def from_matrix(m: jax.Array, moved_shape: tuple[int, ...], axis: int) -> jax.Ar
 
 def _block_amax(u: jax.Array, rows: int, cols: int) -> jax.Array:
   """max |x| bits of every (rows, cols) block of the (R, C) bit patterns `u`, as an
-  (R/r, 1, C/c, 1) array: the matrix is zero-padded to whole blocks, split and reduced."""
+  (R/r, 1, C/c, 1) array: the matrix is zero-padded to whole blocks, split and reduced (16 rows
+  at a time, then along each block's row: `jlp.numerics.bit_max`)."""
   num_r, num_c = -(-u.shape[0] // rows), -(-u.shape[1] // cols)
   a = jnp.pad(u & ABS, ((0, num_r * rows - u.shape[0]), (0, num_c * cols - u.shape[1])))
-  return jnp.max(a.reshape(num_r, rows, num_c, cols), axis=(1, 3), keepdims=True)
+  a = a.reshape(num_r, rows, num_c * cols)
+  while a.shape[1] > 16 and a.shape[1] % 16 == 0:
+    a = lax.optimization_barrier(jnp.max(a.reshape(num_r, -1, 16, num_c * cols), axis=2))
+  a = jnp.max(a, axis=1)  # (num_r, num_c * cols)
+  return max_rows(a.reshape(num_r * num_c, cols)).reshape(num_r, 1, num_c, 1)
 
 
 def _broadcast_blocks(per_block: jax.Array, shape: tuple[int, int], rows: int,
@@ -183,26 +193,49 @@ def _broadcast_blocks(per_block: jax.Array, shape: tuple[int, int], rows: int,
   return full.reshape(num_r * rows, num_c * cols)[:shape[0], :shape[1]]
 
 
-def _float_ops_exact(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
-  """Whether float32 division and multiplication give `block_scaled_bits`'s bits for blocks with
-  the max |x| bits `amax` on any backend that flushes subnormals (module docstring)."""
+def _float_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat, rows: int,
+               cols: int) -> tuple[jax.Array, jax.Array]:
+  """(exact, bits): `block_scaled_bits` of the float32 matrix `m` (blocks of (rows, cols) with
+  the max |x| bits `amax`, per block) computed with float32 products and (rule "divide")
+  quotients, and whether those give its bits on a backend that reads subnormal operands as 0
+  and flushes subnormal results (XLA:CPU; module docstring).
+
+  exact holds when elem's smallest positive value is at least 2^-24 and every block is all
+  zero, non-finite, or (rule "divide") has s >= 2^-100 or (rule "reciprocal") m <= 2^100: then
+  a quotient or product flushed to ±0, or a subnormal x read as ±0, is below 2^-26 and rounds to
+  that zero in elem anyway, and q · s (or q · (1 / m)) is 0 or a normal float32. The per-block
+  values keep the integer operations (one per block).
+  """
   elem = fmt.elem
-  if fmt.scale_rule != "divide" or (elem.emin - elem.man if elem.subnormals else elem.emin) < -24:
-    return jnp.bool_(False)
   finite = amax < INF
-  s = scale_bits(jnp.where(finite, amax, u32(0)), fmt)
-  return jnp.all((amax == 0) | ~finite | (s >= _FLOAT_OPS_MIN_SCALE))
-
-
-def _block_scaled_float_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
-  """`block_scaled_bits` of the float32 matrix `m` with float division and multiplication, exact
-  where `_float_ops_exact` holds (`amax` per element, as there)."""
-  finite = amax < INF
-  s = lax.bitcast_convert_type(scale_bits(jnp.where(finite, amax, u32(0)), fmt), jnp.float32)
-  m = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)  # elements of NaN blocks: any finite stand-in
-  elem = dataclasses.replace(fmt.elem, overflow="saturate")
-  q = lax.bitcast_convert_type(cast_bits(to_bits(m / s), elem), jnp.float32)
-  return jnp.where(finite, to_bits(q * s), QNAN)
+  amax = jnp.where(finite, amax, u32(0))
+  if fmt.scale_rule == "reciprocal":
+    mult = multiplier_bits(amax, fmt)
+    safe = mult <= _FLOAT_OPS_MAX_MULTIPLIER
+    inverse = div_bits(jnp.full_like(mult, _ONE), mult)
+    mult, inverse = lax.optimization_barrier((mult, inverse))
+  else:
+    s = scale_bits(amax, fmt)
+    safe = s >= _FLOAT_OPS_MIN_SCALE
+    s = lax.optimization_barrier(s)
+  exact = jnp.all((amax == 0) | ~finite | safe)
+  if (elem.emin - elem.man if elem.subnormals else elem.emin) < -24:
+    exact = jnp.bool_(False)
+  broadcast = lambda v: lax.bitcast_convert_type(_broadcast_blocks(v, m.shape, rows, cols),
+                                                 jnp.float32)
+  finite_full = _broadcast_blocks(finite, m.shape, rows, cols)
+  x = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)  # elements of NaN blocks: any finite stand-in
+  sat = dataclasses.replace(elem, overflow="saturate")
+  if fmt.scale_rule == "reciprocal":
+    q = lax.bitcast_convert_type(cast_bits(to_bits(x * broadcast(mult)), sat), jnp.float32)
+    out = q * broadcast(inverse)
+  else:
+    # XLA rewrites a division by a broadcast as a product with the broadcast reciprocal (two
+    # roundings, even through an OR with an opaque zero): the divisor is materialised.
+    divisor = lax.optimization_barrier(broadcast(s))
+    q = lax.bitcast_convert_type(cast_bits(to_bits(x / divisor), sat), jnp.float32)
+    out = q * broadcast(s)
+  return exact, jnp.where(finite_full, to_bits(out), QNAN)
 
 
 def block_scaled_quantize(x: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
@@ -226,14 +259,25 @@ def block_scaled_quantize(x: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
     return x
   m, moved_shape = as_matrix(x, fmt.axis)
   rows, cols = min(fmt.block[0], m.shape[0]), min(fmt.block[1], m.shape[1])
-  amax = _block_amax(to_bits(m), rows, cols)
+  amax = lax.optimization_barrier(_block_amax(to_bits(m), rows, cols))
 
   # The branches take m, not its bits (a bitcast outside lax.cond can make XLA:CPU copy).
   def integer_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
     return block_scaled_bits(to_bits(m), _broadcast_blocks(amax, m.shape, rows, cols), fmt)
 
   def float_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
-    return _block_scaled_float_ops(m, _broadcast_blocks(amax, m.shape, rows, cols), fmt)
+    # XLA:CPU runs a fused loop inside a conditional on one thread, and copies a branch's
+    # result that is an operand: the float operations stay outside, and the conditional gives
+    # the integer path's result only where they are not exact (an all-zero stand-in otherwise).
+    exact, bits = _float_ops(m, amax, fmt, rows, cols)
+    fallback = lax.cond(exact, lambda m, amax: jnp.zeros(m.shape, jnp.uint32), integer_ops,
+                        m, amax)
+    return jnp.where(exact, bits, fallback)
 
-  out = lax.cond(_float_ops_exact(amax, fmt), float_ops, integer_ops, m, amax)
+  # A GPU's float32 division is approximate (XLA uses PTX div.full.f32), so only the CPU
+  # divides in float; the "reciprocal" rule only multiplies.
+  if fmt.scale_rule == "reciprocal":
+    out = float_ops(m, amax)
+  else:
+    out = lax.platform_dependent(m, amax, cpu=float_ops, default=integer_ops)
   return from_matrix(lax.bitcast_convert_type(out, jnp.float32), moved_shape, fmt.axis)

@@ -173,18 +173,20 @@ def test_matches_reference(name, make, block, axis, elem, pow2):
     ("specials", lambda: special_rows(200, 6), (1, 128), -1, False),
 ])
 def test_the_float_ops_path_is_taken_where_it_is_exact(name, make, block, axis, fast):
-  """The XLA path's float division and multiplication (`_float_ops_exact`) serve the cases above
-  with moderate scales (their reference checks then cover it), not those with blocks of
-  s < 2^-100, nor elements whose smallest value is below 2^-24 (bfloat16)."""
+  """The XLA path's float division or multiplication (`_float_ops`) serves the cases above with
+  moderate scales (their reference checks then cover it), not those with blocks of s < 2^-100
+  (m > 2^100), nor elements whose smallest value is below 2^-24 (bfloat16)."""
   del name
   m = np.moveaxis(make(), axis, -1)
-  m = m.reshape(-1, m.shape[-1])
-  amax = block_scaled._block_amax(jnp.asarray(m).view(jnp.uint32), *block)
+  m = jnp.asarray(m.reshape(-1, m.shape[-1]))
+  rows, cols = min(block[0], m.shape[0]), min(block[1], m.shape[1])
+  amax = block_scaled._block_amax(m.view(jnp.uint32), rows, cols)
+  exact = lambda fmt: bool(block_scaled._float_ops(m, amax, fmt, rows, cols)[0])
   for elem in ("float8_e4m3fn", "float8_e5m2", "float16"):
     for pow2 in (False, True):
-      fmt = BlockScaledFormat(elem, block=block, pow2_scale=pow2)
-      assert bool(block_scaled._float_ops_exact(amax, fmt)) == fast
-  assert not bool(block_scaled._float_ops_exact(amax, BlockScaledFormat("bfloat16", block=block)))
+      for rule in ("divide", "reciprocal"):
+        assert exact(BlockScaledFormat(elem, block=block, pow2_scale=pow2, scale_rule=rule)) == fast
+  assert not exact(BlockScaledFormat("bfloat16", block=block))
 
 
 def scaled_ties(elem, seed):
