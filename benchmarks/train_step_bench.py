@@ -21,7 +21,9 @@ and classifier stay float32):
   nvfp4, mxfp8, mxfp4, deepseek_fp8, fp8_current: the low-precision training recipe of that
     name (`jlp.nn.recipe_rules`), on every conv and dense layer the recipe quantizes
     ("nvfp4" keeps the stem conv and the classifier float32; the others quantize every layer),
-    stochastic rounding keyed from the model's "quant" stream.
+    stochastic rounding keyed from the model's "quant" stream. "<recipe>:no_accumulator" is
+    the recipe with float32 GEMMs of its quantized operands (`accumulator=False`: for
+    "deepseek_fp8", its formats without the model of the tensor cores' accumulator).
 
 After one compile + warm-up step each, the steps run in turn (float32 first) --steps
 times; reported: median step time, img/s, and candidate/float32 as the ratio of the
@@ -55,7 +57,7 @@ _WIDTH = flags.DEFINE_integer("width", 64, "ResNet18 base width (64 = full size)
 _CANDIDATES = flags.DEFINE_list(
     "candidates", ["ResNet18_FB12", "fp8_stochastic"],
     "rule sets timed against float32: BFPsim preset names, fp8_stochastic or a recipe name "
-    "(jlp.nn.recipes.RECIPES).")
+    "(jlp.nn.recipes.RECIPES; <recipe>:no_accumulator drops its accumulator model).")
 
 RESIDUAL_CONVS = r"layer\d/\d+/conv\d"
 FP8_STOCHASTIC = GemmQuant(x=FloatFormat(4, 3, rounding="stochastic"), w=FloatFormat(4, 3),
@@ -69,8 +71,10 @@ def quantize_candidate(model: nnx.Module, name: str, example: jax.Array | None =
   if name == "fp8_stochastic":
     return quantize_model(model, [QuantRule(RESIDUAL_CONVS, FP8_STOCHASTIC)],
                           rngs=nnx.Rngs(quant=1))
-  if name in recipes.RECIPES:
-    return quantize_model(model, recipes.recipe_rules(name, model, example), rngs=nnx.Rngs(quant=1))
+  recipe, _, variant = name.partition(":")
+  if recipe in recipes.RECIPES:
+    rules = recipes.recipe_rules(recipe, model, example, accumulator=variant != "no_accumulator")
+    return quantize_model(model, rules, rngs=nnx.Rngs(quant=1))
   return quantize_model(model, load_bfpsim_preset(name))
 
 
@@ -135,10 +139,15 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   b, w = _BATCH.value, _WIDTH.value
   for name in _CANDIDATES.value:
-    if (name != "fp8_stochastic" and name not in recipes.RECIPES and name not in PRESETS
+    recipe, colon, variant = name.partition(":")
+    if colon and (recipe not in recipes.RECIPES or variant != "no_accumulator"):
+      raise app.UsageError(f"--candidates entry {name!r} is not allowed; expected "
+                           "<recipe>:no_accumulator with a recipe of jlp.nn.recipes.RECIPES.")
+    if (name != "fp8_stochastic" and recipe not in recipes.RECIPES and name not in PRESETS
         and not os.path.isfile(name)):
       raise app.UsageError(f"--candidates entry {name!r} is not allowed; expected fp8_stochastic, "
-                           f"a recipe ({', '.join(recipes.RECIPES)}), a BFPsim preset "
+                           f"a recipe ({', '.join(recipes.RECIPES)}, optionally "
+                           "<recipe>:no_accumulator), a BFPsim preset "
                            f"({', '.join(PRESETS)}) or a BFPsim JSON file.")
   key_x, key_y = jax.random.split(jax.random.key(0))
   x = jax.random.normal(key_x, (b, 32, 32, 3), jnp.float32)

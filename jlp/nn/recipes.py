@@ -74,6 +74,9 @@ Recipes (`RECIPES`):
     range of float32, truncating each addition (the products are exact in float32); every 128
     products (N_C = 128, §3.3.2) the partial sum is promoted to a float32 accumulator
     (`jlp.gemm.accum`, in all three GEMMs).
+    The accumulator model computes every product on its own (`jlp.gemm.accum.matmul`), which
+    costs about ten times the float32 GEMM on a CPU; `accumulator=False` keeps the recipe's
+    formats with float32 GEMMs (the operands quantized alike), to study the formats alone.
   "fp8_current": TE's Float8CurrentScaling (default HYBRID: E4M3 forward, E5M2 backward):
       x, w      BlockScaledFormat("float8_e4m3fn", block=TENSOR_BLOCK, scale_rule="reciprocal")
       dgrad_dy, wgrad_dy
@@ -114,6 +117,8 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from typing import Any
 
@@ -153,9 +158,19 @@ def check_recipe(name: Any, field: str = "name") -> str:
   return name
 
 
-def recipe_gemm(name: str) -> GemmQuant:
-  """The GemmQuant a recipe gives each quantized Linear / Conv layer (module docstring)."""
+def recipe_gemm(name: str, *, accumulator: bool = True) -> GemmQuant:
+  """The GemmQuant a recipe gives each quantized Linear / Conv layer (module docstring);
+  `accumulator=False` drops the accumulator model ("deepseek_fp8"'s; the other recipes have
+  none), leaving float32 GEMMs of the quantized operands."""
   check_recipe(name)
+  if not isinstance(accumulator, bool):
+    raise ValueError(f"accumulator={accumulator!r} is not allowed; expected True (the recipe's "
+                     "accumulator model) or False (float32 GEMMs).")
+  if not accumulator:
+    cfg = recipe_gemm(name)
+    if isinstance(cfg, GemmQuant) and cfg.accum is not None:
+      return dataclasses.replace(cfg, accum=None, promote_every=None)
+    return cfg
   a = _AXES
   if name == "nvfp4":
     return GemmQuant(
@@ -230,7 +245,8 @@ def gemm_call_order(model: nnx.Module, *args: Any, **kwargs: Any) -> list[str]:
   return calls
 
 
-def recipe_rules(name: str, model: nnx.Module | None = None, *example: Any) -> list[QuantRule]:
+def recipe_rules(name: str, model: nnx.Module | None = None, *example: Any,
+                 accumulator: bool = True) -> list[QuantRule]:
   """The jlp.nn quantization rules of a recipe (module docstring), for `quantize_model`.
 
   Args:
@@ -241,6 +257,7 @@ def recipe_rules(name: str, model: nnx.Module | None = None, *example: Any) -> l
       2-D (in, out) dense kernels.
     *example: the model's positional inputs for one call (arrays or `jax.ShapeDtypeStruct`s), to
       trace the order of its GEMM layers (`gemm_call_order`).
+    accumulator: False drops the recipe's accumulator model (`recipe_gemm`).
 
   Returns:
     [QuantRule], first match wins: float32 rules for the layers the recipe keeps in float32
@@ -252,6 +269,7 @@ def recipe_rules(name: str, model: nnx.Module | None = None, *example: Any) -> l
       without a model and an example input; a model call that reaches no GEMM layer.
   """
   check_recipe(name)
+  cfg = recipe_gemm(name, accumulator=accumulator)
   rules: list[QuantRule] = []
   if name in FIRST_LAST_FLOAT32:
     if model is None or not example:
@@ -272,6 +290,5 @@ def recipe_rules(name: str, model: nnx.Module | None = None, *example: Any) -> l
         rules.append(QuantRule(re.escape(_path_str(p)), None,
                                name=f"{name}: LinearGeneral kernel of rank {len(kernel.shape)}, "
                                     "float32"))
-  cfg = recipe_gemm(name)
   rules.append(QuantRule(".*", {"linear": cfg, "conv": cfg}, name=name))
   return rules

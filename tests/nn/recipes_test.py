@@ -1,5 +1,6 @@
 """jlp.nn.recipes: low-precision training recipes by name, on the zoo's small models."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,6 +185,22 @@ def test_einsum_layers_are_not_matched():
   rule = recipe_rules("deepseek_fp8")[-1]
   assert rule.matches("any/path", "linear") and rule.matches("any/path", "conv")
   assert not rule.matches("any/path", "einsum")
+
+
+def test_without_the_accumulator_model():
+  """accumulator=False: deepseek_fp8's formats with float32 GEMMs; the recipes without an
+  accumulator model are unchanged."""
+  for name in RECIPES:
+    full, formats_only = recipe_gemm(name), recipe_gemm(name, accumulator=False)
+    if name == "deepseek_fp8":
+      assert full.accum is not None and full.promote_every == 128
+      assert formats_only == dataclasses.replace(full, accum=None, promote_every=None)
+    else:
+      assert formats_only == full
+  rule = recipe_rules("deepseek_fp8", accumulator=False)[-1]
+  assert rule.cfg["conv"].accum is None and rule.cfg["linear"].promote_every is None
+  with pytest.raises(ValueError, match=r"^accumulator='no' is not allowed; expected True"):
+    recipe_gemm("deepseek_fp8", accumulator="no")
 
 
 @pytest.mark.parametrize("name, message", [

@@ -116,6 +116,21 @@ def test_quantize_kernel_on_gpu_is_the_xla_path_on_cpu(name, shape):
   assert_same_bits(got, want, name)
 
 
+@pytest.mark.parametrize("name", [n for n in CASTS if n.startswith(FINITE)])
+@pytest.mark.parametrize("data", ["normal", "awkward"])
+def test_xla_path_on_gpu_is_the_xla_path_on_cpu(name, data):
+  """The XLA paths of NVFP4 and block FP8 use the hardware's float operations where they give
+  the integer operations' bits (ordinary tensors: "normal"), compiled by XLA for the GPU here."""
+  fmt = CASTS[name]
+  rng = np.random.default_rng(len(name))
+  x = (rng.standard_normal((256, 256)).astype(np.float32) if data == "normal"
+       else awkward((256, 256), seed=len(name), finite=True))
+  key = jax.random.key(8)
+  got = on(GPU, lambda x, k: quantize(x, fmt, key=k, impl="xla"), x, key)
+  want = on(CPU, lambda x, k: quantize(x, fmt, key=k, impl="xla"), x, key)
+  assert_same_bits(got, want, f"{name} {data}")
+
+
 @pytest.mark.parametrize("accum, options", [
     (E5M2, {}), (E5M2, {"kahan": True}), (E4M3, {"chunk": 4}),
     (FloatFormat(8, 13, rounding="truncate"), {"promote_every": 128}),
