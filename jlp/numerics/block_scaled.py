@@ -130,20 +130,34 @@ def multiplier_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   return jnp.where(amax == 0, _ONE, m)
 
 
+def block_values(amax: jax.Array, fmt: BlockScaledFormat) -> tuple[jax.Array, ...]:
+  """(finite, a, b) of blocks with the max |x| bits `amax` (>= INF: the block holds inf or NaN):
+  whether the block is finite, and the bits of the element operations' operands: rule "divide"
+  (s, s): q = elem(x / s), value = q · s; rule "reciprocal" (m, 1 / m): q = elem(x · m),
+  value = q · (1 / m)."""
+  finite = amax < INF
+  amax = jnp.where(finite, amax, u32(0))
+  if fmt.scale_rule == "reciprocal":
+    m = multiplier_bits(amax, fmt)
+    return finite, m, div_bits(jnp.full_like(m, _ONE), m)
+  s = scale_bits(amax, fmt)
+  return finite, s, s
+
+
+def apply_block_values(u: jax.Array, finite: jax.Array, a: jax.Array, b: jax.Array,
+                       fmt: BlockScaledFormat) -> jax.Array:
+  """The element operations on float32 bit patterns `u` with their blocks' `block_values`
+  (broadcast against u), in integer operations."""
+  u = jnp.where((u & ABS) < INF, u, u32(0))  # elements of NaN blocks: any finite stand-in
+  elem = dataclasses.replace(fmt.elem, overflow="saturate")
+  scaled = mul_bits(u, a) if fmt.scale_rule == "reciprocal" else div_bits(u, a)
+  return jnp.where(finite, mul_bits(cast_bits(scaled, elem), b), QNAN)
+
+
 def block_scaled_bits(u: jax.Array, amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   """Element-wise block-scaled quantization of float32 bit patterns `u` whose blocks have the
   max |x| bits `amax` (broadcast against u; >= INF: the block holds inf or NaN)."""
-  finite = amax < INF
-  amax = jnp.where(finite, amax, u32(0))
-  u = jnp.where((u & ABS) < INF, u, u32(0))  # elements of NaN blocks: any finite stand-in
-  elem = dataclasses.replace(fmt.elem, overflow="saturate")
-  if fmt.scale_rule == "reciprocal":
-    m = multiplier_bits(amax, fmt)
-    out = mul_bits(cast_bits(mul_bits(u, m), elem), div_bits(jnp.full_like(m, _ONE), m))
-  else:
-    s = scale_bits(amax, fmt)
-    out = mul_bits(cast_bits(div_bits(u, s), elem), s)
-  return jnp.where(finite, out, QNAN)
+  return apply_block_values(u, *block_values(amax, fmt), fmt)
 
 
 def block_scaled_rows_bits(u: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
@@ -207,17 +221,11 @@ def _float_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat, rows: int,
   values keep the integer operations (one per block).
   """
   elem = fmt.elem
-  finite = amax < INF
-  amax = jnp.where(finite, amax, u32(0))
+  finite, a, b = lax.optimization_barrier(block_values(amax, fmt))
   if fmt.scale_rule == "reciprocal":
-    mult = multiplier_bits(amax, fmt)
-    safe = mult <= _FLOAT_OPS_MAX_MULTIPLIER
-    inverse = div_bits(jnp.full_like(mult, _ONE), mult)
-    mult, inverse = lax.optimization_barrier((mult, inverse))
+    safe = a <= _FLOAT_OPS_MAX_MULTIPLIER
   else:
-    s = scale_bits(amax, fmt)
-    safe = s >= _FLOAT_OPS_MIN_SCALE
-    s = lax.optimization_barrier(s)
+    safe = a >= _FLOAT_OPS_MIN_SCALE
   exact = jnp.all((amax == 0) | ~finite | safe)
   if (elem.emin - elem.man if elem.subnormals else elem.emin) < -24:
     exact = jnp.bool_(False)
@@ -227,14 +235,12 @@ def _float_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat, rows: int,
   x = jnp.where(jnp.abs(m) < jnp.inf, m, 0.0)  # elements of NaN blocks: any finite stand-in
   sat = dataclasses.replace(elem, overflow="saturate")
   if fmt.scale_rule == "reciprocal":
-    q = lax.bitcast_convert_type(cast_bits(to_bits(x * broadcast(mult)), sat), jnp.float32)
-    out = q * broadcast(inverse)
+    scaled = x * broadcast(a)
   else:
     # XLA rewrites a division by a broadcast as a product with the broadcast reciprocal (two
     # roundings, even through an OR with an opaque zero): the divisor is materialised.
-    divisor = lax.optimization_barrier(broadcast(s))
-    q = lax.bitcast_convert_type(cast_bits(to_bits(x / divisor), sat), jnp.float32)
-    out = q * broadcast(s)
+    scaled = x / lax.optimization_barrier(broadcast(a))
+  out = lax.bitcast_convert_type(cast_bits(to_bits(scaled), sat), jnp.float32) * broadcast(b)
   return exact, jnp.where(finite_full, to_bits(out), QNAN)
 
 
@@ -263,7 +269,9 @@ def block_scaled_quantize(x: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
 
   # The branches take m, not its bits (a bitcast outside lax.cond can make XLA:CPU copy).
   def integer_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
-    return block_scaled_bits(to_bits(m), _broadcast_blocks(amax, m.shape, rows, cols), fmt)
+    per_block = lax.optimization_barrier(block_values(amax, fmt))  # once per block
+    full = [_broadcast_blocks(v, m.shape, rows, cols) for v in per_block]
+    return apply_block_values(to_bits(m), *full, fmt)
 
   def float_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
     # XLA:CPU runs a fused loop inside a conditional on one thread, and copies a branch's

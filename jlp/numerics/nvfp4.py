@@ -418,6 +418,12 @@ def _tile_max(m: jax.Array) -> jax.Array:
   return jnp.max(m, axis=2, keepdims=True)  # a reduction over a leading axis: vectorized
 
 
+def _tile_max_and_min_nonzero(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(max, smallest nonzero or 0xFFFFFFFF) over axis 2 of the 4-D magnitude bits `m`, keepdims:
+  the min as the complement of the max of the complements (one pass for XLA to fuse)."""
+  return _tile_max(m), ~_tile_max(jnp.where(m != 0, ~m, u32(0)))
+
+
 # E2M1's round-to-nearest-even decision points on [0, 6] (float32 bits) and, per point, whether
 # the tie goes up (the upper neighbour has the even code): the code is the count passed.
 _E2M1_STEPS = tuple((float_bits(b), up) for b, up in
@@ -465,8 +471,8 @@ def _float_ops(u: jax.Array, fmt: NVFP4Format,
     * with rht, every nonzero |x| is at least 2^-90: x / 4 and every sum of the transform are
       then zero or nonzero multiples of 2^-115;
     * every nonzero transformed element t of a tile is a normal float32 with
-      t * (encode scale) >= 2^-125, checked from exponents: t's exponent field is at least
-      129 - (the encode scale's), and the scale is normal.
+      t * (encode scale) >= 2^-125, checked from exponents: the exponent field of the tile's
+      smallest nonzero |t| is at least 129 - (the encode scale's), and the scale is normal.
   A NaN or inf anywhere fails the first test. Otherwise the decoded values, and the codes
   (the sign rule and the draws act on the product's bits), are the same bits. Products that
   feed a sum are exact (a power of two times a normal float32), so a fused multiply-add gives
@@ -480,15 +486,15 @@ def _float_ops(u: jax.Array, fmt: NVFP4Format,
     tb = to_bits(t)
   else:
     inputs_ok, t, tb = jnp.bool_(True), from_bits(u), u
-  magnitude = tb & ABS
-  amax = max_all(magnitude.reshape(-1, magnitude.shape[2] * magnitude.shape[3]))
+  vmax, vmin = lax.optimization_barrier(_tile_max_and_min_nonzero(tb & ABS))
+  amax = max_all(vmax.reshape(-1, vmax.shape[-1]))
   scalars = tensor_scalars(amax, fmt)
-  s, encode = lax.optimization_barrier(tile_scales(_tile_max(magnitude), scalars, fmt))
+  s, encode = lax.optimization_barrier(tile_scales(vmax, scalars, fmt))
   encode_field = (encode >> u32(23)).astype(jnp.int32)
   min_field = jnp.where((encode_field > 0) & (encode_field < 255),
                         jnp.maximum(129 - encode_field, 1), 256)  # 1: subnormal t fail
-  products_ok = ~jnp.any((magnitude != 0)
-                         & ((magnitude >> u32(23)).astype(jnp.int32) < min_field))
+  # The tile's smallest nonzero magnitude has the smallest exponent field (all-zero tiles: 255).
+  products_ok = jnp.all((vmin >> u32(23)).astype(jnp.int32) >= min_field)
   exact = inputs_ok & products_ok & (amax[0, 0] < INF) & (amax[0, 0] >= _FLOAT_OPS_MIN_AMAX)
 
   codes = _codes_float_ops(to_bits(t * from_bits(encode)), fmt, rbits)
