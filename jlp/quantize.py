@@ -47,29 +47,17 @@ def _use_pallas(impl: str) -> bool:
   return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
 
 
-# pallas_kernels.block_scaled.MAX_BLOCK_ELEMENTS (not imported here: the kernels load lazily).
-_PALLAS_MAX_BLOCK = 2 ** 20
-
-
-def _block_elements(shape: tuple[int, ...], fmt: BlockScaledFormat) -> int:
-  """Elements in one (capped) block of a BlockScaledFormat on an array of `shape`."""
-  if not shape:
-    return 1
-  cols = shape[fmt.axis % len(shape)]
-  rows = math.prod(shape) // max(cols, 1)
-  return min(fmt.block[0], rows) * min(fmt.block[1], cols)
-
-
 def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
                  impl: str = "xla", *, index_offset=0, rng: str = "pairs") -> jax.Array:
   """float32 x rounded to `fmt` (no custom_vjp, no validation): the shared core.
 
   A FloatFormat generates its draws inside the cast (XLA fusion or kernel tile); the block
-  formats take them as an array from `random_bits`. With impl="auto", a BlockScaledFormat block
-  of more than 2^20 elements (the Pallas kernel's limit, e.g. `TENSOR_BLOCK` on a large tensor)
-  runs the XLA path, which gives the same bits.
+  formats take them as an array from `random_bits`. impl="auto" runs NVFP4Format and
+  BlockScaledFormat on the XLA path everywhere: on a GPU it is faster than their kernels (it
+  uses the hardware's float operations where they give the same bits; BENCHMARKS.md).
   """
-  pallas = _use_pallas(impl)
+  pallas = _use_pallas(impl) and not (impl == "auto"
+                                      and isinstance(fmt, (NVFP4Format, BlockScaledFormat)))
   interpret = jax.default_backend() != "gpu"
   if isinstance(fmt, FloatFormat):
     if pallas:
@@ -92,8 +80,6 @@ def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
     from jlp.numerics import nvfp4  # pylint: disable=g-import-not-at-top
     return nvfp4.nvfp4_quantize(x, fmt, rbits)
   if isinstance(fmt, BlockScaledFormat):
-    if pallas and impl == "auto" and _block_elements(x.shape, fmt) > _PALLAS_MAX_BLOCK:
-      pallas = False  # one block per Triton tile: a larger block (e.g. TENSOR_BLOCK) runs in XLA
     if pallas:
       from pallas_kernels import block_scaled as kernel  # pylint: disable=g-import-not-at-top
       return kernel.block_scaled_quantize(x, fmt, interpret=interpret)
@@ -181,7 +167,8 @@ def quantize(x: jax.Array, fmt: Format | str, *, bwd: Format | str | None = None
       with `jax.random.fold_in(key, 1)`.
     impl: "xla" (fused integer bit manipulation), "pallas" (the kernels in
       `pallas_kernels/`, run with `interpret=True` when there is no GPU) or "auto"
-      (pallas on GPU, xla elsewhere). Both agree bit for bit, forward and backward.
+      (pallas on GPU, xla elsewhere; xla for NVFP4Format and BlockScaledFormat, faster on
+      GPU too). Both agree bit for bit, forward and backward.
     index_offset: the global flat index of x's first element (a non-negative int, or an
       int32 / uint32 scalar): inside `jax.shard_map` over x's leading axis,
       `lax.axis_index(axis) * x.size` gives each element the draw it gets unsharded.

@@ -56,8 +56,8 @@ positive value is at least 2^-24. Then a quotient or product flushed to ±0 (bel
 subnormal x read as ±0 (|x / s| < 2^-26), would round to that zero in elem anyway, q · s is 0
 or a normal float32, and XLA:CPU divides by an elementwise divisor array with one IEEE rounding
 (it multiplies by a reciprocal only for a scalar divisor, as measured on this project's
-machines), which the tests check against numpy at the element grid's ties. The Pallas kernel,
-the default on GPU, always uses the integer ops.
+machines), which the tests check against numpy at the element grid's ties. The Pallas kernel
+always uses the integer ops (`jlp.quantize`'s impl="auto" takes the XLA path, on GPU too).
 
 Peers:
   DeepSeek-V3 (inference/kernel.py, `act_quant` / `weight_quant` / `weight_dequant`):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jlp
-from jlp.formats import TENSOR_BLOCK, BlockScaledFormat, FloatFormat, MXFormat
+from jlp.formats import TENSOR_BLOCK, BlockScaledFormat, FloatFormat, MXFormat, NVFP4Format
 from jlp.numerics import block_scaled
 from jlp.numerics.block_scaled import block_scaled_quantize
 from jlp.numerics.ieee_f32 import div_bits, mul_bits
@@ -284,23 +284,28 @@ def test_the_two_scale_rules_differ_in_the_last_bit():
   np.testing.assert_allclose(reciprocal, divide, rtol=2.0 ** -21, atol=0)
 
 
-def test_tensor_blocks_past_the_kernel_limit_run_in_xla_under_auto(monkeypatch):
-  """One block of a (1100, 1000) tensor has more than the Pallas kernel's 2^20 elements: with
-  impl="auto" on a GPU jlp.quantize takes the XLA path (same bits) instead of failing."""
+def test_auto_takes_the_xla_path_on_a_gpu(monkeypatch):
+  """impl="auto" on a GPU runs block-scaled formats (any block, also one past the kernel's 2^20
+  elements) and NVFP4 on the XLA path, which is faster there and gives the same bits;
+  impl="pallas" runs the kernels."""
   import importlib  # pylint: disable=import-outside-toplevel
   import pallas_kernels.block_scaled as kernel  # pylint: disable=import-outside-toplevel
+  import pallas_kernels.nvfp4 as nvfp4_kernel  # pylint: disable=import-outside-toplevel
   quantize_module = importlib.import_module("jlp.quantize")
   fmt = BlockScaledFormat("float8_e5m2", TENSOR_BLOCK, scale_rule="reciprocal")
   x = outlier_normal((1100, 1000), 13)
   calls = []
-  monkeypatch.setattr(quantize_module, "_use_pallas", lambda impl: True)
-  monkeypatch.setattr(kernel, "block_scaled_quantize", lambda v, *a, **k: calls.append(1) or v)
+  monkeypatch.setattr(quantize_module, "_use_pallas", lambda impl: impl in ("auto", "pallas"))
+  for module, name in ((kernel, "block_scaled_quantize"), (nvfp4_kernel, "nvfp4_quantize")):
+    monkeypatch.setattr(module, name, lambda v, *a, name=name, **k: calls.append(name) or v)
   got = np.asarray(jax.jit(lambda v: jlp.quantize(v, fmt, impl="auto"))(x))
-  assert not calls
   ref.assert_same_bits(got, te_reference(x, "float8_e5m2", TENSOR_BLOCK, -1, False), x)
-  small = BlockScaledFormat()  # 1 x 128 blocks still go to the kernel
-  jax.jit(lambda v: jlp.quantize(v, small, impl="auto"))(x[:8, :256])
-  assert calls
+  for f in (BlockScaledFormat(), NVFP4Format()):
+    jax.jit(lambda v, f=f: jlp.quantize(v, f, impl="auto"))(x[:8, :256])
+  assert not calls
+  for f in (BlockScaledFormat(), NVFP4Format()):
+    jax.jit(lambda v, f=f: jlp.quantize(v, f, impl="pallas"))(x[:8, :256])
+  assert calls == ["block_scaled_quantize", "nvfp4_quantize"]
 
 
 def test_scale_rule_validation_and_repr():
