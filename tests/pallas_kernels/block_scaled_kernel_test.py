@@ -181,7 +181,9 @@ def test_kernel_body_shifts_below_width():
   assert lowering.shifts_at_or_above_width(bodies, u, u) == []
 
 
-def test_auto_picks_the_kernel_on_gpu(monkeypatch):
+def test_pallas_on_gpu_compiles_the_kernel(monkeypatch):
+  """impl="pallas" on a GPU runs the kernel compiled, not interpreted (impl="auto" takes the
+  XLA path there: tests/numerics/block_scaled_test.py)."""
   calls = []
   quantize_kernel = kernel.block_scaled_quantize
 
@@ -194,6 +196,6 @@ def test_auto_picks_the_kernel_on_gpu(monkeypatch):
   want = np.asarray(jax.jit(run, static_argnums=1)(x, "xla"))
   monkeypatch.setattr(kernel, "block_scaled_quantize", spy)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  got = np.asarray(jax.jit(run, static_argnums=1)(x, "auto"))
+  got = np.asarray(jax.jit(run, static_argnums=1)(x, "pallas"))
   assert calls == [False]  # compiled (not interpreted) on a GPU
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
