@@ -386,35 +386,47 @@ FLOAT_PATH_FMTS = (NVFP4Format(), NVFP4Format(block=(16, 16)), NVFP4Format(axis=
 
 
 @functools.lru_cache(maxsize=None)
-def _float_path(fmt):
-  """jitted x, rbits -> whether `nvfp4_quantize` takes its float path (the flag it computes)."""
-  def exact(x, r):
-    to_tiles, _ = nvfp4._tiles_view(x.shape, fmt)  # pylint: disable=protected-access
-    tiles = to_tiles(jax.lax.bitcast_convert_type(x, jnp.uint32))[0]
-    rt = to_tiles(r)[0] if fmt.rounding == "stochastic" else None
-    return nvfp4._float_ops(tiles, fmt, rt)[0]  # pylint: disable=protected-access
-  return jax.jit(exact)
+def _float_path(fmts: tuple):
+  """jitted x, rbits -> for each format, (whether `nvfp4_quantize` takes its float path, its
+  result)."""
+  def run(x, r):
+    out = []
+    for fmt in fmts:
+      rf = r if fmt.rounding == "stochastic" else None
+      to_tiles, _ = nvfp4._tiles_view(x.shape, fmt)  # pylint: disable=protected-access
+      tiles = to_tiles(jax.lax.bitcast_convert_type(x, jnp.uint32))[0]
+      rt = to_tiles(r)[0] if rf is not None else None
+      exact = nvfp4._float_ops(tiles, fmt, rt)[0]  # pylint: disable=protected-access
+      out.append((exact, nvfp4.nvfp4_quantize(x, fmt, rf)))
+    return out
+  return jax.jit(run)
 
 
 def check_float_path(x, taken, label, taken_rht=None, taken_single_level=None):
-  """`check` with XLA's optimisations on (the production build: fusion and the choice of fused
-  multiply-adds are the optimiser's) and the float path taken (or not) as `taken` says
-  (`taken_rht` for the formats with rht and `taken_single_level` for torchao's single level,
-  if given)."""
+  """The XLA path's decoded values against the references, with XLA's optimisations on (the
+  production build: fusion and the choice of fused multiply-adds are the optimiser's), and the
+  float path taken (or not) as `taken` says (`taken_rht` for the formats with rht and
+  `taken_single_level` for torchao's single level, if given). The codes and scales come from
+  `encode`, which has no float path (`check` covers them)."""
+  fmts = FLOAT_PATH_FMTS
   rbits = random_bits(x.shape, 81)
   old = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", False)
   try:
-    for fmt in FLOAT_PATH_FMTS:
-      want = taken
-      if fmt.rht and taken_rht is not None:
-        want = taken_rht
-      if fmt.compat == "torchao" and not fmt.tensor_scale and taken_single_level is not None:
-        want = taken_single_level
-      assert bool(_float_path(fmt)(x, rbits)) == want, f"{label} {fmt!r}: float path"
-    check(x, FLOAT_PATH_FMTS, rbits=rbits, label=label)
+    results = _float_path(fmts)(x, rbits)
   finally:
     jax.config.update("jax_disable_most_optimizations", old)
+  for fmt, (exact, q) in zip(fmts, results):
+    want = taken
+    if fmt.rht and taken_rht is not None:
+      want = taken_rht
+    if fmt.compat == "torchao" and not fmt.tensor_scale and taken_single_level is not None:
+      want = taken_single_level
+    assert bool(exact) == want, f"{label} {fmt!r}: float path"
+    wq = expected(x, fmt, rbits)[3]
+    nan = np.isnan(wq)
+    ref.assert_same_bits(np.where(nan, np.nan, np.asarray(q)), np.where(nan, np.nan, wq),
+                         msg=f"{label} {fmt!r}")
 
 
 def test_float_path_on_ordinary_tensors():
