@@ -74,6 +74,11 @@ Fields (see `base_config` for defaults):
                                 quant_rules) draws from nnx.Rngs(quant=seed + 2) (per layer and
                                 call, jlp.nn.rules). Not with bfp.preset / bfp.schedule /
                                 bfp.controller (the recipe's catch-all would shadow a preset).
+  quant_recipe_accumulator      True (default): the recipe's accumulator model ("deepseek_fp8":
+                                14-bit truncating accumulation promoted every 128 products,
+                                about 12x the float32 step on a CPU); False: its formats with
+                                float32 GEMMs (`recipe_rules(..., accumulator=False)`; the other
+                                recipes have no accumulator model).
   bfp.preset                    BFPsim preset name or JSON path applied with jlp.nn rules ("" = none).
   bfp.schedule                  {epoch: preset} switched at epoch boundaries (BFPsim's
                                 bfp-layer-conf-dict, intended semantics: optimizer state and LR
@@ -200,6 +205,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.quant_rules = ()
   c.quant_recipe = "none"
+  c.quant_recipe_accumulator = True
   c.bfp = ml_collections.ConfigDict({
       "preset": "", "schedule": ml_collections.ConfigDict(), "controller": "", "window": 0})
   c.pipeline = ml_collections.ConfigDict(PIPELINE_DEFAULTS)
@@ -286,6 +292,9 @@ def quant_recipe(config: ml_collections.ConfigDict) -> str | None:
   field: an unknown name, one not supported yet, or a recipe together with a BFP preset)."""
   from jlp.nn import recipes  # pylint: disable=g-import-not-at-top
   name = config.quant_recipe
+  accumulator = config.get("quant_recipe_accumulator", True)
+  _check(isinstance(accumulator, bool), "quant_recipe_accumulator", accumulator,
+         "True (the recipe's accumulator model) or False (float32 GEMMs)")
   if name == "none":
     return None
   if name in recipes.UNSUPPORTED:

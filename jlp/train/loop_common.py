@@ -42,6 +42,7 @@ class QuantPlan:
                example: Callable[[], Any] | None = None):
     self.rules = quant_rules(config)
     self.recipe = quant_recipe(config)
+    self.recipe_accumulator = config.get("quant_recipe_accumulator", True)
     self.example = example
     self.seed = int(config.seed)
     entries = dict(config.bfp.schedule) or ({0: config.bfp.preset} if config.bfp.preset else {})
@@ -67,8 +68,9 @@ class QuantPlan:
         raise ValueError(f"config.quant_recipe={self.recipe!r} needs an example model input to "
                          "find the first and last GEMM layers; expected QuantPlan(..., "
                          "example=...).")
-      return recipes.recipe_rules(self.recipe, model, self.example())
-    return recipes.recipe_rules(self.recipe, model)
+      return recipes.recipe_rules(self.recipe, model, self.example(),
+                                  accumulator=self.recipe_accumulator)
+    return recipes.recipe_rules(self.recipe, model, accumulator=self.recipe_accumulator)
 
   def preset_at(self, epoch: int) -> str | None:
     return None if self.schedule is None else self.schedule.at(epoch) or None

@@ -62,6 +62,16 @@ def test_bad_recipes_fail_in_one_line_before_the_model_is_built(overrides, messa
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
+def test_the_accumulator_model_can_be_dropped():
+  """config.quant_recipe_accumulator=False: deepseek_fp8's formats with float32 GEMMs."""
+  model = lambda: models.get_model("small_cnn", num_classes=10, width=8, rngs=nnx.Rngs(0))
+  for accumulator in (True, False):
+    c = small_config("deepseek_fp8", quant_recipe_accumulator=accumulator)
+    report = QuantPlan(c, 10).quantize(model(), None)
+    assert set(report.values()) == {recipe_gemm("deepseek_fp8", accumulator=accumulator)}
+  assert config_lib.base_config().quant_recipe_accumulator is True
+
+
 def test_quant_rules_come_before_the_recipe():
   """config.quant_rules override the recipe for the layers they match (first match wins); the
   recipe covers the rest, nvfp4 with its first and last layer in float32."""
