@@ -24,9 +24,16 @@ def max_rows(a: jax.Array) -> jax.Array:
   return jnp.max(a, axis=1, keepdims=True)
 
 
+def fold_rows(a: jax.Array) -> jax.Array:
+  """The 3-D uint32 `a` (n, rows, cols) with its rows folded by maxima 16 at a time while their
+  count is a multiple of 16 and above 16 (same maxima over axis 1)."""
+  n, _, cols = a.shape
+  while a.shape[1] > 16 and a.shape[1] % 16 == 0:
+    a = lax.optimization_barrier(jnp.max(a.reshape(n, -1, 16, cols), axis=2))
+  return a
+
+
 def max_all(a: jax.Array) -> jax.Array:
-  """max over all elements of the 2-D uint32 `a`, as a (1, 1) array: the rows are folded 16 at
-  a time while their count is a multiple of 16."""
-  while a.shape[0] >= 32 and a.shape[0] % 16 == 0:
-    a = lax.optimization_barrier(jnp.max(a.reshape(-1, 16, a.shape[1]), axis=1))
-  return jnp.max(max_rows(a), axis=0, keepdims=True)
+  """max over all elements of the 2-D uint32 `a`, as a (1, 1) array: `fold_rows`, then
+  `max_rows` and one reduction of the rest."""
+  return jnp.max(max_rows(fold_rows(a[None])[0]), axis=0, keepdims=True)

@@ -91,7 +91,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jlp.formats import BlockScaledFormat
-from jlp.numerics.bit_max import max_rows
+from jlp.numerics.bit_max import fold_rows, max_rows
 from jlp.numerics.float_cast import ABS, FRAC, INF, QNAN, cast_bits, float_bits, to_bits, u32
 from jlp.numerics.ieee_f32 import div_bits, mul_bits
 
@@ -192,10 +192,7 @@ def _block_amax(u: jax.Array, rows: int, cols: int) -> jax.Array:
   at a time, then along each block's row: `jlp.numerics.bit_max`)."""
   num_r, num_c = -(-u.shape[0] // rows), -(-u.shape[1] // cols)
   a = jnp.pad(u & ABS, ((0, num_r * rows - u.shape[0]), (0, num_c * cols - u.shape[1])))
-  a = a.reshape(num_r, rows, num_c * cols)
-  while a.shape[1] > 16 and a.shape[1] % 16 == 0:
-    a = lax.optimization_barrier(jnp.max(a.reshape(num_r, -1, 16, num_c * cols), axis=2))
-  a = jnp.max(a, axis=1)  # (num_r, num_c * cols)
+  a = jnp.max(fold_rows(a.reshape(num_r, rows, num_c * cols)), axis=1)  # (num_r, num_c * cols)
   return max_rows(a.reshape(num_r * num_c, cols)).reshape(num_r, 1, num_c, 1)
 
 

@@ -159,6 +159,22 @@ def _e2m1_code(q: jax.Array) -> jax.Array:
   return jnp.where(q == 0, u32(0), jnp.where(field < 127, u32(1), normal))
 
 
+# E2M1's round-to-nearest-even decision points on [0, 6] (float32 bits) and, per point, whether
+# the tie goes up (the upper neighbour has the even code): the code is the count passed.
+_E2M1_STEPS = tuple((float_bits(b), up) for b, up in
+                    ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                     (3.5, True), (5.0, False)))
+
+
+def _e2m1_nearest_code(va: jax.Array) -> jax.Array:
+  """`_e2m1_code(cast_bits(min(va, 6), E2M1))` for magnitude bits va <= INF (round to nearest
+  even), by comparisons with the decision points."""
+  code = jnp.zeros(va.shape, jnp.uint32)
+  for point, up in _E2M1_STEPS:
+    code = code + ((va >= point) if up else (va > point)).astype(jnp.uint32)
+  return code
+
+
 def e2m1_bits(code: jax.Array) -> jax.Array:
   """float32 bits of the E2M1 value of 4-bit codes (sign in bit 3; code 8 is -0.0)."""
   code = code.astype(jnp.uint32)
@@ -168,12 +184,18 @@ def e2m1_bits(code: jax.Array) -> jax.Array:
   return bits | ((code >> u32(3)) << u32(31))
 
 
-def _codes(v: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None) -> jax.Array:
-  """The 4-bit codes of the scaled elements v = x * encode scale (float32 bits)."""
+def _codes(v: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None, *,
+           comparisons: bool = False) -> jax.Array:
+  """The 4-bit codes of the scaled elements v = x * encode scale (float32 bits). `comparisons`
+  rounds to nearest even by comparisons with E2M1's decision points (`_e2m1_nearest_code`,
+  the same codes: the float path's cheaper form)."""
   va = v & ABS
   nan = va > INF
-  elem = E2M1_SR if fmt.rounding == "stochastic" else E2M1
-  mag = _e2m1_code(cast_bits(jnp.minimum(va, _SIX), elem, rbits))
+  if comparisons and fmt.rounding != "stochastic":
+    mag = _e2m1_nearest_code(va)
+  else:
+    elem = E2M1_SR if fmt.rounding == "stochastic" else E2M1
+    mag = _e2m1_code(cast_bits(jnp.minimum(va, _SIX), elem, rbits))
   negative = (v >> u32(31)) << u32(3)
   if fmt.compat is None:  # TE: bit 8 iff v < 0; a NaN matches no bin of cast_to_fp4x2
     return jnp.where(nan, u32(0), mag | jnp.where(va != 0, negative, u32(0)))
@@ -424,35 +446,6 @@ def _tile_max_and_min_nonzero(m: jax.Array) -> tuple[jax.Array, jax.Array]:
   return _tile_max(m), ~_tile_max(jnp.where(m != 0, ~m, u32(0)))
 
 
-# E2M1's round-to-nearest-even decision points on [0, 6] (float32 bits) and, per point, whether
-# the tie goes up (the upper neighbour has the even code): the code is the count passed.
-_E2M1_STEPS = tuple((float_bits(b), up) for b, up in
-                    ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-                     (3.5, True), (5.0, False)))
-
-
-def _e2m1_nearest_code(va: jax.Array) -> jax.Array:
-  """`_e2m1_code(cast_bits(min(va, 6), E2M1))` for magnitude bits va <= INF (round to nearest
-  even), by comparisons with the decision points."""
-  code = jnp.zeros(va.shape, jnp.uint32)
-  for point, up in _E2M1_STEPS:
-    code = code + ((va >= point) if up else (va > point)).astype(jnp.uint32)
-  return code
-
-
-def _codes_float_ops(v: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None) -> jax.Array:
-  """`_codes(v, fmt, rbits)`, with round to nearest even by comparisons."""
-  if fmt.rounding == "stochastic":
-    return _codes(v, fmt, rbits)
-  va = v & ABS
-  nan = va > INF
-  mag = _e2m1_nearest_code(va)
-  negative = (v >> u32(31)) << u32(3)
-  if fmt.compat is None:
-    return jnp.where(nan, u32(0), mag | jnp.where(va != 0, negative, u32(0)))
-  return jnp.where(nan, u32(3), mag | negative)
-
-
 def _float_ops(u: jax.Array, fmt: NVFP4Format,
                rbits: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """(exact, bits): `quantize_rows`' result on the tiles u (`_tiles_view`: uint32 (A, T, P, B),
@@ -497,7 +490,7 @@ def _float_ops(u: jax.Array, fmt: NVFP4Format,
   products_ok = jnp.all((vmin >> u32(23)).astype(jnp.int32) >= min_field)
   exact = inputs_ok & products_ok & (amax[0, 0] < INF) & (amax[0, 0] >= _FLOAT_OPS_MIN_AMAX)
 
-  codes = _codes_float_ops(to_bits(t * from_bits(encode)), fmt, rbits)
+  codes = _codes(to_bits(t * from_bits(encode)), fmt, rbits, comparisons=True)
   q = from_bits(e2m1_bits(codes))
   if fmt.compat == "torchao" and fmt.tensor_scale:
     out = q * from_bits(mul_bits(scalars[0], s))
