@@ -32,11 +32,13 @@ index 0 zeroed, ready for the next amax): jlp stores it before TE's final roll, 
 amaxes and give the same scales. TE computes fp8_max · 2^-margin first, then divides.
 
 Since dy's amax is only known in the backward pass, the update is delivered as Flax's fp8_ops do
-(OVERWRITE_WITH_GRADIENT): `fp8_qdq` and `fp8_grad_qdq` are custom_vjps whose "gradients" with
-respect to (s_t, h_t) are the updated (s'_t, h'_t) of the call; the caller overwrites the state with
-them instead of applying an optimizer (`jlp.nn.fp8_delayed.overwrite_fp8_meta`; the data-parallel
-step first takes the max of h' over its devices, `jlp.train.step`). A tensor's state used by
-several calls in one differentiation gets the sum of their updates (not supported).
+(OVERWRITE_WITH_GRADIENT): `fp8_qdq` and `fp8_grad_qdq` are custom_vjps whose "gradient" with
+respect to h_t is the updated h'_t of the call, and with respect to s_t is 1, a count of the
+calls; the caller overwrites the state instead of applying an optimizer, recomputing s'_t from
+h'_t (`jlp.nn.fp8_delayed.overwrite_fp8_meta`; the data-parallel step first takes the max of h'
+over its devices, `jlp.train.step`). A tensor whose count is 0 (its layer was not called) keeps
+its state, as in TE. Gradients of several calls add up, which is not TE's max over the calls, so
+a layer called twice in one differentiated function is refused (`jlp.nn.fp8_delayed`).
 
 References:
   NVIDIA TransformerEngine, transformer_engine/common/recipe/__init__.py (DelayedScaling,
@@ -176,21 +178,20 @@ def _amax(x: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def fp8_qdq(x: jax.Array, scale: jax.Array, history: jax.Array, dtype_name: str,
             scaled_max: float, algo: str) -> jax.Array:
-  """`quantize_dequantize(x, scale, dtype_name)`; the gradient passes straight through to x, and
-  the "gradients" of (scale, history) are the updated (s', h') of `amax_update` with amax = max|x|
-  (OVERWRITE_WITH_GRADIENT)."""
+  """`quantize_dequantize(x, scale, dtype_name)`; the gradient passes straight through to x, the
+  "gradient" of history is the updated h' of `amax_update` with amax = max|x| and that of scale
+  is 1, the call count (OVERWRITE_WITH_GRADIENT, module docstring)."""
   return quantize_dequantize(x, scale, dtype_name)
 
 
 def _fp8_qdq_fwd(x, scale, history, dtype_name, scaled_max, algo):
-  new_history, new_scale = amax_update(history, scale, _amax(x), scaled_max, algo)
-  return quantize_dequantize(x, scale, dtype_name), (new_scale, new_history)
+  new_history, _ = amax_update(history, scale, _amax(x), scaled_max, algo)
+  return quantize_dequantize(x, scale, dtype_name), new_history
 
 
-def _fp8_qdq_bwd(dtype_name, scaled_max, algo, res, g):
+def _fp8_qdq_bwd(dtype_name, scaled_max, algo, new_history, g):
   del dtype_name, scaled_max, algo
-  new_scale, new_history = res
-  return g, new_scale, new_history
+  return g, jnp.ones((), jnp.float32), new_history
 
 
 fp8_qdq.defvjp(_fp8_qdq_fwd, _fp8_qdq_bwd)
@@ -200,8 +201,8 @@ fp8_qdq.defvjp(_fp8_qdq_fwd, _fp8_qdq_bwd)
 def fp8_grad_qdq(y: jax.Array, scale: jax.Array, history: jax.Array, dtype_name: str,
                  scaled_max: float, algo: str) -> jax.Array:
   """The identity on y; its backward quantizes the incoming gradient g (`quantize_dequantize(g,
-  scale, dtype_name)`) and gives (scale, history) the "gradients" (s', h') of `amax_update` with
-  amax = max|g| (OVERWRITE_WITH_GRADIENT)."""
+  scale, dtype_name)`) and gives history the "gradient" h' of `amax_update` with amax = max|g|
+  and scale the call count 1 (OVERWRITE_WITH_GRADIENT, module docstring)."""
   del scale, history, dtype_name, scaled_max, algo
   return y
 
@@ -214,8 +215,9 @@ def _fp8_grad_qdq_fwd(y, scale, history, dtype_name, scaled_max, algo):
 def _fp8_grad_qdq_bwd(dtype_name, scaled_max, algo, res, g):
   scale, history = res
   g32 = g.astype(jnp.float32)
-  new_history, new_scale = amax_update(history, scale, _amax(g32), scaled_max, algo)
-  return quantize_dequantize(g32, scale, dtype_name).astype(g.dtype), new_scale, new_history
+  new_history, _ = amax_update(history, scale, _amax(g32), scaled_max, algo)
+  return (quantize_dequantize(g32, scale, dtype_name).astype(g.dtype), jnp.ones((), jnp.float32),
+          new_history)
 
 
 fp8_grad_qdq.defvjp(_fp8_grad_qdq_fwd, _fp8_grad_qdq_bwd)

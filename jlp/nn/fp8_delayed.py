@@ -8,9 +8,12 @@ variables, under "<layer path>/<hook>/fp8":
   x_scale, w_scale, dy_scale                          float32 scalars, 1.0 at first
 
 They are model state (not nnx.Param: optimizers never see them; checkpoints save them with the
-rest of the model state). Their gradients (taken with `wrt=Fp8Meta`) are the updated values
-(Flax's OVERWRITE_WITH_GRADIENT, `jlp.gemm.fp8_delayed`); `overwrite_fp8_meta` writes them back.
-A plain single-device loop:
+rest of the model state). Their gradients (taken with `wrt=Fp8Meta`) are the updated histories
+and, for the scales, the number of calls (Flax's OVERWRITE_WITH_GRADIENT, `jlp.gemm.fp8_delayed`);
+`overwrite_fp8_meta` writes the histories back and recomputes the scales, and leaves the state of a
+layer that was not called as it was. A layer called more than once in one differentiated function
+(shared weights) would get the sum of its calls' updates, not TE's max over them, so that call
+raises a ValueError while tracing. A plain single-device loop:
 
   grads, meta_grads = nnx.grad(loss, argnums=..., wrt=...)   # meta_grads: the Fp8Meta gradients
   nnx.update(model, overwrite_fp8_meta(nnx.state(model, Fp8Meta), meta_grads))
@@ -22,6 +25,7 @@ recomputing each scale from the reduced history, so every device keeps the same 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -29,11 +33,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jax._src.interpreters import ad as _ad
+
 from jlp.gemm.fp8_delayed import (TENSORS, DelayedScaling, compute_scale, fp8_grad_qdq, fp8_qdq)
 
 __all__ = ["Fp8DelayedState", "Fp8Meta", "overwrite_fp8_meta"]
 
 _HIGHEST = lax.Precision.HIGHEST
+# The tracers of a differentiated value (jax.grad's linearize and jax.jvp).
+_DIFFERENTIATED = (_ad.LinearizeTracer, _ad.JVPTracer)
+# Each layer state's x history as seen by its last differentiated call.
+_LAST_CALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Fp8Meta(nnx.Variable):
@@ -70,9 +80,26 @@ class Fp8DelayedState(nnx.Module):
     """y unchanged; its gradient quantized with dy's delayed scale."""
     return fp8_grad_qdq(y, *self._args("dy"))
 
+  def _refuse_a_second_call(self) -> None:
+    """Raises if this layer was already called in the function being differentiated: both
+    calls then read the same tracer of the history."""
+    history = self.x_amax_history[...]
+    if not isinstance(history, _DIFFERENTIATED):
+      return
+    last = _LAST_CALL.get(self)
+    if last is not None and last() is history:
+      raise ValueError(
+          "A layer quantized with DelayedScaling (quant_recipe 'fp8_delayed') was called twice "
+          "in one differentiated function; this is not allowed: the amax-history updates of the "
+          "calls would add up instead of taking TE's max over them. Expected one call per "
+          "layer and step (give a layer used twice its own copy, or quantize it with a "
+          "stateless recipe such as 'fp8_current').")
+    _LAST_CALL[self] = weakref.ref(history)
+
   def bilinear(self, op: Callable[[jax.Array, jax.Array], jax.Array], lhs: jax.Array,
                rhs: jax.Array, out_dtype: Any) -> jax.Array:
     """op(x̃, w̃) in float32 with the gradient's quantization, cast to out_dtype."""
+    self._refuse_a_second_call()
     for name, a in (("lhs", lhs), ("rhs", rhs)):
       if not jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating):
         raise ValueError(f"{name}.dtype={jnp.asarray(a).dtype} is not allowed with a quantizing "
@@ -109,31 +136,39 @@ def overwrite_fp8_meta(meta: nnx.State, meta_grads: nnx.State,
                        reduce: Callable[[jax.Array], jax.Array] | None = None) -> nnx.State:
   """The new Fp8Meta state: each amax history becomes its gradient (after `reduce`, e.g. a max
   over devices), each scale is recomputed from its new history and its old value
-  (`jlp.gemm.fp8_delayed.compute_scale`, with the scale's `scaled_max` and `algo` metadata).
+  (`jlp.gemm.fp8_delayed.compute_scale`, with the scale's `scaled_max` and `algo` metadata). A
+  tensor whose scale gradient (its call count, after `reduce`) is 0 keeps its history and scale:
+  its layer was not called.
 
   Args:
     meta: the Fp8Meta variables before the step (`nnx.state(model, Fp8Meta)`).
     meta_grads: their gradients, of the same structure.
-    reduce: applied to every new history (None: as is).
+    reduce: applied to every new history and call count (None: as is).
 
   Returns:
     A state of the structure of `meta`, to `nnx.update` the model (or merge into its state).
   """
+  reduce = (lambda a: a) if reduce is None else reduce
   grads = {path: _value(g) for path, g in
            jax.tree_util.tree_flatten_with_path(meta_grads, is_leaf=_is_var)[0]}
-  histories = {}
-  for path, var in jax.tree_util.tree_flatten_with_path(meta, is_leaf=_is_var)[0]:
+  metas = dict(jax.tree_util.tree_flatten_with_path(meta, is_leaf=_is_var)[0])
+
+  def scale_path(path):
+    name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
+    return path[:-1] + (type(path[-1])(name[:-len("amax_history")] + "scale"),)
+
+  called, histories = {}, {}  # by the scale's path
+  for path, var in metas.items():
     if var.get_metadata().get("kind") == "amax_history":
-      h = grads[path]
-      histories[path] = h if reduce is None else reduce(h)
+      scale = scale_path(path)
+      called[scale] = reduce(grads[scale]) > 0
+      histories[scale] = jnp.where(called[scale], reduce(grads[path]), var.get_value())
 
   def new(path, var):
     md = var.get_metadata()
     if md.get("kind") == "amax_history":
-      return var.replace(histories[path])
-    name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
-    sibling = path[:-1] + (type(path[-1])(name[:-len("scale")] + "amax_history"),)
-    return var.replace(compute_scale(histories[sibling], var.get_value(), md["scaled_max"],
-                                     md["algo"]))
+      return var.replace(histories[scale_path(path)])
+    scale = compute_scale(histories[path], var.get_value(), md["scaled_max"], md["algo"])
+    return var.replace(jnp.where(called[path], scale, var.get_value()))
 
   return jax.tree_util.tree_map_with_path(new, meta, is_leaf=_is_var)

@@ -99,11 +99,12 @@ Recipes (`RECIPES`):
     is 0 or not finite; first step s = 1, history 0), E4M3 for x and w, E5M2 for dy; then the
     step's amax is rolled into the history (h' = roll(h, -1), h'[0] = amax) and s recomputed. The
     backward GEMMs use the forward's FP8 x and w (per-tensor scales: the transposed copies are the
-    same values). dy's amax is known in the backward pass only: the new histories and scales are
-    the "gradients" of the meta variables (Flax's OVERWRITE_WITH_GRADIENT), which
+    same values). dy's amax is known in the backward pass only: the new histories are the
+    "gradients" of the meta variables (Flax's OVERWRITE_WITH_GRADIENT), which
     `jlp.train.TrainStep` writes back (never through the optimizer) after taking the max of the
     histories over the data-parallel devices, as TE all-reduces its amaxes; every device keeps
-    the same state. Data-parallel runs only: the pipelined loop refuses it.
+    the same state. A layer not called in a step keeps its state; one called twice in a step
+    (shared weights) is refused. Data-parallel runs only: the pipelined loop refuses it.
 
 References:
   NVIDIA TransformerEngine, transformer_engine/common/recipe/__init__.py (NVFP4BlockScaling,

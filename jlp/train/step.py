@@ -53,7 +53,8 @@ The state after a step is a deterministic function of the state and the global b
     it evolves identically on every node.
   * FP8 delayed-scaling state (`Fp8Meta` variables of "fp8_delayed" layers, `jlp.nn.fp8_delayed`):
     every node differentiates with respect to them beside the parameters; their gradients are
-    the node's new amax histories (Flax's OVERWRITE_WITH_GRADIENT). The new history is their
+    the node's new amax histories and call counts (Flax's OVERWRITE_WITH_GRADIENT). The new
+    history (kept as it was for a layer with no call) is their
     elementwise max over the N nodes of the device and then over the W devices (`lax.pmax`, after
     the gradient sync: TE all-reduces amaxes with max over the data-parallel group), and each
     scale is recomputed from it (`overwrite_fp8_meta`): the same state on every device, never

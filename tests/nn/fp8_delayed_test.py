@@ -176,6 +176,64 @@ def test_an_all_zero_input_keeps_scale_one_in_a_layer():
   assert got["w_scale"] != 1.0 and got["dy_scale"] == F32(57344)
 
 
+class _TwoBranches(nnx.Module):
+  """Two fp8_delayed layers; `use` picks the ones a call runs (a layer may run twice)."""
+
+  def __init__(self):
+    self.a = nnx.Linear(4, 4, use_bias=False, rngs=nnx.Rngs(0))
+    self.b = nnx.Linear(4, 4, use_bias=False, rngs=nnx.Rngs(1))
+    quantize_model(self, recipe_rules("fp8_delayed", self))
+
+  def __call__(self, x, use=("a",)):
+    for name in use:
+      x = getattr(self, name)(x)
+    return x
+
+
+def _meta_step(model, x, use):
+  def loss(m, x):
+    return jnp.sum(m(x, use) ** 2)
+
+  meta_grads = nnx.grad(loss, argnums=nnx.DiffState(0, Fp8Meta))(model, x)
+  nnx.update(model, overwrite_fp8_meta(nnx.state(model, Fp8Meta), meta_grads))
+
+
+def _metas(layer):
+  return {t: np.asarray(v) for t, v in metas_of(layer).items()}
+
+
+def test_a_layer_not_called_keeps_its_state_and_the_called_one_updates():
+  """TE updates only the modules that ran: after a step through a then one through b, a's
+  histories hold one amax each (not zeros written by the step that skipped it)."""
+  model = _TwoBranches()
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 4)), jnp.float32)
+  _meta_step(model, x, ("a",))
+  after_a = _metas(model.a)
+  assert all(after_a[f"{t}_amax_history"][0] > 0 for t in ("x", "w", "dy"))
+  assert all(after_a[f"{t}_scale"] != 1 for t in ("x", "w", "dy"))
+  untouched = _metas(model.b)
+  assert all(not untouched[f"{t}_amax_history"].any() and untouched[f"{t}_scale"] == 1
+             for t in ("x", "w", "dy"))
+  _meta_step(model, x, ("b",))
+  for t, v in _metas(model.a).items():
+    np.testing.assert_array_equal(v, after_a[t], err_msg=t)
+  assert _metas(model.b)["x_amax_history"][0] == F32(np.abs(np.asarray(x)).max())
+
+
+def test_a_layer_called_twice_under_differentiation_is_refused_while_tracing():
+  model = _TwoBranches()
+  x = jnp.ones((3, 4), jnp.float32)
+  with pytest.raises(ValueError, match=r"^A layer quantized with DelayedScaling .* called twice "
+                     r"in one differentiated function; this is not allowed") as e:
+    _meta_step(model, x, ("a", "b", "a"))
+  assert "\n" not in str(e.value)
+  # Called twice without differentiation (evaluation), or once in each of two steps: allowed.
+  jax.jit(lambda x: nnx.merge(*nnx.split(model))(x, ("a", "a")))(x)
+  model(model(x))
+  _meta_step(model, x, ("a",))
+  _meta_step(model, x, ("a",))
+
+
 # -- the data-parallel step on 8 devices --------------------------------------------------------
 
 
