@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlp.formats import (BFPFormat, BlockScaledFormat, Format, FloatFormat, MXFormat, NVFP4Format,
+from jlp.formats import (BFPFormat, BlockScaledFormat, Format, FloatFormat, NVFP4Format,
                          as_format)
 from jlp.numerics import bfp as bfp_numerics
 from jlp.numerics import float_cast as float_numerics
