@@ -149,6 +149,24 @@ def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = Non
   else:
     q = _round_stochastic(a, fmt, rbits)
 
+  if fmt.exp == 8 and fmt.overflow == "inf":
+    # float32's own exponent range and overflow rule: a finite input rounds to at most INF's
+    # bits (the carry out of max finite is exactly ±inf, and truncation stays at or below max),
+    # ±inf keeps its bits, and only a NaN input needs replacing.
+    q = jnp.where(a > INF, QNAN, q)
+  else:
+    q = _overflow(a, q, fmt)
+  if not fmt.subnormals:
+    q = jnp.where(q < u32(emin_field << 23), u32(0), q)
+  out = sign | q
+  if fmt.specials == "none":  # ml_dtypes: NaN -> a zero of the opposite sign
+    return jnp.where(a > INF, sign ^ SIGN, out)
+  return out
+
+
+def _overflow(a: jax.Array, q: jax.Array, fmt: FloatFormat) -> jax.Array:
+  """Rounded magnitude bits q of input magnitude bits a past fmt's max finite replaced by fmt's
+  overflow value (±inf, max finite or NaN, by fmt's rules)."""
   max_bits = float_bits(fmt.max)
   if fmt.specials == "none" or fmt.overflow == "saturate":
     on_over = max_bits
@@ -162,13 +180,7 @@ def ieee_cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = Non
   # A NaN input's rounded bits stay above every finite value, so it takes this branch.
   if fmt.specials != "none" and not (isinstance(on_over, np.uint32) and on_over == QNAN):
     on_over = jnp.where(a > INF, QNAN, on_over)
-  q = jnp.where(q > max_bits, on_over, q)
-  if not fmt.subnormals:
-    q = jnp.where(q < u32(emin_field << 23), u32(0), q)
-  out = sign | q
-  if fmt.specials == "none":  # ml_dtypes: NaN -> a zero of the opposite sign
-    return jnp.where(a > INF, sign ^ SIGN, out)
-  return out
+  return jnp.where(q > max_bits, on_over, q)
 
 
 def cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) -> jax.Array:
