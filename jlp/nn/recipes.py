@@ -75,7 +75,7 @@ Recipes (`RECIPES`):
     products (N_C = 128, §3.3.2) the partial sum is promoted to a float32 accumulator
     (`jlp.gemm.accum`, in all three GEMMs).
     The accumulator model computes every product on its own (`jlp.gemm.accum.matmul`), which
-    makes a ResNet18 step about 12 times slower on a CPU; `accumulator=False` keeps the recipe's
+    makes a ResNet18 step about 9 times slower on a CPU; `accumulator=False` keeps the recipe's
     formats with float32 GEMMs (the operands quantized alike), to study the formats alone.
   "fp8_current": TE's Float8CurrentScaling (default HYBRID: E4M3 forward, E5M2 backward):
       x, w      BlockScaledFormat("float8_e4m3fn", block=TENSOR_BLOCK, scale_rule="reciprocal")
