@@ -76,7 +76,7 @@ Fields (see `base_config` for defaults):
                                 bfp.controller (the recipe's catch-all would shadow a preset).
   quant_recipe_accumulator      True (default): the recipe's accumulator model ("deepseek_fp8":
                                 14-bit truncating accumulation promoted every 128 products,
-                                about 12x the float32 step on a CPU); False: its formats with
+                                about 9x the float32 step on a CPU); False: its formats with
                                 float32 GEMMs (`recipe_rules(..., accumulator=False)`; the other
                                 recipes have no accumulator model).
   bfp.preset                    BFPsim preset name or JSON path applied with jlp.nn rules ("" = none).
