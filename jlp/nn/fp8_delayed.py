@@ -33,22 +33,33 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jax._src.interpreters import ad as _ad
-
 from jlp.gemm.fp8_delayed import (TENSORS, DelayedScaling, compute_scale, fp8_grad_qdq, fp8_qdq)
 
 __all__ = ["Fp8DelayedState", "Fp8Meta", "overwrite_fp8_meta"]
 
 _HIGHEST = lax.Precision.HIGHEST
-# The tracers of a differentiated value (jax.grad's linearize and jax.jvp).
-_DIFFERENTIATED = (_ad.LinearizeTracer, _ad.JVPTracer)
+
+
+def _differentiated_tracer_types() -> tuple[type, ...]:
+  """The tracer types of a value being differentiated (jax.grad's linearize, jax.jvp); none
+  where a JAX version lacks them (the second-call check then never fires)."""
+  try:
+    from jax._src.interpreters import ad  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return ()
+  return tuple(t for t in (getattr(ad, "LinearizeTracer", None), getattr(ad, "JVPTracer", None))
+               if isinstance(t, type))
+
+
+_DIFFERENTIATED = _differentiated_tracer_types()
 # Each layer state's x history as seen by its last differentiated call.
 _LAST_CALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Fp8Meta(nnx.Variable):
   """An FP8 amax history or scale of a DelayedScaling layer (module docstring). Not an
-  nnx.Param: its gradient is its new value, written back by `overwrite_fp8_meta`. A scale
+  nnx.Param: a history's gradient is its new value and a scale's the number of calls, both read
+  by `overwrite_fp8_meta`. A scale
   variable carries `scaled_max` (fp8_max · 2^-margin) and `algo` (amax_compute_algo) as
   metadata, so the update needs nothing but the state."""
 
