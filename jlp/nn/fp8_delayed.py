@@ -59,9 +59,8 @@ _LAST_CALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class Fp8Meta(nnx.Variable):
   """An FP8 amax history or scale of a DelayedScaling layer (module docstring). Not an
   nnx.Param: a history's gradient is its new value and a scale's the number of calls, both read
-  by `overwrite_fp8_meta`. A scale
-  variable carries `scaled_max` (fp8_max · 2^-margin) and `algo` (amax_compute_algo) as
-  metadata, so the update needs nothing but the state."""
+  by `overwrite_fp8_meta`. A scale variable carries `scaled_max` (fp8_max · 2^-margin) and `algo`
+  (amax_compute_algo) as metadata, so the update needs nothing but the state."""
 
 
 class Fp8DelayedState(nnx.Module):
