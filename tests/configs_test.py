@@ -114,10 +114,9 @@ def test_grad_format_follows_grad_exp_and_grad_man():
 # pipelined ResNet-50 (45 s) and BERT (20-40 s) are slow too; tests/train/pipeline_loop_test.py
 # covers the pipelined runner in the default tier. CPD's ResNet50 / ImageNet (35-70 s) and
 # HiPress's VGG19 (15-25 s) are slow: CPD's ResNet18 and HiPress's compressed digits runs cover
-# the same loop. BFPsim's ResNet18 / CIFAR-100 (14 s) too: CPD's ResNet18, the BFPsim tests of
-# tests/train/loop_test.py and the CIFAR-100 loader's tests cover it.
+# the same loop.
 SLOW_LOCAL = ("hipress_resnet50", "hipress_bert_small", "sdpipe_resnet50", "sdpipe_bert_small",
-              "cpd_resnet50_imagenet", "hipress_vgg19", "bfp_resnet18_cifar100")
+              "cpd_resnet50_imagenet", "hipress_vgg19")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LOCAL

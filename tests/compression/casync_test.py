@@ -380,10 +380,8 @@ def test_a_plan_never_adds_traffic(name, topology):
   assert all(b <= a * (1 + 1e-6) for a, b in zip(moved, moved[1:])), moved
 
 
-# One topology per compressor in the default tier (3-7 s a case here), the other in the slow one.
-@pytest.mark.parametrize("name,topology", [
-    (n, t) if (n, t) in (("dgc", "ps"), ("graddrop", "ring")) else
-    pytest.param(n, t, marks=pytest.mark.slow) for n in ("dgc", "graddrop") for t in TOPOLOGIES])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("name", ["dgc", "graddrop"])
 def test_no_partition_starves(name, topology):
   """1-, 5- and 7-element leaves, min_size=0 (partitions of one element: n * density < 1), the
   same constant gradient on every rank: every element is applied (its sum is non-zero) within 50

@@ -102,11 +102,7 @@ RECIPROCAL_CASES = [c for c in CASES if c[0] in ("128x128 normal", "304x304 axis
 ]
 
 
-# The divide rule's cases cover the shapes; for this rule the special values, the per-tensor block
-# and a ragged middle axis stay in the default tier, the other shapes run in the slow one.
-@pytest.mark.parametrize("name,make,block,axis,rows_per_tile", [
-    c if c[0] in ("specials", "per tensor", "3-d axis 1 ragged")
-    else pytest.param(*c, marks=pytest.mark.slow) for c in RECIPROCAL_CASES],
+@pytest.mark.parametrize("name,make,block,axis,rows_per_tile", RECIPROCAL_CASES,
                          ids=[c[0] for c in RECIPROCAL_CASES])
 def test_reciprocal_rule_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile):
   """scale_rule="reciprocal" (TransformerEngine's multiplier and scale_inv)."""

@@ -198,15 +198,8 @@ def _in_runs(pipe, state, xs, ys, lengths):
   return state, {k: np.concatenate([m[k] for m in parts]) for k in keys}
 
 
-# Every sync once in the default tier, both schedules among them (4-9 s a case here); the other
-# pairs in the slow one.
-_RUN_LENGTH_DEFAULT = {("allreduce", "gpipe"), ("none", "1f1b"), ("preduce", "1f1b"),
-                       ("hetpipe", "gpipe"), ("adpsgd", "1f1b"), ("adpsgd", "gpipe")}
-
-
-@pytest.mark.parametrize("schedule,sync", [
-    (sc, sy) if (sy, sc) in _RUN_LENGTH_DEFAULT else pytest.param(sc, sy, marks=pytest.mark.slow)
-    for sy in ("allreduce", "none", "preduce", "adpsgd", "hetpipe") for sc in ("1f1b", "gpipe")])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("sync", ["allreduce", "none", "preduce", "adpsgd", "hetpipe"])
 def test_runs_of_any_lengths_are_one_run(mesh, schedule, sync):
   """7 mini-batches as one run, as 7 runs of 1 and as runs of 5 and 2, each followed by the
   flush, under stalls (0.05 virtual s with probability 0.3 per op): bit-identical parameters,
@@ -622,13 +615,9 @@ _STAGE_SYNCS = {
 }
 
 
-# DGC's top-k on every stage compiles for a minute here: slow tier. The ring variants of a
-# compressor and of a low-precision format (6-7 s each) too: one of each stays.
-_STAGE_SYNCS_SLOW = ("dgc_ps", "terngrad_ring", "kahan_e5m2_ring")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
-                                  if c in _STAGE_SYNCS_SLOW else c for c in sorted(_STAGE_SYNCS)])
+# DGC's top-k on every stage compiles for a minute here: slow tier (onebit and TernGrad stay).
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "dgc_ps" else c
+                                  for c in sorted(_STAGE_SYNCS)])
 def test_syncs_see_each_stages_own_gradient(mesh, case):
   """The stages hold 56, 45, 42 and 24 parameters, packed into buffers of 56. Each stage's sync
   gets its own gradient: the update, the report and the compression state (shaped for the
