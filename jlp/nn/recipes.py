@@ -119,7 +119,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-
 import re
 from typing import Any
 
