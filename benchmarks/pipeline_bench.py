@@ -10,7 +10,7 @@ bubble   The idle share of GPipe (S in {2, 4, 8} x M in {1, 4, 8, 16}) and of 1F
          `jlp.pipeline.simulate` with no stalls, equal op times (fwd = bwd = 1 s), free transfers
          and no sync: 1 - busy / (S * makespan), busy = the S stages' op seconds; and the same
          with backwards twice as long as forwards. These check the schedule. Beside them, what
-         the executor counts in its own run (`metrics["idle_fraction"]`, one pipeline of a
+         the executor counts in its own run (`metrics["idle_slot_fraction"]`, one pipeline of a
          width-16 MLP, run and flush): the device slots in which the program ran no stage.
 step     One training step of the same model (an MLP of 4 equal blocks, Linear(width, width) +
          ReLU each, the classifier Linear(width, 10) with the last) on the same global batch of
@@ -81,8 +81,8 @@ def virtual_bubble(schedule: str, num_stages: int, count: int, bwd_s: float = 1.
 
 
 def executor_idle(schedule: str, num_stages: int, count: int) -> float:
-  """The idle share the executor counts in its own run (`metrics["idle_fraction"]`: device slots
-  in which the program ran no stage) of one pipeline of a width-16 MLP: GPipe one mini-batch of
+  """The idle share the executor counts in its own run (`metrics["idle_slot_fraction"]`: device
+  slots in which the program ran no stage) of one pipeline of a width-16 MLP: GPipe one mini-batch of
   M = count micro-batches, 1F1B a run of B = count mini-batches and the flush."""
   model = BlockMLP(num_stages, 16, NUM_CLASSES, rngs=nnx.Rngs(0))
   stages, params = stage_split(model)
@@ -95,8 +95,8 @@ def executor_idle(schedule: str, num_stages: int, count: int) -> float:
   ys = rng.integers(0, NUM_CLASSES, (batches, rows)).astype(np.int32)
   state, run = pipe.run(pipe.init(params), xs, ys)
   _, flush = pipe.flush(state)
-  idle = run["idle_fraction"] * run["ticks"] + (
-      flush["idle_fraction"] * flush["ticks"] if flush["ticks"] else 0.0)
+  idle = run["idle_slot_fraction"] * run["ticks"] + (
+      flush["idle_slot_fraction"] * flush["ticks"] if flush["ticks"] else 0.0)
   return idle / (run["ticks"] + flush["ticks"])
 
 

@@ -30,7 +30,9 @@ X_AXES = {"step": "step", "epoch": "epoch", "virtual_time": "virtual seconds"}
 def plot_runs(workdirs: Sequence[str], out: str | None = None,
               labels: Sequence[str] | None = None, x: str = "step"):
   """Loss and accuracy against `x` (a key of X_AXES: "step", "epoch" or "virtual_time") for each
-  run directory, one panel per metric; rows without the x value are skipped.
+  run directory, one panel per metric; rows without the x value are skipped. Evaluation metrics
+  are drawn at the row's `eval_<x>` where it has one (`eval_virtual_time`, the virtual second of
+  the evaluated weights: docs/sdpipe.md#virtual-time).
 
   Raises:
     FileNotFoundError: a directory without metrics.jsonl (or with no rows).
@@ -56,7 +58,8 @@ def plot_runs(workdirs: Sequence[str], out: str | None = None,
   fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.8), squeeze=False)
   for ax, (key, title) in zip(axes[0], present):
     for name, rows in zip(names, runs):
-      pts = [(r[x], r[key]) for r in rows if r.get(key) is not None and r.get(x) is not None]
+      pts = [(_x_of(r, key, x), r[key]) for r in rows
+             if r.get(key) is not None and _x_of(r, key, x) is not None]
       if pts:
         xs, values = zip(*pts)
         ax.plot(xs, values, label=name, marker="." if len(pts) < 30 else None)
@@ -70,6 +73,14 @@ def plot_runs(workdirs: Sequence[str], out: str | None = None,
   if out:
     fig.savefig(out, dpi=120)
   return fig
+
+
+def _x_of(row: dict, key: str, x: str):
+  """The x of `row`'s `key`: an evaluation's own `eval_<x>` where the row has one (the pipelined
+  loop joins an evaluation to a row written up to a call later, `eval_virtual_time`)."""
+  if key.startswith("eval_") and row.get(f"eval_{x}") is not None:
+    return row[f"eval_{x}"]
+  return row.get(x)
 
 
 def plot_quantization_error(formats: Sequence, lo: float = 2.0 ** -20, hi: float = 2.0 ** 20,

@@ -6,11 +6,14 @@ one average).
 
 Cost model (`Hetero`; Hetu's `--hetero h` when `slowdown` is None):
   * op k of stage s of pipeline i lasts base * slowdown[i][s] + delay_s * stall, with base = fwd_s
-    or bwd_s (divided by M for a GPipe micro-batch) and stall = 1 when u < probability for one
-    uniform draw u per op (`jlp.pipeline.timeline`: per op position for `simulate`,
-    `np.random.default_rng(seed).random((K, N, S))[k, i, s]` for K ops per stage, so a longer run
-    starts with the same draws; per op id for a Pipeline's timeline). (Hetu sleeps before the op
-    while it may still wait for its input; here the stall is part of the op.)
+    or bwd_s and stall = 1 when u < probability for one uniform draw u per op; a GPipe
+    micro-batch op takes base / M and delay_s / M, and the M micro-batch forwards (backwards) of
+    a mini-batch at a stage share one draw, so a stall costs delay_s per mini-batch, stage and
+    direction whatever M, as in 1F1B (`jlp.pipeline.timeline`: per op position for `simulate`,
+    `np.random.default_rng(seed).random((K, N, S))[k, i, s]` for K ops per stage (GPipe: its 2B
+    forward and backward blocks), so a longer run starts with the same draws; per op id for a
+    Pipeline's timeline). (Hetu sleeps before the op while it may still wait for its input; here
+    the stall is part of the op.)
   * one (group) average or all-reduce of m members costs allreduce_alpha_s + allreduce_beta_s
     (m - 1); which syncs pay it, and when: jlp.pipeline.simulator.
 """
@@ -57,7 +60,8 @@ class Hetero:
   """The virtual-time cost model (module docstring; docs/sdpipe.md#virtual-time), in seconds.
 
   delay_s, probability: Hetu's `--hetero h`: before every op, a stall of delay_s with probability
-    `probability` (one draw per op).
+    `probability` (one draw per op; GPipe: one per mini-batch's M forwards or backwards at a
+    stage, delay_s / M on each).
   slowdown: a persistent factor per [pipeline][stage] on fwd_s / bwd_s (an extension); None = 1.
   fwd_s, bwd_s: base forward / backward time of one mini-batch on one stage (a GPipe
     micro-batch op takes 1/M of it).

@@ -96,13 +96,13 @@ from jlp._checks import is_int
 from jlp.pipeline import schedules as sched
 from jlp.pipeline.buffers import Layout, make_layout
 from jlp.pipeline.costs import check_sizes
+from jlp.pipeline.fill import FillCache, FillModel, model_capacity
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.placement import Placement
 from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
 from jlp.pipeline.run_tables import bucket, make_run_tables
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce
 from jlp.pipeline.sync_modes import sync_mode
-from jlp.pipeline.timeline import Timeline
 from jlp.sync import SYNC_REPORT, GradSync
 
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
@@ -126,6 +126,38 @@ def _host(array: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
   return np.asarray(array)
+
+
+def _idle_share(busy: float, span: float, num_pipelines: int, num_stages: int) -> float:
+  """The share of num_pipelines * num_stages device-seconds over `span` virtual seconds in which
+  the devices were not busy (`busy` device-seconds of ops); nan for an empty span."""
+  if not span > 0:
+    return float("nan")
+  return 1.0 - busy / (num_pipelines * num_stages * span)
+
+
+def _drain_nodes(placement: Placement, done: set[tuple]) -> tuple[list[tuple], dict[tuple, Any]]:
+  """A flush's nodes: the replay's (`placement`, finished) less those the endless timeline ran
+  before the cut (`done`, named by content). A group the replay forms over a member update that
+  already averaged before the cut (the drain may form groups otherwise, or earlier) averages
+  only its other members: every update averages once. Returns the nodes in cut order and the
+  groups so restricted, by node."""
+  averaged = {(i, node[1], m) for node in done if node[0] == "mix"
+              for i, m in zip(node[2], node[3], strict=True)}
+  nodes, override = [], {}
+  groups = dict((node, group) for group, node in placement.groups)
+  for node in placement.take(None):
+    if node in done:
+      continue
+    if node[0] == "mix":
+      kept = tuple(i for i, m in zip(node[2], node[3], strict=True)
+                   if (i, node[1], m) not in averaged)
+      if not kept:
+        continue
+      if kept != node[2]:
+        override[node] = groups[node]._replace(members=kept)
+    nodes.append(node)
+  return nodes, override
 
 
 def _stages_across_hosts(devices: list[jax.Device], num_pipelines: int,
@@ -266,7 +298,7 @@ class Pipeline:
     self._packers: tuple[Packer, Packer, Packer] | None = None
     self._sync_packer: Packer | None = None
     self._metric_names: tuple[str, ...] | None = None
-    self._timeline_cache: tuple[Any, Timeline] | None = None
+    self._fill = FillCache()
     self._compiled: dict[Any, Any] = {}
 
   # -- state -------------------------------------------------------------------------------------
@@ -341,7 +373,8 @@ class Pipeline:
         sync_state=sync_state,
         virtual_time=_put(np.zeros((N, S, 2), np.float32), replicated),
         fill_start=_put(np.zeros((), np.int32), replicated),
-        inflight={})
+        inflight={} if self.schedule == "1f1b" else self._fill_record(
+            np.zeros((N, S, 2), np.float32), None))
     if batch is not None and self.schedule == "1f1b":
       if not (isinstance(batch, tuple) and len(batch) == 2):
         raise ValueError(f"batch of type {type(batch).__name__} is not allowed; expected (x, y) "
@@ -489,30 +522,31 @@ class Pipeline:
 
   # -- the run -----------------------------------------------------------------------------------
   # -- virtual time ------------------------------------------------------------------------------
-  def _timeline(self, state: PipelineState, hetero: Hetero, total: int | None = None
-                ) -> Timeline:
-    """The virtual-time model of the state's fill (`jlp.pipeline.timeline`): the one this
-    pipeline has been advancing (kept between runs), or a new one replayed from the fill's start
-    (after a restore, for another cost model, or for a flush's end)."""
-    fill_start = int(np.asarray(state.fill_start))
-    clock = self._fill_clock(state)
-    key = (fill_start, clock.tobytes(), hetero, total)
-    if self._timeline_cache is None or self._timeline_cache[0] != key:
-      seed = int(np.random.SeedSequence([self.seed, fill_start]).generate_state(1)[0])
-      timeline = Timeline(self.schedule, self.sync, self.num_pipelines, self.num_stages,
-                          self.num_microbatches, seed=seed, hetero=hetero, preduce=self.preduce,
-                          hetpipe=self.hetpipe, first_batch=fill_start, start=clock,
-                          total=total)
-      self._timeline_cache = (key, timeline)
-    return self._timeline_cache[1]
+  def _model(self, hetero: Hetero, plan: Any) -> FillModel:
+    """The model a run with this cost model and plan (or none) runs its fill under."""
+    return FillModel(self.sync, hetero, self.preduce, self.hetpipe, self.seed, plan is not None)
+
+  def _fill_record(self, clock: Any, model: FillModel | None) -> dict[str, jax.Array]:
+    """The state's record of a fill: its starting clocks ([N, S, 2] as `virtual_time`) and its
+    model (zeros: none yet, the first run sets it)."""
+    replicated = NamedSharding(self.mesh, P())
+    capacity = model_capacity(self.num_pipelines, self.num_stages)
+    encoded = np.zeros((capacity,), np.uint8) if model is None else model.encode(capacity)
+    return {"fill_clock": _put(np.asarray(clock), replicated),
+            "fill_model": _put(encoded, replicated)}
+
+  @staticmethod
+  def fill_model(state: PipelineState) -> FillModel | None:
+    """The model the state's fill runs under (None: no run yet)."""
+    if "fill_model" not in state.inflight:
+      return None
+    return FillModel.decode(np.asarray(state.inflight["fill_model"]))
 
   def _fill_clock(self, state: PipelineState) -> np.ndarray:
     """float64 [N, S]: the clocks at which the state's fill began."""
     if "fill_clock" in state.inflight:
       clock = np.asarray(state.inflight["fill_clock"], np.float64)
       return clock[..., 0] + clock[..., 1]
-    if self.schedule == "gpipe":  # GPipe's fill is the whole training
-      return np.zeros((self.num_pipelines, self.num_stages))
     return self.virtual_clocks(state)
 
   # -- the run -----------------------------------------------------------------------------------
@@ -544,11 +578,14 @@ class Pipeline:
     one's update finished, counted from the first run), "group_sizes" (the sizes of the groups
     of the updates this run made: preduce's groups, adpsgd's pairs), "bubble_fraction" (the idle
     share of the run's tick table: a check of the schedule), "idle_fraction" (the share of the
-    N * S * ticks device slots in which the program ran no stage, counted by the devices: 1F1B's
-    last stage computes only in its backward ticks) and "ticks" (how many)."""
+    N * S device-seconds of virtual time the run spans, "virtual_span" seconds from the latest
+    clock before it to the latest after it, in which the devices ran no op: waits for inputs,
+    for syncs and for slower pipelines; a stall counts as busy), "idle_slot_fraction" (the
+    share of the N * S * ticks device slots in which the program ran no stage, counted by the
+    devices: 1F1B's last stage computes only in its backward ticks) and "ticks" (how many)."""
     self.check_state(state)
     layout = self._layout(xs, ys)
-    if state.inflight:
+    if self.schedule == "1f1b" and state.inflight:
       ring = [tuple(np.shape(a)[1:]) + (np.dtype(a.dtype),)
               for a in jax.tree.leaves((state.inflight["xs"], state.inflight["ys"]))]
       given = [tuple(np.shape(a)[1:]) + (np.dtype(a.dtype),) for a in jax.tree.leaves((xs, ys))]
@@ -561,12 +598,9 @@ class Pipeline:
         inflight = self._inflight_zeros(layout, xs, ys, state.virtual_time)
         inflight.update(fed_start=state.inflight["fed_start"], pending=state.inflight["pending"])
         state = state._replace(inflight=inflight)
-    if hetero is not None:
-      if not isinstance(hetero, Hetero):
-        raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
-      check_sizes(self.sync, hetero, self.preduce, self.num_pipelines, self.num_stages)
+    hetero = self._check_hetero(hetero)
+    self._check_model(state, self._model(hetero, plan), "run")
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
-    hetero = self.hetero if hetero is None else hetero
     if self.schedule == "1f1b":
       return self._execute_1f1b(state, layout, xs, ys, plan, hetero)
     xs = jax.tree.map(lambda a: _put(a, batch_sharding), xs)
@@ -581,10 +615,51 @@ class Pipeline:
     end (`Timeline(total=fed)`): no later mini-batch's forward delays the drain. Returns the
     state and the metrics of the mini-batches completed, as `run` does."""
     self.check_state(state)
-    if not state.inflight or int(np.asarray(state.step)) == int(np.asarray(state.fill_start)):
+    if (self.schedule != "1f1b" or not state.inflight
+        or int(np.asarray(state.step)) == int(np.asarray(state.fill_start))):
       return state, self._no_metrics()
-    return self._execute_1f1b(state, None, None, None, plan,
-                              self.hetero if hetero is None else hetero)
+    model = self.fill_model(state)
+    if model is None:
+      raise AssertionError("a fill with mini-batches in flight and no model")  # a bug
+    if model.planned and plan is None:
+      raise ValueError("plan=None is not allowed for this flush: the fill runs under a plan; "
+                       "expected the plan its runs were given.")
+    if hetero is not None or plan is not None:
+      self._check_model(state, self._model(self._check_hetero(hetero), plan), "flush")
+    return self._execute_1f1b(state, None, None, None, plan, model.hetero)
+
+  def _check_hetero(self, hetero: Hetero | None) -> Hetero:
+    """The cost model of a call (`hetero`, checked; None: the pipeline's)."""
+    if hetero is None:
+      return self.hetero
+    if not isinstance(hetero, Hetero):
+      raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
+    check_sizes(self.sync, hetero, self.preduce, self.num_pipelines, self.num_stages)
+    return hetero
+
+  def model_changed(self, state: PipelineState, *, hetero: Hetero | None = None,
+                    plan: Any = None) -> list[str]:
+    """The fields in which a 1F1B run with these settings would change the model of the fill the
+    state holds in flight ([]: none in flight, GPipe, or the same model); `flush(state)` first
+    when it is not empty (a resume under a changed config)."""
+    held = self.fill_model(state)
+    if (self.schedule != "1f1b" or held is None
+        or int(np.asarray(state.step)) == int(np.asarray(state.fill_start))):
+      return []
+    return held.differences(self._model(self._check_hetero(hetero), plan))
+
+  def _check_model(self, state: PipelineState, model: FillModel, call: str) -> None:
+    """ValueError when a 1F1B call would change the model in the middle of the state's fill
+    (`jlp.pipeline.fill`); GPipe starts a new fill instead (`_execute`)."""
+    held = self.fill_model(state)
+    if (self.schedule != "1f1b" or held is None or held == model
+        or int(np.asarray(state.step)) == int(np.asarray(state.fill_start))):
+      return
+    changed = ", ".join(held.differences(model))
+    raise ValueError(
+        f"{call} with another {changed} is not allowed in the middle of a fill: the pipeline "
+        f"holds mini-batches fed under {held.describe()}; expected the same, or "
+        f"`flush(state)` first (it drains under the fill's own model).")
 
   def _plan_arrays(self, plan: Any, needed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(mix, times, finish) of a `run(plan=...)` as float32 / float64 arrays, checked to cover
@@ -613,7 +688,8 @@ class Pipeline:
     return dict(out, batch=np.zeros((0,), np.int64), virtual_time=np.zeros((0,)),
                 updates=np.zeros((self.num_pipelines,), np.int64),
                 group_sizes=np.zeros((0,), np.int32), bubble_fraction=float("nan"),
-                idle_fraction=float("nan"), ticks=0)
+                idle_fraction=float("nan"), virtual_span=0.0, idle_slot_fraction=float("nan"),
+                ticks=0)
 
   def _execute(self, state: PipelineState, layout: Layout, xs: Any, ys: Any, plan: Any,
                hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
@@ -626,10 +702,16 @@ class Pipeline:
     table = layout.table
     done, first, slots = np.arange(B), step, B
     updates = [(b, s) for b in range(B) for s in range(S)]
-    # The decisions of this run's updates, by slot; the clocks after them.
+    # The decisions of this run's updates, by slot; the clocks after them. The first run and a
+    # run under another model begin a fill (nothing is in flight between GPipe's runs).
+    model = self._model(hetero, plan)
+    if self.fill_model(state) != model:
+      state = state._replace(fill_start=self._scalar(step),
+                             inflight=self._fill_record(state.virtual_time, model))
     fill_start = int(np.asarray(state.fill_start))
     if plan is None:
-      timeline = self._timeline(state, hetero)
+      timeline = self._fill.timeline(model, self.schedule, N, S, self.num_microbatches,
+                                     fill_start=fill_start, clock=self._fill_clock(state))
       timeline.decide([(first + p - fill_start, s) for p, s in updates])
       mix_of = lambda g, s: timeline.mix(g - fill_start, s)
       finish_of = lambda g: timeline.finish[g - fill_start]
@@ -656,48 +738,43 @@ class Pipeline:
     if key not in self._compiled:
       self._compiled[key] = self._build(layout, state)
     # The host keeps the clocks: the program neither reads nor changes them.
-    program_state = state._replace(virtual_time=None, inflight={
-        k: v for k, v in state.inflight.items() if k != "fill_clock"})
+    program_state = state._replace(virtual_time=None, inflight={})
     uses_mix = self.sync in ("preduce", "adpsgd")
     new_state, means = self._compiled[key](program_state, xs, ys, ticks,
                                            jnp.asarray(mix) if uses_mix else None)
     whole = np.floor(clocks)
     new_state = new_state._replace(virtual_time=_put(
-        np.stack([whole, clocks - whole], -1).astype(np.float32), NamedSharding(self.mesh, P())))
+        np.stack([whole, clocks - whole], -1).astype(np.float32), NamedSharding(self.mesh, P())),
+        inflight=state.inflight)
     ticks = len(table.kind) * B
     computed = int(np.asarray(means.pop("computed_slots")))
     metrics = {name: np.asarray(v)[done] for name, v in means.items()}
+    span = float(clocks.max() - self.virtual_clocks(state).max())
+    if plan is None:  # the ops' virtual durations (a plan gives times, not op costs)
+      order = sched.stage_order("gpipe", S, 1, self.num_microbatches)
+      busy = sum(timeline._duration(i, s, (kind, first + p - fill_start, m))  # pylint: disable=protected-access
+                 for p in range(B) for i in range(N) for s in range(S)
+                 for kind, _, m in order[s])
+    else:
+      busy = float("nan")
     metrics.update(batch=first + done, virtual_time=times, group_sizes=group_sizes,
                    updates=np.full((N,), B, np.int64),
                    bubble_fraction=sched.bubble_fraction(table),
-                   idle_fraction=1.0 - computed / (N * S * ticks) if ticks else float("nan"),
+                   idle_fraction=_idle_share(busy, span, N, S), virtual_span=span,
+                   idle_slot_fraction=1.0 - computed / (N * S * ticks) if ticks else float("nan"),
                    ticks=ticks)
     return new_state, metrics
 
   # -- 1F1B: every pipeline by its own clock -------------------------------------------------
-  def _placement(self, state: PipelineState, hetero: Hetero, plan: Any,
+  def _placement(self, state: PipelineState, model: FillModel, position: int | None,
                  total: list[int] | None = None) -> Placement:
-    """The placed timeline of the state's fill (`jlp.pipeline.placement`): the one this pipeline
-    has been advancing, or a new one replayed from the fill's start (after a restore, for another
-    cost model or a plan, or with the fill's end for a flush). With a plan the pipelines run in
-    lockstep with equal speeds (a plan gives the matrices, times and finishes by mini-batch)."""
-    fill_start = int(np.asarray(state.fill_start))
-    clock = self._fill_clock(state)
-    fed_start = [int(v) for v in np.asarray(state.inflight["fed_start"])]
-    key = (fill_start, clock.tobytes(), hetero, plan is not None, tuple(fed_start),
-           None if total is None else tuple(total))
-    if self._timeline_cache is None or self._timeline_cache[0] != key:
-      seed = int(np.random.SeedSequence([self.seed, fill_start]).generate_state(1)[0])
-      sync = self.sync
-      if plan is not None:
-        hetero = Hetero(delay_s=0.0)
-        sync = "allreduce" if sync in ("preduce", "adpsgd") else sync
-      timeline = Timeline(self.schedule, sync, self.num_pipelines, self.num_stages, 1,
-                          seed=seed, hetero=hetero, preduce=self.preduce, hetpipe=self.hetpipe,
-                          first_batch=fed_start, start=clock, total=total, log=True)
-      placement = Placement(timeline, aligned=sync == "allreduce")
-      self._timeline_cache = (key, placement)
-    return self._timeline_cache[1]
+    """The placed timeline of the state's fill (`jlp.pipeline.fill`), standing at `position`
+    chunks taken (None with `total`: the fill replayed with its end, for a flush)."""
+    return self._fill.placement(
+        model, self.schedule, self.num_pipelines, self.num_stages,
+        fill_start=int(np.asarray(state.fill_start)), clock=self._fill_clock(state),
+        fed_start=[int(v) for v in np.asarray(state.inflight["fed_start"])], position=position,
+        total=total)
 
   def _execute_1f1b(self, state: PipelineState, layout: Layout | None, xs: Any, ys: Any,
                     plan: Any, hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
@@ -710,26 +787,30 @@ class Pipeline:
     B = 0 if flush else layout.num_batches
     step, fill_start = int(np.asarray(state.step)), int(np.asarray(state.fill_start))
     fed_start = [int(v) for v in np.asarray(state.inflight["fed_start"])]
+    model = self.fill_model(state) if step != fill_start else None
+    if model is None:  # a new fill runs under this call's model
+      model = self._model(hetero, plan)
+      state = state._replace(inflight=dict(state.inflight, **self._fill_record(
+          state.inflight["fill_clock"], model)))
     before = (step - fill_start) * N  # chunks (one pipeline's rows of a mini-batch) fed
-    endless = self._placement(state, hetero, plan)
+    endless = self._placement(state, model, before)
     cut_before = endless.chunk_cut(before) if before else None
     chunks_before = endless.chunks_below(cut_before) if before else []
     taken_before = [sum(1 for i, _ in chunks_before if i == p) for p in range(N)]
+    group_override: dict[Any, Any] = {}
     if flush:
-      placement = self._placement(state, hetero, plan, total=taken_before)
+      placement = self._placement(state, model, None, total=taken_before)
       placement.finish()
       done = {node for node in endless.ticks if node[0] in ("op", "mix", "pull") and
               endless.sortkey(node) < cut_before}
-      nodes = [node for node in placement.take(None) if node not in done]
+      nodes, group_override = _drain_nodes(placement, done)
       chunks, taken_after = [], taken_before
-      self._timeline_cache = None
+      self._fill.clear()
     else:
       placement = endless
-      if endless.taken_cut != cut_before:  # a replayed timeline: drop what ran before
-        endless.take(cut_before)
       cut = endless.chunk_cut(before + B * N)
       nodes = endless.take(cut)
-      endless.taken_cut = cut
+      endless.taken_chunks = before + B * N
       chunks = endless.chunks_below(cut)[before:]
       taken_after = [taken_before[p] + sum(1 for i, _ in chunks if i == p) for p in range(N)]
     plan_mix = None
@@ -738,7 +819,7 @@ class Pipeline:
       if self.sync in ("preduce", "adpsgd"):
         plan_mix = lambda g, s: mix_all[g, s]
     tables = make_run_tables(placement, nodes, taken_before, taken_after, fed_start, self.sync,
-                             plan_mix)
+                             plan_mix, group_override)
     timeline = placement.timeline
 
     def left_at(i: int, m: int) -> np.ndarray:  # [S] when pipeline i's update m left (nan: not yet)
@@ -800,6 +881,9 @@ class Pipeline:
     new_state, out = self._compiled[key](program_state, xs, ys, ticks, None)
     computed = int(np.asarray(out.pop("computed_slots")))
     per_slot = {name: np.asarray(v) for name, v in out.items()}  # [N, S + K]
+    busy = sum(placement.times[node][1] - placement.times[node][0] for node in nodes
+               if node[0] == "op")
+    span = float(clocks.max() - self.virtual_clocks(state).max())
 
     # Report every N completions (in completion order) as one mini-batch: with equal speeds,
     # the N pipelines' rows of one mini-batch. A mini-batch is reported once its updates have
@@ -836,7 +920,9 @@ class Pipeline:
         updates=np.bincount([i for i, _ in tables.completed], minlength=N).astype(np.int64),
         bubble_fraction=float(np.mean(tables.kind[:tables.ticks] == sched.IDLE))
         if tables.ticks else float("nan"),
-        idle_fraction=1.0 - computed / (N * S * tables.ticks) if tables.ticks else float("nan"),
+        idle_fraction=_idle_share(busy, span, N, S), virtual_span=span,
+        idle_slot_fraction=(1.0 - computed / (N * S * tables.ticks) if tables.ticks
+                            else float("nan")),
         ticks=tables.ticks)
     left = items[units * N:]
     capacity = self._pending_capacity
@@ -854,7 +940,7 @@ class Pipeline:
     new_state = new_state._replace(virtual_time=_put(
         np.stack([whole, clocks - whole], -1).astype(np.float32), replicated))
     inflight = dict(new_state.inflight, fill_clock=state.inflight["fill_clock"],
-                    fed_start=state.inflight["fed_start"],
+                    fill_model=state.inflight["fill_model"], fed_start=state.inflight["fed_start"],
                     pending={k: _put(v, replicated) for k, v in new_pending.items()})
     new_state = new_state._replace(inflight=inflight)
     if flush:  # an empty pipeline: the next fill starts here
@@ -889,7 +975,7 @@ class Pipeline:
            for k in ("buffers", "metrics", "sync_report")}
     for k in ("xs", "ys"):
       out[k] = jax.tree.map(lambda a: _put(a, NamedSharding(self.mesh, P(None, DATA))), host[k])
-    out["fill_clock"] = _put(np.asarray(clock), replicated)
+    out.update(self._fill_record(clock, None))
     out["fed_start"] = _put(np.zeros((N,), np.int32), replicated)
     capacity = self._pending_capacity
     pending = {"count": np.int32(0), "done": np.int32(0),

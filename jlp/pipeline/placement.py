@@ -42,8 +42,10 @@ from jlp.pipeline.timeline import Timeline
 
 __all__ = ["Placement"]
 
-Node = tuple  # ("op", i, s, kind, m) | ("ar", s, m) | ("mix", k) | ("pull", i, s, m) |
-#               ("pushes", s, k) | ("pulls", s, k): the first k pushes / pulls of stage s
+Node = tuple  # ("op", i, s, kind, m) | ("ar", s, m) | ("mix", s, members, their updates) |
+#               ("pull", i, s, m) | ("pushes", s, k) | ("pulls", s, k): the first k pushes / pulls
+#               of stage s. Every node is named by its content, so that two timelines of one fill
+#               (the endless one and the flush's replay) name the same event alike.
 
 
 class Placement:
@@ -62,7 +64,7 @@ class Placement:
     N, S = timeline.N, timeline.S
     self.N, self.S = N, S
     self._read = 0  # how much of the timeline's log is placed
-    self.taken_cut: tuple | None = None  # the executor's last cut (`take`)
+    self.taken_chunks = 0  # the chunks whose runs `take` has returned (the executor's position)
     self.preds: dict[Node, list[tuple[Node, int]]] = {}
     self.ticks: dict[Node, int] = {}
     self._complete_after: dict[Node, float] = {}  # preds known once the timeline passes this
@@ -138,7 +140,8 @@ class Placement:
           self._push_times[s].append(t)
       elif event[0] == "group":
         _, group, updates = event
-        node = ("mix", len(self.groups))
+        node = ("mix", group.stage, tuple(group.members),
+                tuple(updates[i] for i in group.members))
         self.groups.append((group, node))
         self.times[node] = (group.closed, group.closed)
         self._add(node, [(("op", i, group.stage, sched.BWD, updates[i]), 0)

@@ -32,6 +32,11 @@ The PReduce scheduler, one instance per stage, processes arrivals in virtual-tim
     scheduler, and it is not counted as available for a connectivity check until it arrives again.
   * a forced window whose missing pipelines have all made their last arrival at the stage (update
     B - 1) closes at once (the end of the simulated run).
+  * `lockstep` (GPipe's pipelines, which run mini-batch b + 1 only once every pipeline has left
+    the sync of update b): only a round's first arrival at the stage opens a forced window. Later
+    in a round the pipelines that have left it cannot arrive again before the window closes, so
+    the window is ordinary and the period's end waits for the next round, where the forced
+    window closes at the latest with the round's last arrival (all N then in it).
 
 `PReduce.compat="sdpipe"` reproduces the reference's quirks instead: an already connected union
 graph makes the forced window close at once with its first arrival alone; the global owner is
@@ -113,6 +118,7 @@ class _Stage:
     self.window_id = 0
     self.window_kind = ORDINARY
     self.window_open_time = 0.0
+    self.round = -1  # the largest update arrived at the stage
 
   def find(self, x: int) -> int:
     parent = self.parent
@@ -137,14 +143,16 @@ class Scheduler:
   """The scheduler of every stage (module docstring) for N pipelines x S stages x B updates.
   (B: one count for every pipeline or one per pipeline: its last update ends its arrivals).
   `cost_s[m]`: the seconds a group of m members takes to average (jlp.pipeline.costs.group_costs),
-  m = 0..N. Raises when config.max_group > N."""
+  m = 0..N. `lockstep`: the pipelines arrive round by round (module docstring). Raises when
+  config.max_group > N."""
 
   def __init__(self, config: PReduce, num_pipelines: int, num_stages: int,
                num_batches: int | Sequence[int],
-               cost_s: Sequence[float]):
+               cost_s: Sequence[float], *, lockstep: bool = False):
     N = num_pipelines
     check_max_group(config, N)
     self.config, self.N, self.S = config, N, num_stages
+    self.lockstep = lockstep
     # Each pipeline's last update (num_batches: one count for all, or one per pipeline).
     self.last_batch = ([int(num_batches) - 1] * N if isinstance(num_batches, int)
                        else [int(b) - 1 for b in num_batches])
@@ -160,6 +168,8 @@ class Scheduler:
   def arrive(self, i: int, s: int, b: int, t: float) -> Outcome:
     """Pipeline i's stage s arrives at the sync of its update b at time t."""
     out, stage = Outcome(), self.stages[s]
+    first_of_round = b > stage.round
+    stage.round = max(stage.round, b)
     if stage.alone_left[i] > 0:  # draining after an epoch stop: alone, no scheduler call
       stage.alone_left[i] -= 1
       out.departures.append(Departure(i, s, b, t))
@@ -177,7 +187,7 @@ class Scheduler:
       stage.ready_stop.append(self.stop_at.get(i) == call)
       stage.avail.add(i)
       if len(stage.ready) == 1:
-        self._open(s, i, t, out)
+        self._open(s, i, t, out, may_force=first_of_round or not self.lockstep)
       if stage.window_kind == FORCED:
         if stage.covers_components() if self.pairwise else stage.connected():
           self._close(s, t, out)
@@ -198,7 +208,7 @@ class Scheduler:
       self._close(s, t, out)
     return out
 
-  def _open(self, s: int, i: int, t: float, out: Outcome) -> None:
+  def _open(self, s: int, i: int, t: float, out: Outcome, may_force: bool) -> None:
     stage = self.stages[s]
     kind = ORDINARY
     if stage.need_sync:
@@ -206,12 +216,12 @@ class Scheduler:
       if self.compat:
         if self.owner == -1:
           self.owner = s
-        if self.owner == s and everyone:
+        if self.owner == s and everyone and may_force:
           kind = FORCED
       elif everyone:
         if stage.connected():
           kind = PERIOD_END
-        elif self.owner in (-1, s):
+        elif self.owner in (-1, s) and may_force:
           self.owner = s
           kind = FORCED
     stage.window_kind = kind

@@ -2,8 +2,9 @@
 lockstep executor's rounds (`SyncPlan.mix`), and `window_mix`, one window's matrix
 (`preduce_schedule`).
 
-Mapping groups onto the lockstep executor (an approximation): a group formed at stage s holds
-arrivals (i, b_i) that may belong to different mini-batches (fast pipelines run ahead). It is
+Mapping groups onto the lockstep executor (an approximation for 1F1B): a group formed at stage s
+holds arrivals (i, b_i) that may belong to different mini-batches (1F1B's fast pipelines run ahead;
+GPipe's run in lockstep, so its groups hold one mini-batch and the mapping is exact). It is
 assigned to round r = max_i b_i, and mix[r, s] = G_k @ ... @ G_1 over the groups assigned to (r, s)
 in formation order (G = 1/|g| inside group g, identity elsewhere), so the executor averages the
 members' models as they are after update r instead of after their own update b_i. Updates without a

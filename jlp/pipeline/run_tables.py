@@ -45,11 +45,12 @@ class RunTables:
 
 def make_run_tables(placement: Placement, nodes: list, taken_before: list[int],
                     taken_after: list[int], fed_start: list[int], sync: str,
-                    plan_mix: Any = None) -> RunTables:
+                    plan_mix: Any = None, group_override: dict | None = None) -> RunTables:
   """The tables of the run made of `nodes` (cut order). taken_before / taken_after: each
   pipeline's mini-batches taken in the fill before / by the end of the run; fed_start: its
   mini-batches before the fill; plan_mix(global mini-batch, stage) -> [N, N]: a plan's matrix,
-  averaged at every update (the placement then aligned)."""
+  averaged at every update (the placement then aligned); group_override: the group a mix node
+  applies instead of the one it formed with (a flush's, `executor._drain_nodes`)."""
   N, S = placement.N, placement.S
   local = placement.local_ticks(nodes)
   ticks = max(local.values()) + 1 if local else 0
@@ -71,6 +72,7 @@ def make_run_tables(placement: Placement, nodes: list, taken_before: list[int],
   pushes: dict[tuple[int, int], list[tuple[float, int]]] = {}
   completed, updates, group_sizes = [], [], []
   group_of = {node: group for group, node in placement.groups}
+  group_of.update(group_override or {})
   for node in nodes:
     t = local[node]
     if node[0] == "op":

@@ -19,6 +19,10 @@ The model (op durations, seeded, and alpha, beta: the cost model of `jlp.pipelin
   * the op order of a stage is `schedules.stage_order`: "1f1b" covers all B mini-batches and
     every backward is its own update; "gpipe" repeats the one-mini-batch table B times and the
     update follows the stage's last backward of each mini-batch.
+  * "gpipe" runs the pipelines in lockstep, as the executor does: F(b, 0), the first op of
+    mini-batch b at a stage, starts only once every (pipeline, stage) has left the sync of update
+    b - 1 (mini-batch 0: at the latest `start`), so every group holds one mini-batch's updates.
+    "1f1b" lets every pipeline run freely.
   * F(b, m) at stage s starts after F(b, m) at stage s - 1 finished + p2p_s; B(b, m) at stage s
     after B(b, m) at stage s + 1 finished + p2p_s (the last stage: after its own F, by the order);
     a stage runs one op at a time, in order.
@@ -151,7 +155,8 @@ def simulate(schedule: str, sync: str, num_pipelines: int, num_stages: int, num_
   `first_batch`: the number of mini-batches trained before these (HetPipe's pulls count them).
   `start`: [N][S] virtual seconds at which each (pipeline, stage) is free to start (None: all 0),
   e.g. the previous plan's `finish[-1]`, so that pipelines keep their lead from one `run` to the
-  next; the times returned are on the same clock."""
+  next (1F1B; GPipe's lockstep starts everywhere at the latest); the times returned are on the
+  same clock."""
   check_int("first_batch", first_batch, 0)
   start = np.zeros((num_pipelines, num_stages)) if start is None else np.asarray(start, np.float64)
   if start.shape != (num_pipelines, num_stages) or not np.all(np.isfinite(start)) or \

@@ -17,12 +17,40 @@ decisions from that replay. The replay agrees with the never-ending timeline on 
 before the first forward left out at its stage; a decision of the drain that depended on an
 earlier arrival decided otherwise there (a window spanning both) would follow the replay.
 
+1F1B's pipelines run freely: each (pipeline, stage) starts its next op when it is free and its
+input has arrived, whatever the other pipelines do (`jlp.pipeline.placement` places that on the
+executor's ticks). GPipe's run in lockstep, as the executor runs them (`Pipeline._execute`: the
+program scans mini-batch b's whole table, then every stage's update of b with its sync, then
+mini-batch b + 1's table): the first op of mini-batch b >= 1 at (pipeline i, stage s) starts only
+once every pipeline has left the sync of update b - 1 at every stage, and mini-batch 0 of the
+fill starts everywhere at the latest of `start` (where the barrier after the update before the
+fill puts it). So every pipeline runs mini-batch b between the same two barriers and is at
+update b - 1 while it does, every pipeline's clock waits for the slowest (mini-batch b starts at
+`time(b - 1)`), and a group (preduce, adpsgd) holds its members at one update, the round at which
+the executor applies it. The barrier covers all stages, not only stage s. A per-stage one would
+also start every op after the update its own stage's weights need, but it would let stage s start
+mini-batch b while another stage is still in its sync of b - 1, which the executor never does:
+it would model an executor that overlaps one mini-batch's syncs with the next one's table. The
+two differ only when a stage other than 0 leaves last: never with none, allreduce, adpsgd or
+hetpipe (a pipeline's stage 0 arrives after its other stages, and their syncs keep that order),
+but a PReduce window of a later stage may close after stage 0's, and the times it shifts change
+the later windows. The whole barrier makes the timeline's order the executor's order. With equal
+speeds and no stalls every sync already leaves together, and nothing changes. The PReduce
+scheduler then opens a forced window only at a round's first arrival at the stage
+(`jlp.pipeline.preduce`, `lockstep`): one opened later in a round would wait for pipelines that
+cannot arrive again before it closes.
+
 Op costs are drawn per op, not per position in a stage's order, so that an op costs the same
-with or without an end: op (pipeline i, stage s, id) stalls when u < probability, u uniform from
-`np.random.default_rng([seed, id // 1024]).random((1024, N, S))[id % 1024, i, s]`; the op id is
-2b (forward of mini-batch b) or 2b + 1 (its backward) for 1F1B, 2M b + the op's position in
-GPipe's one-mini-batch order. AD-PSGD's partners of round b are `adpsgd_matchings`'s row b.
-Pulls of HetPipe count mini-batches over the whole training (`first_batch`).
+with or without an end. One draw per (pipeline i, stage s, op id): the op id is 2b for the
+forward of mini-batch b and 2b + 1 for its backward, in both schedules, and the op stalls when
+u < probability, u uniform from
+`np.random.default_rng([seed, id // 1024]).random((1024, N, S))[id % 1024, i, s]`. GPipe's M
+micro-batch forwards (backwards) of mini-batch b at a stage share that draw, and each takes 1/M
+of the base cost and, when stalled, 1/M of the delay: a stall costs a (mini-batch, stage,
+direction) delay_s in total whatever M, as one 1F1B op, and with one seed GPipe and 1F1B stall
+the same (pipeline, stage, mini-batch, direction)s, so comparing them under `--hetero` does not
+depend on M. AD-PSGD's partners of round b are `adpsgd_matchings`'s row b. Pulls of HetPipe
+count mini-batches over the whole training (`first_batch`).
 """
 
 from __future__ import annotations
@@ -63,8 +91,10 @@ class Timeline:
       (before its members leave), ("pull", i, s, b, t) when HetPipe decides that pipeline i's
       stage s pulls at t after update b, and ("leave", i, s, b, t).
     stalls_by_position: draw the stalls as `jlp.pipeline.simulate` does (it runs this model with an
-      end): per op position k in its stage's order, `default_rng(seed).random((K, N, S))[k, i, s]`
-      for the K ops of a stage; needs `total`. Default: per op id (module docstring).
+      end): `default_rng(seed).random((2 * total, N, S))[k, i, s]`, k the op's position in its
+      stage's order (1F1B), or for GPipe the position of its mini-batch's forwards (backwards) in
+      the order F(0), B(0), F(1), ... of a stage's stage-ops, 2b (2b + 1): the op id; needs
+      `total`. Default: per op id (module docstring).
   """
 
   def __init__(self, schedule: str, sync: str, num_pipelines: int, num_stages: int,
@@ -85,13 +115,21 @@ class Timeline:
                      else np.asarray(hetero.slowdown, np.float64)).tolist()
     self.cost = group_costs(hetero, N)
     last = [_ENDLESS] * N if total is None else self.totals
-    self.scheduler = Scheduler(preduce, N, S, last, self.cost) if sync == "preduce" else None
+    # GPipe: every pipeline runs mini-batch b's table between the same two barriers (module
+    # docstring), so every pipeline has the same counts.
+    self.lockstep = schedule == "gpipe"
+    if self.lockstep and (len(set(self.first_batch)) > 1
+                          or (self.totals is not None and len(set(self.totals)) > 1)):
+      raise ValueError(f"first_batch={first_batch!r}, total={total!r} are not allowed with "
+                       "schedule='gpipe'; expected one count for every pipeline (GPipe's "
+                       "pipelines run in lockstep).")
+    self.scheduler = (Scheduler(preduce, N, S, last, self.cost, lockstep=self.lockstep)
+                      if sync == "preduce" else None)
     self.base_order = schedules.stage_order("gpipe", S, 1, M) if schedule == "gpipe" else None
     self._stalls: dict[int, np.ndarray] = {}
     self._position_stalls: np.ndarray | None = None
-    if stalls_by_position:
-      per = len(self.base_order[0]) if schedule == "gpipe" else 2
-      self._position_stalls = (np.random.default_rng(int(seed)).random((per * max(self.totals),
+    if stalls_by_position:  # two draws per mini-batch and stage (module docstring)
+      self._position_stalls = (np.random.default_rng(int(seed)).random((2 * max(self.totals),
                                                                          N, S))
                                < hetero.probability)
     self.started = [[0] * S for _ in range(N)]  # ops started: the position of the next one
@@ -112,9 +150,15 @@ class Timeline:
     self.arrived: dict[tuple[int, int], int] = {}  # (stage, update) -> count
     self._at_barrier: dict[tuple[int, int], list] = {}  # HetPipe's pull: who waits there
     self.pending = [[(-1, 0.0)] * N for _ in range(S)]
+    # GPipe's lockstep barriers: update b -> when its last (pipeline, stage) left its sync, and
+    # the (pipeline, stage, free from) whose first op of mini-batch b + 1 waits for that.
+    self._all_left: dict[int, float] = {}
+    self._at_lockstep: dict[int, list[tuple[int, int, float]]] = {}
+    # GPipe's first mini-batch comes after every device's last update before the fill.
+    first = float(np.max(start)) if self.lockstep else None
     for i in range(N):
       for s in range(S):
-        self._start(i, s, float(start[i][s]))
+        self._start(i, s, float(start[i][s]) if first is None else first)
 
   # -- the never-ending orders ---------------------------------------------------------------------
   def _endless_op(self, s: int, k: int) -> Op:
@@ -142,17 +186,19 @@ class Timeline:
         return None
       k += 1
 
-  def _op_id(self, s: int, op: Op) -> int:
-    kind, b, m = op
-    if self.schedule == "gpipe":
-      per = len(self.base_order[s])
-      return b * per + self.base_order[s].index(op[:1] + (0, m))
+  @staticmethod
+  def _op_id(op: Op) -> int:
+    """The id of op's draw: 2b for the forward(s) of mini-batch b, 2b + 1 for its backward(s)
+    (GPipe: its M micro-batch ops of one kind share it)."""
+    kind, b, _ = op
     return 2 * b + (kind == schedules.BWD)
 
   def _stalled(self, i: int, s: int, op: Op) -> bool:
     if self._position_stalls is not None:
-      return bool(self._position_stalls[self.started[i][s], i, s])
-    op_id = self._op_id(s, op)
+      # GPipe's stage-ops of a stage come in the order F(0), B(0), F(1), ...: position = id.
+      k = self._op_id(op) if self.lockstep else self.started[i][s]
+      return bool(self._position_stalls[k, i, s])
+    op_id = self._op_id(op)
     chunk = op_id // _CHUNK
     if chunk not in self._stalls:
       draws = np.random.default_rng([int(self.seed), chunk]).random((_CHUNK, self.N, self.S))
@@ -161,9 +207,10 @@ class Timeline:
 
   def _duration(self, i: int, s: int, op: Op) -> float:
     base = self.hetero.fwd_s if op[0] == schedules.FWD else self.hetero.bwd_s
-    if self.schedule == "gpipe":
-      base = base / self.M
-    return base * self.slowdown[i][s] + self.hetero.delay_s * self._stalled(i, s, op)
+    delay = self.hetero.delay_s
+    if self.schedule == "gpipe":  # a micro-batch op: 1/M of its mini-batch's stage-op
+      base, delay = base / self.M, delay / self.M
+    return base * self.slowdown[i][s] + delay * self._stalled(i, s, op)
 
   def _update_of(self, s: int, op: Op) -> int:
     """The update op ends (its mini-batch), or -1."""
@@ -185,6 +232,13 @@ class Timeline:
     if k is None:
       return
     op = self._endless_op(s, k)
+    if self.lockstep and op[1] > 0 and k % len(self.base_order[s]) == 0:
+      # GPipe's first op of mini-batch b >= 1: once every (pipeline, stage) left update b - 1.
+      left = self._all_left.get(op[1] - 1)
+      if left is None:
+        self._at_lockstep.setdefault(op[1] - 1, []).append((i, s, free))
+        return
+      free = max(free, left)
     start = free
     ds = self._dependency(s, op)
     if ds >= 0:
@@ -236,6 +290,11 @@ class Timeline:
     self._waiting_for[b][s] -= 1
     if self._waiting_for[b][s] == 0:
       self._needed.discard((b, s))
+      if self.lockstep and not any(self._waiting_for[b]):  # GPipe: the barrier after update b
+        self._all_left[b] = float(self.finish[b].max())
+        self._all_left.pop(b - 1, None)  # every op of mini-batch b has started
+        for j, s2, free in self._at_lockstep.pop(b, ()):
+          self._start(j, s2, free)
 
   def _leave(self, i: int, s: int, b: int, t: float) -> None:
     self._record_leave(i, s, b, t)

@@ -52,10 +52,14 @@ class Checkpointer:
     """The newest complete checkpoint's step, or None."""
     return self._manager.latest_step()
 
-  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Writes checkpoint `step` (asynchronously); an existing checkpoint at `step` is kept."""
+  def save(self, step: int, state: Any, meta: dict[str, Any], *, replace: bool = False) -> None:
+    """Writes checkpoint `step` (asynchronously); an existing checkpoint at `step` is kept, or
+    with `replace` deleted first (not atomic: a crash in between leaves the older checkpoints)."""
     if step in self._manager.all_steps():
-      return
+      if not replace:
+        return
+      self._manager.wait_until_finished()
+      self._manager.delete(step)
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -65,6 +69,10 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
+
+  def meta(self, step: int) -> dict[str, Any]:
+    """The meta of checkpoint `step`, without reading its state."""
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -126,7 +126,8 @@ Fields (see `base_config` for defaults):
                                 mini-batch's loss and virtual time come back). Rows add
                                 `virtual_time` (virtual seconds, jlp.pipeline.timeline),
                                 `virtual_throughput` (examples per virtual second over the call),
-                                `bubble_fraction` and `idle_fraction`; eval metrics are the mean
+                                `bubble_fraction`, `idle_fraction` (virtual time) and
+                                `idle_slot_fraction` (ticks); eval metrics are the mean
                                 over the N pipelines' models, each evaluated on the whole eval
                                 split.
 """

@@ -27,13 +27,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   Before anything is built or written: the config is checked (`validate`), and a workdir that
   holds checkpoints is resumed only under the config that wrote them (`jlp.train.workdir`:
   cadence fields aside; else `workdir.ConfigChangedError`, a ValueError, unless
-  `allow_config_change`). A finished run (its checkpoint at max_steps) says so and returns."""
+  `allow_config_change`). A finished run (its checkpoint at max_steps; pipelined: flushed) says
+  so and returns."""
   validate(config)
   start = checkpoint.latest_step(workdir)
   changes = {}
   if start is not None:
     changes = workdir_record.check_resume(config, workdir, allow_change=allow_config_change)
-    if start >= config.max_steps:
+    # A pipelined checkpoint at max_steps with mini-batches in flight (written before the end,
+    # under a larger max_steps or on Ctrl-C) is not finished: the loop flushes and evaluates it.
+    drain = (start == config.max_steps and config.pipeline.schedule != "none" and
+             pipeline_loop.needs_drain(workdir, start))
+    if start >= config.max_steps and not drain:
       print(f"{workdir} is finished: its checkpoint is at step {start} of "
             f"max_steps={config.max_steps}; raise --config.max_steps to train on, or use a new "
             "--workdir.", flush=True)

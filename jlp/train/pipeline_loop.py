@@ -27,19 +27,27 @@ so a row may come a call later, or with the flush): train_loss and train_accurac
 pipelines), learning_rate, throughput (examples fed per wall-clock second over the call), epoch,
 virtual_time (virtual seconds at which the mini-batch's update finished), virtual_throughput
 (examples fed per virtual second over the call), bubble_fraction (the idle share of the call's
-tick table), idle_fraction (the device slots of the call in which no stage ran, counted by the
-program), and with pipeline.sync="allreduce" the gradient sync's wire_bytes, payload_bytes (per
+tick table), idle_fraction (the devices' idle share of the call's virtual time),
+idle_slot_fraction (the device slots of the call in which no stage ran, counted by the program),
+and with pipeline.sync="allreduce" the gradient sync's wire_bytes, payload_bytes (per
 device, averaged over all devices) and nonfinite. Evaluation (every eval_every steps and at the
 end, between calls): every pipeline's latest model (its stages merged, eval mode) is evaluated
 on the whole eval split with `recipe.eval_sums` (data-parallel on every device), and eval_loss /
 eval_accuracy, the means over the N pipelines (the seed reduces validation over its pipelines,
 docs/sdpipe.md), join the row of that step when it is written (the final evaluation follows the
-flush).
+flush), with eval_virtual_time: the virtual seconds of the evaluated weights (the pipeline's
+clock at the evaluation). With 1F1B the row's virtual_time is a later update's, up to a call
+later; time to accuracy reads eval_virtual_time (`jlp.plots.plot_runs(x="virtual_time")`).
 
 Resume is bit-exact: a resumed run logs exactly the rows the uninterrupted one logs (`time`,
-`throughput` aside); the checkpoint's meta keeps the evaluations still waiting for their row and
-how many rows were due. Ctrl-C ends the current call, writes a checkpoint and returns with
-`interrupted=True`. One process only.
+`throughput` aside); the checkpoint's meta keeps the evaluations still waiting for their row
+(eval_virtual_time included) and how many rows were due. A checkpoint at max_steps that still
+has mini-batches in flight (written under a larger max_steps, or on Ctrl-C) is not finished: a
+resume flushes it, writes the rows the flush completes (without throughput or
+virtual_throughput: that call feeds nothing), evaluates and replaces the checkpoint, as the last
+call of an uninterrupted run would. Resuming a flushed checkpoint at max_steps does nothing
+(`jlp.train.loop` says the run is finished). Ctrl-C ends the current call, writes a checkpoint
+and returns with `interrupted=True`. One process only.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
 from jlp.train.workdir import describe as describe_changes, record_config
 
-__all__ = ["PipelineRun", "last_stage_loss", "setup", "train_and_evaluate"]
+__all__ = ["PipelineRun", "last_stage_loss", "needs_drain", "setup", "train_and_evaluate"]
 
 
 def last_stage_loss(logits: jax.Array, labels: jax.Array
@@ -205,6 +213,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   record_config(config, workdir, start, config_changes or {})
   if config_changes:
     writer.note(config_change=describe_changes(config_changes))
+  # A resume whose config changed the model of the 1F1B fill in flight (hetero, slowdown, seed,
+  # the syncs' knobs): the pipeline drains under the fill's own model first, and the new model
+  # starts a fill of its own (a run under it mid-fill would be refused, jlp.pipeline.fill).
+  early = None
+  changed = run.pipe.model_changed(state) if start else []
+  if changed:
+    state, early = run.pipe.flush(state)
+    writer.note(fill_flushed=f"the pipeline's {', '.join(changed)} changed on resume: the "
+                             "mini-batches in flight were drained under the fill's own model")
 
   spe = run.steps_per_epoch
   bar = progress_bar(progress, config.max_steps, start)
@@ -214,19 +231,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   last_time = time.perf_counter()
   try:
     with Interrupt() as stop, Prefetcher(run.calls(start, config.max_steps), size=1) as calls:
-      for first, end, xs, ys in calls:
+      for first, end, xs, ys in _with_drain(calls, start, config.max_steps, completed):
         before = run.pipe.virtual_seconds(state)
-        state, metrics = run.pipe.run(state, xs, ys)
-        if end == config.max_steps:
-          state, drained = run.pipe.flush(state)
-          metrics = _joined(metrics, drained)
+        if xs is None:  # a resume at max_steps with mini-batches in flight: only the flush
+          state, metrics = run.pipe.flush(state)
+        else:
+          state, metrics = run.pipe.run(state, xs, ys)
+          if end == config.max_steps:
+            state, drained = run.pipe.flush(state)
+            metrics = _joined(metrics, drained)
+        if early is not None:  # the drain at a resume under a changed model: its rows come first
+          metrics, early = _joined(early, metrics), None
         now = time.perf_counter()
         examples = (end - first) * config.batch_size
         throughput = examples / max(now - last_time, 1e-9)
         span = run.pipe.virtual_seconds(state) - before
         virtual_throughput = examples / span if span > 0 else float("nan")
         if (config.eval_every and end % config.eval_every == 0) or end == config.max_steps:
-          pending[end] = run.evaluate(state)
+          # The weights at the end of the call (after the flush at max_steps), and the virtual
+          # second at which they existed: 1F1B writes the row of step `end` up to a call later.
+          pending[end] = {**run.evaluate(state),
+                          "eval_virtual_time": run.pipe.virtual_seconds(state)}
         for k, batch in enumerate(metrics["batch"]):
           step = int(batch) + 1
           if not (step % config.log_every == 0 or step == config.max_steps or step in pending):
@@ -239,10 +264,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "virtual_time": float(metrics["virtual_time"][k]),
                  "virtual_throughput": virtual_throughput,
                  "bubble_fraction": float(metrics["bubble_fraction"]),
-                 "idle_fraction": float(metrics["idle_fraction"])}
+                 "idle_fraction": float(metrics["idle_fraction"]),
+                 "idle_slot_fraction": float(metrics["idle_slot_fraction"])}
           for name in SYNC_REPORT:  # sync="allreduce" only
             if name in metrics:
               row[name] = metrics[name][k].item()
+          if not examples:  # the drain of a resume at max_steps fed nothing: no speeds
+            del row["throughput"], row["virtual_throughput"]
           row.update(pending.pop(step, {}))
           row = writer.write(step, row)
           if bar is None:
@@ -262,7 +290,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                   "virtual_time": run.pipe.virtual_seconds(state),
                   "pending_eval": {str(k): v for k, v in pending.items()},
                   "config": json.loads(config.to_json_best_effort())}
-          checkpoints.save(end, state, meta)
+          # The drain at a resume replaces the checkpoint it started from (same step, in flight).
+          checkpoints.save(end, state, meta, replace=xs is None)
         if interrupted:
           break
   finally:
@@ -272,13 +301,42 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   return {**row, "step": step, "interrupted": interrupted}
 
 
+def _with_drain(calls, start: int, stop: int, completed: int):
+  """The calls, then (stop, stop, None, None) when there are none and mini-batches are in flight
+  at `stop` (a resume at max_steps from a checkpoint written before the end: its pipeline still
+  needs the flush, the rows of the mini-batches it completes and the final evaluation)."""
+  yield from calls
+  if start == stop and completed < stop:
+    yield stop, stop, None, None
+
+
+def needs_drain(workdir: str, step: int) -> bool:
+  """Whether checkpoint `step` of a pipelined run in `workdir` holds mini-batches in flight (fed,
+  not completed): written before the run's end (every checkpoint_every steps or on Ctrl-C), so a
+  resume with max_steps = `step` still flushes and evaluates. False after the flush at
+  max_steps."""
+  checkpoints = Checkpointer(workdir)
+  try:
+    meta = checkpoints.meta(step)
+  finally:
+    checkpoints.close()
+  return int(meta.get("completed", step)) < step
+
+
 def _joined(first: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
-  """The metrics of a run followed by those of a flush; the idle shares over both's ticks."""
+  """The metrics of a run followed by those of a flush: the slot shares over both's ticks, the
+  virtual-time idle share over both's virtual spans."""
   out = {k: np.concatenate([v, rest[k]]) for k, v in first.items()
          if np.ndim(v) and k != "updates"}
   out["updates"] = first["updates"] + rest["updates"]
-  ticks = first["ticks"] + rest["ticks"]
-  for k in ("bubble_fraction", "idle_fraction"):
-    out[k] = (first[k] * first["ticks"] + (rest[k] * rest["ticks"] if rest["ticks"] else 0.0)
-              ) / ticks
-  return dict(out, ticks=ticks)
+
+  def weighted(k: str, weight: str) -> float:
+    total = first[weight] + rest[weight]
+    if not total > 0:
+      return float("nan")
+    return sum(part[k] * part[weight] for part in (first, rest) if part[weight] > 0) / total
+  for k in ("bubble_fraction", "idle_slot_fraction"):
+    out[k] = weighted(k, "ticks")
+  out["idle_fraction"] = weighted("idle_fraction", "virtual_span")
+  return dict(out, ticks=first["ticks"] + rest["ticks"],
+              virtual_span=first["virtual_span"] + rest["virtual_span"])

@@ -79,7 +79,7 @@ def _train(pipe, state, xs, ys, plan=None):
   state, rest = pipe.flush(state, plan=plan)
   metrics = {k: np.concatenate([v, rest[k]]) for k, v in first.items() if np.ndim(v)}
   ticks = first["ticks"] + rest["ticks"]
-  for k in ("bubble_fraction", "idle_fraction"):  # shares of all the ticks of both
+  for k in ("bubble_fraction", "idle_slot_fraction"):  # shares of all the ticks of both
     metrics[k] = (first[k] * first["ticks"] + (rest[k] * rest["ticks"] if rest["ticks"] else 0)
                   ) / ticks
   return state, metrics
@@ -164,7 +164,7 @@ def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
   np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-5)
   np.testing.assert_allclose(metrics["accuracy"], accuracies, rtol=1e-6)
   assert metrics["bubble_fraction"] == pytest.approx(3 / 7)
-  assert metrics["idle_fraction"] == pytest.approx(3 / 7)  # counted by the devices
+  assert metrics["idle_slot_fraction"] == pytest.approx(3 / 7)  # counted by the devices
   assert int(state.step) == 3
 
 
@@ -180,13 +180,13 @@ def test_1f1b_follows_the_weight_version_rule(mesh, sync):
   # The table: 2 ops per mini-batch and stage in 2B + 2(S - 1) = 20 ticks. Counted by the
   # devices: the last stage's 7 forward ticks compute nothing (its backward runs the stage).
   assert metrics["bubble_fraction"] == pytest.approx(1 - 2 * 7 / 20)
-  assert metrics["idle_fraction"] == pytest.approx(1 - (2 * 7 * S - 7) / (S * 20))
+  assert metrics["idle_slot_fraction"] == pytest.approx(1 - (2 * 7 * S - 7) / (S * 20))
 
 
 def _in_runs(pipe, state, xs, ys, lengths):
   """Runs of the given lengths, then the flush; (state, the metrics of every run joined). The
   pipeline's timeline starts afresh (it keeps its compiled programs)."""
-  pipe._timeline_cache = None  # pylint: disable=protected-access
+  pipe._fill.clear()  # pylint: disable=protected-access
   parts, first = [], 0
   for n in lengths:
     state, metrics = pipe.run(state, xs[first:first + n], ys[first:first + n])

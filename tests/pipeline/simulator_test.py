@@ -56,10 +56,15 @@ def reference_orders(schedule, S, B, M):
 def reference_finish(schedule, sync, N, S, B, M=1, *, seed=0, hetero=Hetero(),
                      hetpipe=HetPipe(), first_batch=0, start=None):
   """finish[b, i, s]: when (pipeline i, stage s) leaves the sync of update b; `first_batch`
-  mini-batches were trained before (HetPipe pulls at global batch counts)."""
+  mini-batches were trained before (HetPipe pulls at global batch counts). GPipe: the pipelines
+  run in lockstep (F(b, 0), the first op of mini-batch b at a stage, starts once every (pipeline,
+  stage) left update b - 1; mini-batch 0 at the latest start), and one stall draw per (mini-batch,
+  stage, direction), row 2b or 2b + 1, costs each of its M micro-batch ops delay_s / M."""
   orders = reference_orders(schedule, S, B, M)
   K = len(orders[0])
-  draws = np.random.default_rng(seed).random((K, N, S))
+  gpipe = schedule == "gpipe"
+  draws = np.random.default_rng(seed).random((2 * B if gpipe else K, N, S))
+  first_start = 0.0 if start is None else float(np.max(start))
   slow = hetero.slowdown or [[1.0] * S for _ in range(N)]
   match = reference_matchings(N, B, seed) if sync == "adpsgd" else None
   alpha, beta = hetero.allreduce_alpha_s, hetero.allreduce_beta_s
@@ -95,12 +100,17 @@ def reference_finish(schedule, sync, N, S, B, M=1, *, seed=0, hetero=Hetero(),
           kind, b, m = orders[s][k]
           source = s - 1 if kind == "F" else s + 1
           start = free[i][s]
+          if gpipe and kind == "F" and m == 0:  # the lockstep barrier
+            if b > 0 and np.isnan(finish[b - 1]).any():
+              break
+            start = max(start, first_start if b == 0 else finish[b - 1].max())
           if 0 <= source < S:
             if (i, source, kind, b, m) not in end:
               break
             start = max(start, end[(i, source, kind, b, m)] + hetero.p2p_s)
-          base = (hetero.fwd_s if kind == "F" else hetero.bwd_s) / (M if schedule == "gpipe" else 1)
-          stall = hetero.delay_s if draws[k, i, s] < hetero.probability else 0.0
+          base = (hetero.fwd_s if kind == "F" else hetero.bwd_s) / (M if gpipe else 1)
+          draw = draws[2 * b + (kind == "B"), i, s] if gpipe else draws[k, i, s]
+          stall = hetero.delay_s / (M if gpipe else 1) if draw < hetero.probability else 0.0
           t = start + (base * slow[i][s] + stall)
           end[(i, s, kind, b, m)] = t
           pos[i][s] += 1

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from jlp.pipeline import HetPipe, Hetero, PReduce
-from jlp.pipeline.simulator import SYNC_MODES
+from jlp.pipeline.preduce import FORCED
+from jlp.pipeline.schedules import FWD
+from jlp.pipeline.simulator import SYNC_MODES, simulate
 from jlp.pipeline.timeline import Timeline
 
 
@@ -73,3 +75,96 @@ def test_hetpipe_barrier_meets_at_the_same_pull_whatever_each_pipelines_count():
     if len(members) == 4:
       assert len({t for *_, t in members}) == 1
   assert sum(len(m) == 4 for m in pulls.values()) >= 2
+
+
+SLOW = Hetero(slowdown=((1.0,) * 4, (2.0,) * 4))  # N = 2, S = 4: pipeline 1 twice as slow
+SLOW_ODD = Hetero(slowdown=((1.0,) * 4, (2.0,) * 4) * 2)  # N = 4: pipelines 1 and 3
+
+
+@pytest.mark.parametrize("sync", ["none", "preduce", "adpsgd", "hetpipe", "allreduce"])
+def test_gpipe_pipelines_run_in_lockstep(sync):
+  """GPipe (N = 4, S = 4, M = 2; N = 4 so that AD-PSGD's pairs change from round to round) with
+  pipelines 1 and 3 twice as slow, 20 mini-batches: the executor runs mini-batch b's table on
+  every pipeline between the updates of b - 1 and b, so no (pipeline, stage) starts an op of
+  mini-batch b before every (pipeline, stage) has left the sync of update b - 1, the fast
+  pipelines' clocks at every update are past everyone's previous update (they wait for the slow
+  ones instead of running ahead), and every group (preduce, adpsgd) holds its members at one
+  update, its round, where the executor applies it. PReduce's forced windows (periods of 10 N
+  members) close within their round. allreduce is the control: it ran in lockstep already."""
+  timeline = Timeline("gpipe", sync, 4, 4, 2, seed=3, hetero=SLOW_ODD, preduce=PReduce(),
+                      hetpipe=HetPipe(pull_every=3), first_batch=0, start=np.zeros((4, 4)),
+                      log=True)
+  timeline.decide([(b, s) for b in range(20) for s in range(4)])
+  ops = np.zeros(20, int)
+  for event in timeline.log:
+    if event[0] == "op":
+      _, _, _, (_, b, _), start, _ = event
+      if b >= 1:
+        assert start >= timeline.time(b - 1), (event, timeline.time(b - 1))
+      if b < 20:
+        ops[b] += 1
+  assert list(ops) == [4 * 4 * 2 * 2] * 20  # every op of the 20 mini-batches ran
+  for b in range(1, 20):
+    assert np.all(timeline.finish[b] > timeline.time(b - 1)), b
+  # The fast pipelines wait for the slow ones: their updates come as often.
+  assert timeline.finish[19][[0, 2]].min() > timeline.time(18)
+  groups = [event[1:] for event in timeline.log if event[0] == "group"]
+  for group, updates in groups:
+    assert set(updates.values()) == {group.round}, (group, updates)
+  if sync in ("preduce", "adpsgd"):
+    assert any(len(group.members) >= 2 for group, _ in groups)
+  if sync == "preduce":
+    assert any(group.kind == FORCED for group, _ in groups)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_a_gpipe_stall_costs_its_minibatch_stage_and_direction_one_delay_whatever_m(m):
+  """Stalls of 0.05 s with probability 0.3, sync none, N = 2, S = 3, 12 mini-batches: the M
+  micro-batch forwards (backwards) of mini-batch b at a stage take together their base cost plus
+  0 or exactly delay_s, and the stalled (pipeline, stage, mini-batch, direction)s are those of
+  1F1B under the same seed (one draw each, op id 2b or 2b + 1), so GPipe against 1F1B under
+  stalls does not depend on M."""
+  hetero = Hetero(delay_s=0.05, probability=0.3)
+
+  def extra_time(schedule, num_microbatches):
+    timeline = Timeline(schedule, "none", 2, 3, num_microbatches, seed=5, hetero=hetero,
+                        preduce=PReduce(), hetpipe=HetPipe(), first_batch=0,
+                        start=np.zeros((2, 3)), log=True)
+    timeline.decide([(b, s) for b in range(12) for s in range(3)])
+    extra = {}
+    for event in timeline.log:
+      if event[0] == "op" and event[3][1] < 12:
+        _, i, s, (kind, b, _), start, end = event
+        base = (hetero.fwd_s if kind == FWD else hetero.bwd_s) / num_microbatches
+        extra[(i, s, b, kind)] = extra.get((i, s, b, kind), 0.0) + (end - start - base)
+    assert len(extra) == 2 * 3 * 12 * 2
+    return extra
+
+  extra = extra_time("gpipe", m)
+  for key, seconds in extra.items():
+    assert np.isclose(seconds, 0.0, atol=1e-9) or np.isclose(seconds, 0.05, atol=1e-9), key
+  stalled = {key for key, seconds in extra.items() if seconds > 0.025}
+  assert stalled == {key for key, seconds in extra_time("1f1b", 1).items() if seconds > 0.025}
+  assert 0.15 < len(stalled) / len(extra) < 0.45
+
+
+@pytest.mark.parametrize("sync", ["none", "hetpipe"])
+def test_a_gpipe_fill_from_the_clocks_another_left_continues_its_lockstep(sync):
+  """No stalls, pipeline 1 twice as slow: GPipe's 10 mini-batches simulated at once, or 6 and
+  then 4 from the clocks the first 6 left (`start` = finish[-1], which differ per pipeline), give
+  the same times: a fill's first mini-batch starts everywhere at the latest clock, where the
+  barrier after the previous update puts it."""
+  hetpipe = HetPipe(pull_every=3)
+  whole = simulate("gpipe", sync, 2, 4, 10, 2, hetero=SLOW, hetpipe=hetpipe)
+  first = simulate("gpipe", sync, 2, 4, 6, 2, hetero=SLOW, hetpipe=hetpipe)
+  assert len(np.unique(first.finish[-1])) > 1
+  rest = simulate("gpipe", sync, 2, 4, 4, 2, hetero=SLOW, hetpipe=hetpipe, first_batch=6,
+                  start=first.finish[-1])
+  np.testing.assert_array_equal(np.concatenate([first.finish, rest.finish]), whole.finish)
+
+
+def test_gpipe_pipelines_share_their_counts():
+  """GPipe's pipelines run in lockstep, so a timeline with per-pipeline counts is refused."""
+  with pytest.raises(ValueError, match=r"first_batch=\[1, 0\].*schedule='gpipe'"):
+    Timeline("gpipe", "none", 2, 2, 2, seed=0, hetero=Hetero(), preduce=PReduce(),
+             hetpipe=HetPipe(), first_batch=[1, 0], start=np.zeros((2, 2)))

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from configs import digits
+from jlp import plots
 from jlp.train import loop, recipe
+from jlp.train.checkpoint import Checkpointer
 from jlp.train.metrics import read_metrics
 from runs import final_checkpoint, stable
 
@@ -49,9 +51,10 @@ def test_gpipe_on_digits_trains_and_evaluates(tmp_path, fast_compile):
   assert [r["step"] for r in rows] == [10, 20, 30, 40, 50, 60]
   for r in rows:
     assert {"train_loss", "learning_rate", "throughput", "epoch", "virtual_time",
-            "virtual_throughput", "bubble_fraction", "idle_fraction"} <= set(r)
+            "virtual_throughput", "bubble_fraction", "idle_fraction",
+            "idle_slot_fraction"} <= set(r)
     assert r["bubble_fraction"] == pytest.approx((4 - 1) / (2 + 4 - 1))
-    assert r["idle_fraction"] == pytest.approx((4 - 1) / (2 + 4 - 1))  # GPipe: as the table
+    assert r["idle_slot_fraction"] == pytest.approx((4 - 1) / (2 + 4 - 1))  # GPipe: as the table
   times = [r["virtual_time"] for r in rows]
   assert all(b > a > 0 for a, b in zip(times, times[1:]))
   assert rows[-1]["train_loss"] < 0.5 * rows[0]["train_loss"]
@@ -104,6 +107,7 @@ def test_resume_is_bit_exact(kind, tmp_path, fast_compile):
   rows = read_metrics(ref_dir)
   assert [r["step"] for r in rows] == list(range(1, 11))
   assert [r["step"] for r in rows if "eval_accuracy" in r] == [8, 10]
+  assert all("eval_virtual_time" in r for r in rows if "eval_accuracy" in r)
   assert sorted(int(d) for d in os.listdir(os.path.join(ref_dir, "checkpoints"))) == [8, 10]
   shutil.copytree(ref_dir, workdir)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "10"))
@@ -135,12 +139,103 @@ def test_calls_are_a_performance_knob_only(tmp_path, fast_compile):
     results.append((stable(rows), final_checkpoint(workdir)[1]))
   (rows, state), others = results[0], results[1:]
   for other_rows, other_state in others:
-    per_call = ("virtual_throughput", "bubble_fraction", "idle_fraction")
+    per_call = ("virtual_throughput", "bubble_fraction", "idle_fraction", "idle_slot_fraction")
     assert [{k: v for k, v in r.items() if k not in per_call} for r in other_rows] == [
         {k: v for k, v in r.items() if k not in per_call} for r in rows]
     assert other_state.keys() == state.keys()
     for k in state:
       np.testing.assert_array_equal(other_state[k], state[k], err_msg=k)
+
+
+def one_f_one_b(max_steps):
+  """1F1B, 2 pipelines x 4 stages, calls of 4 mini-batches (evaluation and a checkpoint after
+  each), a row per mini-batch: mini-batch k completes up to a call after it entered."""
+  c = pipelined_config(schedule="1f1b", batches_per_call=4)
+  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = max_steps, 1, 4, 4
+  return c
+
+
+def checkpoint_meta(workdir, step):
+  checkpoints = Checkpointer(workdir)
+  try:
+    return checkpoints.meta(step)
+  finally:
+    checkpoints.close()
+
+
+def test_an_evaluation_carries_the_virtual_time_of_its_weights(tmp_path, fast_compile):
+  """Evaluations after calls [0, 4) and [4, 8) (and the flush): the first joins the row of step
+  4, which 1F1B writes a call later, at mini-batch 3's later virtual time. The row carries the
+  evaluation's own virtual second, `eval_virtual_time`: the pipeline's clock when the evaluated
+  weights existed (the checkpoint's virtual_time at that step), not after the row's mini-batch;
+  plots of time to accuracy draw the evaluation there."""
+  workdir = str(tmp_path)
+  loop.train_and_evaluate(one_f_one_b(8), workdir, progress=False)
+  rows = read_metrics(workdir)
+  assert [r["step"] for r in rows] == list(range(1, 9))
+  evals = [r for r in rows if "eval_accuracy" in r]
+  assert [r["step"] for r in evals] == [4, 8]
+  assert all("eval_virtual_time" in r for r in evals)
+  for r in evals:
+    assert r["eval_virtual_time"] == checkpoint_meta(workdir, r["step"])["virtual_time"]
+  # Rows 1..completed were written in call [0, 4), row 4 (mini-batch 3) in call [4, 8).
+  completed = checkpoint_meta(workdir, 4)["completed"]
+  assert 1 <= completed < 4
+  vt = lambda r, k="virtual_time": np.float32(r[k])  # the clocks are float32
+  assert vt(rows[completed - 1]) <= vt(evals[0], "eval_virtual_time") < vt(rows[3])
+  assert vt(evals[1], "eval_virtual_time") >= vt(rows[7])  # after the flush
+  fig = plots.plot_runs([workdir], x="virtual_time")
+  panel = next(ax for ax in fig.axes if ax.get_title() == "eval accuracy")
+  assert list(panel.lines[0].get_xdata()) == [r["eval_virtual_time"] for r in evals]
+
+
+def test_a_resume_at_max_steps_drains_the_pipeline(tmp_path, fast_compile):
+  """A run to 8 steps whose checkpoint at 4 holds mini-batches in flight, resumed with
+  max_steps = 4 (a cadence change): the resume flushes the pipeline, writes the rows of the
+  mini-batches it completes, evaluates and checkpoints, as a run to 4 does (same rows and final
+  state, bit for bit). Reference: the uninterrupted run with max_steps = 4. Resuming the finished
+  run again is a no-op."""
+  ref_dir, workdir = str(tmp_path / "to4"), str(tmp_path / "resumed")
+  loop.train_and_evaluate(one_f_one_b(4), ref_dir, progress=False)
+  loop.train_and_evaluate(one_f_one_b(8), workdir, progress=False)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  result = loop.train_and_evaluate(one_f_one_b(4), workdir, progress=False)
+  assert result["step"] == 4 and not result.get("finished")
+  keys = ("step", "train_loss", "train_accuracy", "learning_rate", "epoch", "virtual_time",
+          "eval_loss", "eval_accuracy", "eval_virtual_time")
+  pick = lambda rows: [{k: r[k] for k in keys if k in r} for r in rows]
+  rows, ref_rows = read_metrics(workdir), read_metrics(ref_dir)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert pick(rows) == pick(ref_rows) and "eval_accuracy" in rows[-1]
+  ref_step, ref_state = final_checkpoint(ref_dir)
+  step, state = final_checkpoint(workdir)
+  assert step == ref_step == 4 and state.keys() == ref_state.keys()
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+  assert checkpoint_meta(workdir, 4)["completed"] == 4
+  again = loop.train_and_evaluate(one_f_one_b(4), workdir, progress=False)
+  assert again["finished"] and read_metrics(workdir) == rows
+
+
+def test_a_resume_under_another_cost_model_drains_the_fill_first(tmp_path, fast_compile):
+  """A 1F1B run checkpointed at step 4 with mini-batches in flight, resumed to 8 with a changed
+  pipeline.slowdown (an allowed config change): the mini-batches in flight drain under the
+  fill's own model (the first run's), the row says so, and the new model runs from there.
+  Reference for the drain: a run to 4 under the first model (its flush at max_steps)."""
+  ref_dir, workdir = str(tmp_path / "to4"), str(tmp_path / "resumed")
+  loop.train_and_evaluate(one_f_one_b(4), ref_dir, progress=False)
+  loop.train_and_evaluate(one_f_one_b(8), workdir, progress=False)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  changed = one_f_one_b(8)
+  changed.pipeline.slowdown = [[1.0] * 4, [2.0] * 4]
+  result = loop.train_and_evaluate(changed, workdir, progress=False, allow_config_change=True)
+  assert result["step"] == 8 and not result["interrupted"]
+  rows, ref_rows = read_metrics(workdir), read_metrics(ref_dir)
+  assert [r["step"] for r in rows] == list(range(1, 9))
+  assert any("fill_flushed" in r and "hetero" in r["fill_flushed"] for r in rows)
+  # The drained mini-batches' rows are the reference run's, whose flush ran under that model.
+  for r, ref in zip(rows[:4], ref_rows[:4], strict=True):
+    assert (r["train_loss"], r["virtual_time"]) == (ref["train_loss"], ref["virtual_time"])
 
 
 @pytest.mark.parametrize("pipeline, top, message", [
