@@ -1,7 +1,8 @@
 """Pipelined data parallelism (`jlp.pipeline`) on 8 emulated CPU devices: bubbles, step time,
 compile time (issue 12 "Performance"; docs/sdpipe.md#schedules, #virtual-time).
 
-Run: python -m benchmarks.pipeline_bench [--sections=bubble,step,compile] [--width=1024]
+Run: python -m benchmarks.pipeline_bench [--sections=bubble,step,compile,host] [--width=1024]
+       [--host_batches=1200]
        [--batch=2048] [--microbatches=4,8,16] [--steps=5]
 
 bubble   The idle share of GPipe (S in {2, 4, 8} x M in {1, 4, 8, 16}) and of 1F1B over B
@@ -30,6 +31,13 @@ compile  Seconds jax spends tracing, lowering and compiling (jax.monitoring's
          /jax/core/compile/* events) the first `run` of a Pipeline (a small MLP, width 128), against
          S in {2, 4, 8} (N = 8 / S), M in {4, 8, 16} and the mini-batches per run B in {1, 4, 16,
          64}: `lax.scan` over the schedule's ticks (and GPipe's mini-batches) keeps them flat.
+host     A long 1F1B fill on the host: a linear probe (2 pipelines x 2 stages, x + p each) with
+         preduce, pipeline 1 twice as slow and stalls, runs of 4 mini-batches, no flush. The
+         growth of Python's traced heap (tracemalloc) from mini-batch 100 to 300 (target: <= 1.5
+         MiB), the pickled fill's size, and at --host_batches mini-batches the first run after a
+         restore (the pipeline's kept fill forgotten) against a normal run (target: <= 3x): from
+         the state's snapshot, and the baseline of the same run replaying the fill from its start
+         (the snapshot zeroed).
 """
 
 from __future__ import annotations
@@ -42,8 +50,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import collections  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
+import pickle  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+import tracemalloc  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 
 import jax  # noqa: E402
@@ -55,9 +66,10 @@ from flax import nnx  # noqa: E402
 import jlp.pipeline as jp  # noqa: E402
 import jlp.train as jt  # noqa: E402
 
-SECTIONS = ("bubble", "step", "compile")
+SECTIONS = ("bubble", "step", "compile", "host")
 _SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"which of {SECTIONS} to run.")
 _WIDTH = flags.DEFINE_integer("width", 1024, "MLP width of the step section (4 blocks).")
+_HOST_BATCHES = flags.DEFINE_integer("host_batches", 1200, "the host section's fill length.")
 _BATCH = flags.DEFINE_integer("batch", 2048, "global batch of the step section.")
 _MICRO = flags.DEFINE_list("microbatches", ["4", "8", "16"], "GPipe's M in the step section.")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed rounds of the step section.")
@@ -82,8 +94,8 @@ def virtual_bubble(schedule: str, num_stages: int, count: int, bwd_s: float = 1.
 
 def executor_idle(schedule: str, num_stages: int, count: int) -> float:
   """The idle share the executor counts in its own run (`metrics["idle_slot_fraction"]`: device
-  slots in which the program ran no stage) of one pipeline of a width-16 MLP: GPipe one mini-batch of
-  M = count micro-batches, 1F1B a run of B = count mini-batches and the flush."""
+  slots in which the program ran no stage) of one pipeline of a width-16 MLP: GPipe one
+  mini-batch of M = count micro-batches, 1F1B a run of B = count mini-batches and the flush."""
   model = BlockMLP(num_stages, 16, NUM_CLASSES, rngs=nnx.Rngs(0))
   stages, params = stage_split(model)
   pipe = jp.Pipeline(stages, cross_entropy, optax.sgd(0.01), jp.pipeline_mesh(1, num_stages),
@@ -317,6 +329,54 @@ def compile_section() -> None:
           f"{backend:13.2f} {first:11.2f}", flush=True)
 
 
+def host_section() -> None:
+  """The host memory and restore time of a long fill (module docstring)."""
+  n, s, rows, codes, per_run = 2, 2, 2, 16, 4
+  pipe = jp.Pipeline([lambda p, x: x + p["p"]] * s,
+                     lambda y, t: -jax.numpy.mean(jax.numpy.sum(y * t, -1)), optax.sgd(1.0),
+                     jp.pipeline_mesh(n, s), schedule="1f1b", sync="preduce",
+                     hetero=jp.Hetero(delay_s=0.03, probability=0.2,
+                                      slowdown=((1.0,) * s, (2.0,) * s)))
+  state = pipe.init([{"p": np.zeros((codes,), np.float32)}] * s)
+  rng = np.random.default_rng(0)
+  xs = np.zeros((per_run, n * rows, codes), np.float32)
+  ys = rng.random((per_run, n * rows, codes)).astype(np.float32)
+  marks, seconds = {}, []
+  tracemalloc.start()
+  for fed in range(per_run, 300 + 1, per_run):
+    state, _ = pipe.run(state, xs, ys)
+    if fed in (100, 300):
+      gc.collect()
+      marks[fed] = tracemalloc.get_traced_memory()[0]
+  tracemalloc.stop()
+  for _ in range(300, _HOST_BATCHES.value, per_run):  # timed without tracemalloc's overhead
+    begin = time.perf_counter()
+    state, _ = pipe.run(state, xs, ys)
+    seconds.append(time.perf_counter() - begin)
+  normal = statistics.median(seconds[-20:])
+  size = len(pickle.dumps(pipe._fill._fill))  # pylint: disable=protected-access
+
+  def first_run_after_restore(state) -> float:
+    pipe._fill.clear()  # pylint: disable=protected-access
+    begin = time.perf_counter()
+    pipe.run(state, xs, ys)
+    return time.perf_counter() - begin
+  restored = statistics.median(first_run_after_restore(state) for _ in range(3))
+  zeroed = state._replace(inflight=dict(state.inflight, snapshot=jax.numpy.zeros_like(
+      state.inflight["snapshot"])))
+  replayed = first_run_after_restore(zeroed)
+  growth = (marks[300] - marks[100]) / 2 ** 20
+  print("\nhost side of a long 1F1B fill (probe 2 x 2, preduce, pipeline 1 2x slow, stalls, "
+        f"runs of {per_run})")
+  print(f"traced heap growth, mini-batch 100 -> 300: {growth:+.3f} MiB "
+        f"({(marks[300] - marks[100]) / 200 / 1024:+.2f} KiB per mini-batch; target <= 1.5 MiB)")
+  print(f"pickled fill (the state's snapshot, before compression): {size / 1024:.1f} KiB")
+  print(f"at mini-batch {_HOST_BATCHES.value}: a normal run {normal * 1e3:.1f} ms; the first run "
+        f"after a restore, from the snapshot: {restored * 1e3:.1f} ms ({restored / normal:.2f}x; "
+        f"target <= 3x); replaying the fill from its start (the baseline): "
+        f"{replayed * 1e3:.1f} ms ({replayed / normal:.1f}x)")
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -335,6 +395,8 @@ def main(argv: Sequence[str]) -> None:
     step_section(_WIDTH.value, _BATCH.value, [int(m) for m in _MICRO.value], _STEPS.value)
   if "compile" in _SECTIONS.value:
     compile_section()
+  if "host" in _SECTIONS.value:
+    host_section()
 
 
 if __name__ == "__main__":

@@ -142,7 +142,8 @@ class PReduce:
 class HetPipe:
   """HetPipe's timing (docs/sdpipe.md#syncs-across-pipelines): a pull every `pull_every` batches;
   `barrier` = a wave barrier over every (pipeline, stage) at each pull (the seed's BERT run,
-  bsp=0)."""
+  bsp=0): the pipelines that make that pull meet there (after a flush that left them at other
+  counts, or at a fill's end, the others do not wait for it)."""
   pull_every: int = 10
   barrier: bool = False
 

@@ -68,8 +68,9 @@ a run fed B mini-batches executes everything before the forward that takes chunk
 reports "updates" [N] (each pipeline's completed mini-batches) and, as "batch", every N
 completions in completion order as one mini-batch (with equal speeds: the N pipelines' rows of
 one mini-batch, and every number as the lockstep executor's). The scheduler's state (adaptive
-windows, union-find, counts) lives from one run to the next like the pipeline's; after a restore
-the timeline is replayed from the fill's start (its clocks are in the state).
+windows, union-find, counts) lives from one run to the next like the pipeline's, pruned to
+what later runs need and kept in the state as a snapshot (`jlp.pipeline.fill`): a restore or a
+retry from an earlier state continues from it without replaying the fill.
 
 Stages: `stage(params, x) -> y`, or with `stateful=True` `stage(params, x, state) -> (y,
 new_state)` (BatchNorm statistics, RNG counters: `jlp.pipeline.split_model` builds such stages
@@ -96,9 +97,9 @@ from jlp._checks import is_int
 from jlp.pipeline import schedules as sched
 from jlp.pipeline.buffers import Layout, make_layout
 from jlp.pipeline.costs import check_sizes
-from jlp.pipeline.fill import FillCache, FillModel, model_capacity
+from jlp.pipeline.fill import (Fill, FillCache, FillModel, encode_snapshot, model_capacity,
+                               snapshot_capacity)
 from jlp.pipeline.packing import Packer
-from jlp.pipeline.placement import Placement
 from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
 from jlp.pipeline.run_tables import bucket, make_run_tables
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce
@@ -136,28 +137,13 @@ def _idle_share(busy: float, span: float, num_pipelines: int, num_stages: int) -
   return 1.0 - busy / (num_pipelines * num_stages * span)
 
 
-def _drain_nodes(placement: Placement, done: set[tuple]) -> tuple[list[tuple], dict[tuple, Any]]:
-  """A flush's nodes: the replay's (`placement`, finished) less those the endless timeline ran
-  before the cut (`done`, named by content). A group the replay forms over a member update that
-  already averaged before the cut (the drain may form groups otherwise, or earlier) averages
-  only its other members: every update averages once. Returns the nodes in cut order and the
-  groups so restricted, by node."""
-  averaged = {(i, node[1], m) for node in done if node[0] == "mix"
-              for i, m in zip(node[2], node[3], strict=True)}
-  nodes, override = [], {}
-  groups = dict((node, group) for group, node in placement.groups)
-  for node in placement.take(None):
-    if node in done:
-      continue
-    if node[0] == "mix":
-      kept = tuple(i for i, m in zip(node[2], node[3], strict=True)
-                   if (i, node[1], m) not in averaged)
-      if not kept:
-        continue
-      if kept != node[2]:
-        override[node] = groups[node]._replace(members=kept)
-    nodes.append(node)
-  return nodes, override
+def _oldest_waiting(items: list[tuple[int, int]], num_pipelines: int) -> list[float]:
+  """Per pipeline, the earliest update m of its completions waiting to be reported (inf: none):
+  their leave times must stay."""
+  oldest = [math.inf] * num_pipelines
+  for i, m in items:
+    oldest[i] = min(oldest[i], m)
+  return oldest
 
 
 def _stages_across_hosts(devices: list[jax.Device], num_pipelines: int,
@@ -611,9 +597,11 @@ class Pipeline:
             ) -> tuple[PipelineState, dict[str, Any]]:
     """Completes the mini-batches in flight (1F1B's drain; nothing to do for GPipe or an empty
     pipeline): the state then holds every fed mini-batch's updates, and the next `run` fills
-    the pipeline anew. The drain's decisions come from the fill's timeline replayed with its
-    end (`Timeline(total=fed)`): no later mini-batch's forward delays the drain. Returns the
-    state and the metrics of the mini-batches completed, as `run` does."""
+    the pipeline anew. The drain's decisions are those of the fill's timeline with its end
+    (`Timeline(total=fed)`: no later mini-batch's forward delays the drain), continued from a
+    point where it still agrees with the never-ending one (`jlp.pipeline.fill.Fill`), under the
+    fill's own model. Returns the state and the metrics of the mini-batches completed, as `run`
+    does."""
     self.check_state(state)
     if (self.schedule != "1f1b" or not state.inflight
         or int(np.asarray(state.step)) == int(np.asarray(state.fill_start))):
@@ -752,7 +740,8 @@ class Pipeline:
     span = float(clocks.max() - self.virtual_clocks(state).max())
     if plan is None:  # the ops' virtual durations (a plan gives times, not op costs)
       order = sched.stage_order("gpipe", S, 1, self.num_microbatches)
-      busy = sum(timeline._duration(i, s, (kind, first + p - fill_start, m))  # pylint: disable=protected-access
+      duration = timeline._duration  # pylint: disable=protected-access
+      busy = sum(duration(i, s, (kind, first + p - fill_start, m))
                  for p in range(B) for i in range(N) for s in range(S)
                  for kind, _, m in order[s])
     else:
@@ -766,15 +755,19 @@ class Pipeline:
     return new_state, metrics
 
   # -- 1F1B: every pipeline by its own clock -------------------------------------------------
-  def _placement(self, state: PipelineState, model: FillModel, position: int | None,
-                 total: list[int] | None = None) -> Placement:
-    """The placed timeline of the state's fill (`jlp.pipeline.fill`), standing at `position`
-    chunks taken (None with `total`: the fill replayed with its end, for a flush)."""
-    return self._fill.placement(
+  def _fill_at(self, state: PipelineState, model: FillModel, position: int) -> Fill:
+    """The state's 1F1B fill (`jlp.pipeline.fill`) standing at `position` chunks taken: the one
+    this pipeline keeps, the state's snapshot, or the fill replayed."""
+    pending = state.inflight["pending"]
+    count = int(np.asarray(pending["count"]))
+    waiting = list(zip(np.asarray(pending["pipeline"])[:count].tolist(),
+                       np.asarray(pending["m"])[:count].tolist()))
+    return self._fill.fill(
         model, self.schedule, self.num_pipelines, self.num_stages,
         fill_start=int(np.asarray(state.fill_start)), clock=self._fill_clock(state),
         fed_start=[int(v) for v in np.asarray(state.inflight["fed_start"])], position=position,
-        total=total)
+        keep_updates_from=_oldest_waiting(waiting, self.num_pipelines),
+        snapshot=state.inflight.get("snapshot"))
 
   def _execute_1f1b(self, state: PipelineState, layout: Layout | None, xs: Any, ys: Any,
                     plan: Any, hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
@@ -793,26 +786,20 @@ class Pipeline:
       state = state._replace(inflight=dict(state.inflight, **self._fill_record(
           state.inflight["fill_clock"], model)))
     before = (step - fill_start) * N  # chunks (one pipeline's rows of a mini-batch) fed
-    endless = self._placement(state, model, before)
-    cut_before = endless.chunk_cut(before) if before else None
-    chunks_before = endless.chunks_below(cut_before) if before else []
-    taken_before = [sum(1 for i, _ in chunks_before if i == p) for p in range(N)]
+    fill = self._fill_at(state, model, before)
+    endless = fill.placement
+    taken_before = list(endless.taken_counts)
     group_override: dict[Any, Any] = {}
     if flush:
-      placement = self._placement(state, model, None, total=taken_before)
-      placement.finish()
-      done = {node for node in endless.ticks if node[0] in ("op", "mix", "pull") and
-              endless.sortkey(node) < cut_before}
-      nodes, group_override = _drain_nodes(placement, done)
+      placement, nodes, group_override = fill.drain()
       chunks, taken_after = [], taken_before
       self._fill.clear()
     else:
       placement = endless
       cut = endless.chunk_cut(before + B * N)
-      nodes = endless.take(cut)
-      endless.taken_chunks = before + B * N
-      chunks = endless.chunks_below(cut)[before:]
-      taken_after = [taken_before[p] + sum(1 for i, _ in chunks if i == p) for p in range(N)]
+      chunks = endless.chunks_between(before, before + B * N)
+      nodes = endless.take(cut, before + B * N)
+      taken_after = list(endless.taken_counts)
     plan_mix = None
     if plan is not None:
       mix_all, times_all, finish_all = self._plan_arrays(plan, step + B)
@@ -825,12 +812,12 @@ class Pipeline:
     def left_at(i: int, m: int) -> np.ndarray:  # [S] when pipeline i's update m left (nan: not yet)
       if plan is not None:
         return finish_all[fed_start[i] + m, i]
-      return timeline.finish[m][i] if m in timeline.finish else np.full((S,), np.nan)
+      return timeline.left_at(i, m)
 
     def time_of(i: int, m: int) -> float:
       if plan is not None:
         return float(times_all[fed_start[i] + m])
-      return float(np.max(timeline.finish[m][i]))
+      return float(np.max(timeline.left_at(i, m)))
 
     # A clock is where its device's last update left its sync; one still in it, its arrival.
     clocks = self.virtual_clocks(state)
@@ -942,6 +929,10 @@ class Pipeline:
     inflight = dict(new_state.inflight, fill_clock=state.inflight["fill_clock"],
                     fill_model=state.inflight["fill_model"], fed_start=state.inflight["fed_start"],
                     pending={k: _put(v, replicated) for k, v in new_pending.items()})
+    if not flush:  # what the next run needs of the fill, so that a restore need not replay it
+      oldest = _oldest_waiting([(i, m) for i, m, _ in left], N)
+      fill.end_run(nodes, [min(oldest[i], taken_after[i] - S - 1) for i in range(N)])
+      inflight["snapshot"] = _put(encode_snapshot(fill, snapshot_capacity(N, S)), replicated)
     new_state = new_state._replace(inflight=inflight)
     if flush:  # an empty pipeline: the next fill starts here
       zeros = self._inflight_zeros(layout, None, None, new_state.virtual_time,
@@ -976,6 +967,7 @@ class Pipeline:
     for k in ("xs", "ys"):
       out[k] = jax.tree.map(lambda a: _put(a, NamedSharding(self.mesh, P(None, DATA))), host[k])
     out.update(self._fill_record(clock, None))
+    out["snapshot"] = _put(np.zeros((snapshot_capacity(N, S),), np.uint8), replicated)
     out["fed_start"] = _put(np.zeros((N,), np.int32), replicated)
     capacity = self._pending_capacity
     pending = {"count": np.int32(0), "done": np.int32(0),

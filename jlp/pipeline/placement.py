@@ -23,16 +23,20 @@ timeline says happened before it (a longest path over these constraints, weights
     after its pull (+1).
 
 A node's tick depends only on what came before it, so the ticks never change once placed, and
-the executor may cut the fill into runs anywhere: `frontier` says up to which tick everything is
-placed. Stage 0's forwards take the training stream's chunks (one pipeline's rows of a
-mini-batch) in the order of their ticks, pipelines in index order within a tick: a pipeline that
-is slower in virtual time takes fewer. With equal speeds this is the lockstep table of
-`schedules.continuous_1f1b` on every pipeline, and chunk c goes to pipeline c mod N.
+the executor may cut the fill into runs anywhere (`chunk_cut`, `take`). `prune` then forgets what
+the runs taken so far no longer need (everything below the cut but the last op of each device,
+what later events may still name, and HetPipe's server order from the oldest push or pull still
+to come), so the host memory of a long fill stays flat. Stage 0's forwards take the training
+stream's chunks (one pipeline's rows of a mini-batch) in the order of their ticks, pipelines in
+index order within a tick: a pipeline that is slower in virtual time takes fewer. With equal
+speeds this is the lockstep table of `schedules.continuous_1f1b` on every pipeline, and chunk c
+goes to pipeline c mod N.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any
 
 import numpy as np
@@ -65,6 +69,7 @@ class Placement:
     self.N, self.S = N, S
     self._read = 0  # how much of the timeline's log is placed
     self.taken_chunks = 0  # the chunks whose runs `take` has returned (the executor's position)
+    self.taken_counts = [0] * N  # of those, each pipeline's
     self.preds: dict[Node, list[tuple[Node, int]]] = {}
     self.ticks: dict[Node, int] = {}
     self._complete_after: dict[Node, float] = {}  # preds known once the timeline passes this
@@ -72,20 +77,25 @@ class Placement:
     self._ar_members: dict[Node, list[Node]] = {}
     self.device_ops: list[list[list[Node]]] = [[[] for _ in range(S)] for _ in range(N)]
     self._after_sync: list[list[Node | None]] = [[None] * S for _ in range(N)]
-    self._waiting: dict[tuple[int, int], Node] = {}  # (i, s) -> the update in its sync
+    self._in_sync: set[Node] = set()  # updates that arrived at their sync and have not left
     self.groups: list[tuple[Any, Node]] = []  # (Group, its mix node), formation order
-    self.pulls: list[Node] = []
+    # HetPipe's server order per stage, from index `_push_base[s]` / `_pull_base[s]` on (what
+    # `prune` dropped before it is summed up in the ticks of ("pushes", s, base) and so on).
     self._pushes: list[list[tuple[float, int, Node]]] = [[] for _ in range(S)]  # by arrival
     self._push_times: list[list[float]] = [[] for _ in range(S)]
+    self._push_base = [0] * S
     self.push_index: dict[Node, int] = {}  # a push's place in its stage's arrival order
     self._pull_times: list[list[float]] = [[] for _ in range(S)]
     self._pull_nodes: list[list[Node]] = [[] for _ in range(S)]
+    self._pull_base = [0] * S
     self.times: dict[Node, tuple[float, float]] = {}  # op -> (start, end); push: arrival
     self._unplaced: list[Node] = []
-    self.by_tick: dict[int, list[Node]] = {}  # the placed ops, averages and pulls
     self.keys: dict[Node, float] = {}  # virtual time, made monotone along the constraints
     self._pool: list[Node] = []  # placed ops, averages and pulls no run has taken yet
-    self.forwards0: list[tuple[tuple, Node]] = []  # stage 0's forwards by sortkey
+    # Stage 0's forwards by sortkey, from chunk `_forwards_base` of the fill on.
+    self.forwards0: list[tuple[tuple, Node]] = []
+    self._forwards_base = 0
+    self._divergence: dict[Node, float] = {}  # `divergence`'s times of events since pruned
 
   # -- reading the timeline ------------------------------------------------------------------------
   def _add(self, node: Node, preds: list[tuple[Node, int]], complete_after: float | None = None
@@ -133,11 +143,14 @@ class Placement:
       elif event[0] == "arrive":
         _, i, s, m, t = event
         node = ("op", i, s, sched.BWD, m)
-        self._waiting[(i, s)] = node
+        self._in_sync.add(node)
         if hetpipe:
-          self.push_index[node] = len(self._pushes[s])
+          self.push_index[node] = self._push_base[s] + len(self._pushes[s])
           self._pushes[s].append((t, i, node))
           self._push_times[s].append(t)
+      elif event[0] == "leave":
+        _, i, s, m, _ = event
+        self._in_sync.discard(("op", i, s, sched.BWD, m))
       elif event[0] == "group":
         _, group, updates = event
         node = ("mix", group.stage, tuple(group.members),
@@ -153,7 +166,6 @@ class Placement:
         node = ("pull", i, s, m)
         self._pull_times[s].append(t)
         self._pull_nodes[s].append(node)
-        self.pulls.append(node)
         self._add(node, [(("op", i, s, sched.BWD, m), 0)], complete_after=t)
         self.times[node] = (t, t)
         self._after_sync[i][s] = node
@@ -164,19 +176,27 @@ class Placement:
     if kind == "op" and node[3] == sched.BWD and self.timeline.sync == "hetpipe" and \
         not self.aligned:
       s, end = node[2], self.times[node][1]
-      before = bisect.bisect_left(self._pull_times[s], end)
+      before = self._pull_base[s] + bisect.bisect_left(self._pull_times[s], end)
       return self.preds[node] + [(("pulls", s, before), 1),
                                  (("pushes", s, self.push_index[node]), 0)]
     if kind == "pull":
       s, t = node[2], self.times[node][0]
-      arrived = bisect.bisect_right(self._push_times[s], t)
+      arrived = self._push_base[s] + bisect.bisect_right(self._push_times[s], t)
       return self.preds[node] + [(("pushes", s, arrived), 0)]
     if kind == "pushes":
       _, s, k = node
-      return [] if k == 0 else [(("pushes", s, k - 1), 0), (self._pushes[s][k - 1][2], 0)]
+      if k == 0:
+        return []
+      if k <= self._push_base[s]:
+        raise AssertionError(f"{node} was pruned before it was placed")  # a bug
+      return [(("pushes", s, k - 1), 0), (self._pushes[s][k - 1 - self._push_base[s]][2], 0)]
     if kind == "pulls":
       _, s, k = node
-      return [] if k == 0 else [(("pulls", s, k - 1), 0), (self._pull_nodes[s][k - 1], 0)]
+      if k == 0:
+        return []
+      if k <= self._pull_base[s]:
+        raise AssertionError(f"{node} was pruned before it was placed")  # a bug
+      return [(("pulls", s, k - 1), 0), (self._pull_nodes[s][k - 1 - self._pull_base[s]], 0)]
     return self.preds[node]
 
   def _known(self, node: Node) -> bool:
@@ -203,10 +223,9 @@ class Placement:
         on_path.discard(top)
         base = -1 if top[0] in ("pushes", "pulls") else 0
         preds = self._all_preds(top)
-        t = self.ticks[top] = max([base] + [self.ticks[p] + w for p, w in preds])
+        self.ticks[top] = max([base] + [self.ticks[p] + w for p, w in preds])
         self.keys[top] = max([self._time(top)] + [self.keys[p] for p, _ in preds])
         if top[0] in ("op", "mix", "pull"):
-          self.by_tick.setdefault(t, []).append(top)
           self._pool.append(top)
         if top[0] == "op" and top[2] == 0 and top[3] == sched.FWD:
           bisect.insort(self.forwards0, (self.sortkey(top), top))
@@ -273,22 +292,34 @@ class Placement:
     """The sortkey of the stage-0 forward that takes chunk `chunks` (0-based, counted in the
     fill): a run fed chunks [0, chunks) ends before it. Advances the timeline as far as needed:
     every later forward then ends after what it has processed."""
+    k = chunks - self._forwards_base
+    if k < 0:
+      raise AssertionError(f"chunk {chunks} lies before the pruned fill's {self._forwards_base}")
+
     def known(_) -> bool:
-      return len(self.forwards0) > chunks and self.timeline.now > self.forwards0[chunks][0][0]
+      return len(self.forwards0) > k and self.timeline.now > self.forwards0[k][0][0]
     self.advance(known)
-    return self.forwards0[chunks][0]
+    return self.forwards0[k][0]
 
-  def chunks_below(self, cut: tuple) -> list[tuple[int, int]]:
-    """(pipeline, m) of the stage-0 forwards before `cut`, in chunk order."""
-    stop = bisect.bisect_left(self.forwards0, (cut,))
-    return [(node[1], node[4]) for _, node in self.forwards0[:stop]]
+  def chunks_between(self, first: int, stop: int) -> list[tuple[int, int]]:
+    """(pipeline, m) of the stage-0 forwards that take chunks [first, stop) of the fill, in chunk
+    order (`chunk_cut(stop)` first)."""
+    base = self._forwards_base
+    if first < base:
+      raise AssertionError(f"chunk {first} lies before the pruned fill's {base}")  # a bug
+    return [(node[1], node[4]) for _, node in self.forwards0[first - base:stop - base]]
 
-  def take(self, cut: tuple | None) -> list[Node]:
+  def take(self, cut: tuple | None, chunks: int | None = None) -> list[Node]:
     """The placed ops, averages and pulls before `cut` (None: all) that no earlier `take`
-    returned, in cut order."""
+    returned, in cut order. `chunks`: the chunks fed up to `cut` (`chunk_cut(chunks)`), which
+    then count as taken (`taken_chunks`, `taken_counts`)."""
     pool = [(self.sortkey(node), node) for node in self._pool]
     taken = sorted(p for p in pool if cut is None or p[0] < cut)
     self._pool = [node for key, node in pool if not (cut is None or key < cut)]
+    if chunks is not None:
+      for i, _ in self.chunks_between(self.taken_chunks, chunks):
+        self.taken_counts[i] += 1
+      self.taken_chunks = chunks
     return [node for _, node in taken]
 
   def local_ticks(self, nodes: list[Node]) -> dict[Node, int]:
@@ -320,3 +351,139 @@ class Placement:
       for update in updates:
         local[update] = t
     return local
+
+  # -- a long fill ---------------------------------------------------------------------------------
+  def agrees_with_its_end(self, start: Placement) -> bool:
+    """Whether `start`, a copy of this placement made earlier, agrees with this fill replayed
+    with its end at `taken_counts` (`end_at`, a flush) on everything it has processed: it has
+    not started a stage-0 forward of a mini-batch not taken, and has processed no event at or
+    after `divergence()`."""
+    if not start.timeline.now < self.divergence():
+      return False
+    warm = self.S
+    for i, count in enumerate(self.taken_counts):
+      position = count if count < warm else warm + 2 * (count - warm) + 1  # F(count), stage 0
+      if start.timeline.pos[i][0] > position:
+        return False
+    return True
+
+  def divergence(self) -> float:
+    """The earliest virtual time of an event at which this fill replayed with its end at
+    `taken_counts` departs from this never-ending timeline, besides the forwards of mini-batches
+    not taken (`agrees_with_its_end`): with preduce the arrivals of each pipeline's last update
+    taken (the scheduler's end rule), and with HetPipe's wave barrier the arrivals at the first
+    wave some pipeline no longer reaches. An event not known yet counts as the timeline's now;
+    one pruned since keeps the time this method saw last."""
+    timeline = self.timeline
+    now, t = timeline.now, math.inf
+    cache = self._divergence
+    ends = []
+    for i, count in enumerate(self.taken_counts):
+      if timeline.sync == "preduce" and count:
+        ends += [("op", i, s, sched.BWD, count - 1) for s in range(self.S)]
+    if timeline.sync == "hetpipe" and timeline.hetpipe.barrier:
+      ends += self._short_waves()
+    for node in ends:
+      if node in self.times:
+        cache[node] = self.times[node][1]  # the arrival at its sync
+      t = min(t, cache.get(node, now))
+    self._divergence = {node: cache[node] for node in ends if node in cache}
+    return t
+
+  def _short_waves(self) -> list[Node]:
+    """HetPipe's wave barrier with an end at `taken_counts`: a wave some pipeline no longer
+    reaches closes without it, so the arrivals there of the pipelines that do reach it (their
+    updates at each stage) are where the timeline with its end may depart."""
+    timeline, every = self.timeline, self.timeline.hetpipe.pull_every
+    first = timeline.first_batch
+    short = min(f + c for f, c in zip(first, self.taken_counts, strict=True)) // every + 1
+    out = []
+    for i, count in enumerate(self.taken_counts):
+      wave = max(short, first[i] // every + 1)
+      b = wave * every - first[i] - 1  # pipeline i's update at that pull, in the fill
+      if b < count:
+        out += [("op", i, s, sched.BWD, b) for s in range(self.S)]
+    return out
+
+  def end_at(self, totals: list[int]) -> None:
+    """Gives the never-ending timeline an end after `totals` mini-batches per pipeline, as
+    `Timeline(total=totals)` has from its start: valid while it has processed nothing at or
+    after `divergence()` for these totals."""
+    timeline = self.timeline
+    timeline.total = timeline.totals = [int(v) for v in totals]
+    if timeline.scheduler is not None:
+      timeline.scheduler.last_batch = [int(v) - 1 for v in totals]
+
+  def prune(self, keep_updates_from: list[int]) -> None:
+    """Forgets what no later run, placement or cut can need, after a `take` whose tables are
+    made: the read part of the timeline's log, every taken node but the last op of each device,
+    what later events may name (an op whose dependent has not started, an update in its sync,
+    a device's latest average or pull), the predecessors of what is not placed yet, HetPipe's
+    server order before the oldest push or pull a later node may count, and the timeline's
+    record of each pipeline's updates before its `keep_updates_from` (`Timeline.prune`)."""
+    timeline = self.timeline
+    del timeline.log[:self._read]
+    self._read = 0
+    untaken = set(self._pool) | set(self._unplaced)
+    live: set[Node] = set(untaken)
+    live.update(node for node in self.preds if node[0] == "ar" and node not in self.ticks)
+    for node in list(live):
+      live.update(p for p, _ in self.preds.get(node, ()))
+      if self.aligned and node[0] == "op" and node[3] == sched.BWD:
+        group = ("ar", node[2], node[4])
+        live.add(group)
+        live.update(p for p, _ in self.preds.get(group, ()))
+    for i in range(self.N):
+      for s in range(self.S):
+        ops = self.device_ops[i][s]
+        del ops[:-1]
+        live.update(ops)
+        if self._after_sync[i][s] is not None:
+          live.add(self._after_sync[i][s])
+    live.update(("op", i, s, kind, m) for i, s, (kind, m, _) in timeline.done)
+    live.update(self._in_sync)
+    if timeline.sync == "hetpipe" and not self.aligned:
+      self._prune_server(live)
+    for table in (self.preds, self.ticks, self.keys, self.times, self._complete_after,
+                  self.push_index, self._ar_members, self._members):
+      for node in [n for n in table if n not in live]:
+        del table[node]
+    self.groups = [(group, node) for group, node in self.groups if node in live]
+    taken = self.taken_chunks - self._forwards_base
+    if taken > 0:
+      del self.forwards0[:taken]
+      self._forwards_base = self.taken_chunks
+    timeline.prune(keep_updates_from)
+
+  def _prune_server(self, live: set[Node]) -> None:
+    """HetPipe: drops each stage's pushes and pulls before the oldest one a node not placed yet,
+    or one still to come (its time is at least the timeline's now), may count; the tick of the
+    count there stays, and ends the chains of later counts."""
+    now = self.timeline.now
+    unplaced = [node for node in self._unplaced if node not in self.ticks]
+    for s in range(self.S):
+      push_base, pull_base = self._push_base[s], self._pull_base[s]
+      k0 = push_base + bisect.bisect_right(self._push_times[s], now)
+      l0 = pull_base + bisect.bisect_left(self._pull_times[s], now)
+      for node in unplaced:
+        if node[0] == "pull" and node[2] == s:
+          k0 = min(k0, push_base + bisect.bisect_right(self._push_times[s], self.times[node][0]))
+        elif node[0] == "op" and node[2] == s and node[3] == sched.BWD:
+          if node in self.push_index:
+            k0 = min(k0, self.push_index[node])
+          if node in self.times:
+            l0 = min(l0, pull_base + bisect.bisect_left(self._pull_times[s], self.times[node][1]))
+      while k0 > push_base and self.tick(("pushes", s, k0)) is None:
+        k0 -= 1
+      while l0 > pull_base and self.tick(("pulls", s, l0)) is None:
+        l0 -= 1
+      if k0 == push_base and ("pushes", s, k0) not in self.ticks:
+        self.tick(("pushes", s, k0))
+      if l0 == pull_base and ("pulls", s, l0) not in self.ticks:
+        self.tick(("pulls", s, l0))
+      del self._pushes[s][:k0 - push_base], self._push_times[s][:k0 - push_base]
+      del self._pull_nodes[s][:l0 - pull_base], self._pull_times[s][:l0 - pull_base]
+      self._push_base[s], self._pull_base[s] = k0, l0
+      live.update((("pushes", s, k0), ("pulls", s, l0)))
+      live.update(node for _, _, node in self._pushes[s])
+      live.update(self._pull_nodes[s])

@@ -55,7 +55,10 @@ count mini-batches over the whole training (`first_batch`).
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import heapq
+import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 
@@ -126,7 +129,7 @@ class Timeline:
     self.scheduler = (Scheduler(preduce, N, S, last, self.cost, lockstep=self.lockstep)
                       if sync == "preduce" else None)
     self.base_order = schedules.stage_order("gpipe", S, 1, M) if schedule == "gpipe" else None
-    self._stalls: dict[int, np.ndarray] = {}
+    self._stalls: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
     self._position_stalls: np.ndarray | None = None
     if stalls_by_position:  # two draws per mini-batch and stage (module docstring)
       self._position_stalls = (np.random.default_rng(int(seed)).random((2 * max(self.totals),
@@ -134,15 +137,16 @@ class Timeline:
                                < hetero.probability)
     self.started = [[0] * S for _ in range(N)]  # ops started: the position of the next one
     self._rng = random.Random(int(seed))  # AD-PSGD: one shuffle per round, in round order
-    self._partners: list[list[int]] = []
+    self._partners: list[list[int]] = []  # from round `_partners_base` on
+    self._partners_base = 0
     self.heap: list[tuple] = []
     self.pos = [[0] * S for _ in range(N)]  # position in the stage's order of its next op
     self.current: list[list[Op | None]] = [[None] * S for _ in range(N)]
     self.waiting: list[list[float | None]] = [[None] * S for _ in range(N)]
     # (pipeline, stage, op) -> end time, until the op that waits for it starts
     self.done: dict[tuple[int, int, Op], float] = {}
-    self.finish: dict[int, np.ndarray] = {}  # update b -> [N, S] leave times (nan: not yet)
-    self._waiting_for: dict[int, list[int]] = {}  # update b -> per stage, pipelines not left
+    # Per pipeline: update b -> its stages' leave times (nan: not yet); `finish` shows them.
+    self._left: list[dict[int, list[float]]] = [{} for _ in range(N)]
     self._needed: set[tuple[int, int]] = set()  # the updates `decide` waits for
     self.groups: list[Group] = []
     self.windows: list[tuple[Group, ...]] = []  # preduce: the groups of every window closed
@@ -200,9 +204,13 @@ class Timeline:
       return bool(self._position_stalls[k, i, s])
     op_id = self._op_id(op)
     chunk = op_id // _CHUNK
-    if chunk not in self._stalls:
+    if chunk in self._stalls:
+      self._stalls.move_to_end(chunk)
+    else:  # the draws of the chunks in use (a few per pipeline), recomputed when needed again
       draws = np.random.default_rng([int(self.seed), chunk]).random((_CHUNK, self.N, self.S))
       self._stalls[chunk] = draws < self.hetero.probability
+      if len(self._stalls) > 2 * self.N + 2:
+        self._stalls.popitem(last=False)
     return bool(self._stalls[chunk][op_id % _CHUNK, i, s])
 
   def _duration(self, i: int, s: int, op: Op) -> float:
@@ -281,17 +289,14 @@ class Timeline:
 
   def _record_leave(self, i: int, s: int, b: int, t: float) -> None:
     """(pipeline i, stage s) left the sync of update b at t."""
-    if b not in self.finish:
-      self.finish[b] = np.full((self.N, self.S), np.nan)
-      self._waiting_for[b] = [self.N] * self.S
-    self.finish[b][i, s] = t
+    self._left[i].setdefault(b, [math.nan] * self.S)[s] = t
     if self.log is not None:
       self.log.append(("leave", i, s, b, t))
-    self._waiting_for[b][s] -= 1
-    if self._waiting_for[b][s] == 0:
+    if self.decided(b, s):
       self._needed.discard((b, s))
-      if self.lockstep and not any(self._waiting_for[b]):  # GPipe: the barrier after update b
-        self._all_left[b] = float(self.finish[b].max())
+      if self.lockstep and all(self.decided(b, s2) for s2 in range(self.S)):
+        # GPipe: the barrier after update b.
+        self._all_left[b] = self.time(b)
         self._all_left.pop(b - 1, None)  # every op of mini-batch b has started
         for j, s2, free in self._at_lockstep.pop(b, ()):
           self._start(j, s2, free)
@@ -302,14 +307,16 @@ class Timeline:
 
   def partners(self, b: int) -> list[int]:
     """AD-PSGD's partner of every pipeline in round b (adpsgd_matchings's rule)."""
-    while len(self._partners) <= b:
+    if b < self._partners_base:
+      raise AssertionError(f"AD-PSGD round {b} was pruned")  # a bug
+    while self._partners_base + len(self._partners) <= b:
       order = list(range(self.N))
       self._rng.shuffle(order)
       row = [0] * self.N
       for p in range(0, self.N, 2):
         row[order[p]], row[order[p + 1]] = order[p + 1], order[p]
       self._partners.append(row)
-    return self._partners[b]
+    return self._partners[b - self._partners_base]
 
   def _arrive(self, i: int, s: int, b: int, t: float) -> None:
     N = self.N
@@ -335,10 +342,10 @@ class Timeline:
       own = self.first_batch[i] + b + 1  # the pipeline's mini-batches over the training
       pull = own % self.hetpipe.pull_every == 0
       if self.hetpipe.barrier and pull:
-        # Every (pipeline, stage) meets at the same pull, whatever its count in this fill.
+        # Every (pipeline, stage) that makes this pull in the fill meets there.
         key = (-1, own // self.hetpipe.pull_every)
         self._at_barrier.setdefault(key, []).append((i, s, b))
-        if len(self._at_barrier[key]) == N * self.S:
+        if len(self._at_barrier[key]) == self.S * len(self.wave_members(key[1])):
           for j, s2, b2 in self._at_barrier.pop(key):
             self._pull(j, s2, b2, t + self.cost[1])
             self._leave(j, s2, b2, t + self.cost[1])
@@ -348,6 +355,14 @@ class Timeline:
         self._leave(i, s, b, t + self.cost[1])
     else:
       self._carry_out(self.scheduler.arrive(i, s, b, t))
+
+  def wave_members(self, wave: int) -> list[int]:
+    """HetPipe's barrier: the pipelines that make pull `wave` (counted over the training) in this
+    fill: not before it (a previous fill may have left the pipelines at other counts) and not
+    after its end (`total`)."""
+    at = wave * self.hetpipe.pull_every
+    return [j for j in range(self.N) if self.first_batch[j] < at and
+            (self.totals is None or at <= self.first_batch[j] + self.totals[j])]
 
   def _pull(self, i: int, s: int, b: int, t: float) -> None:
     if self.log is not None:
@@ -374,7 +389,18 @@ class Timeline:
   # -- what the executor asks ----------------------------------------------------------------------
   def decided(self, b: int, s: int) -> bool:
     """Whether every pipeline's update b of stage s has left its sync."""
-    return b in self._waiting_for and self._waiting_for[b][s] == 0
+    return all(b in left and not math.isnan(left[b][s]) for left in self._left)
+
+  def left_at(self, i: int, b: int) -> np.ndarray:
+    """float64 [S]: when pipeline i's stages left the sync of update b (nan: not yet)."""
+    row = self._left[i].get(b)
+    return np.full((self.S,), np.nan) if row is None else np.array(row)
+
+  @property
+  def finish(self) -> _Finish:
+    """Update b -> float64 [N, S]: when each (pipeline, stage) left its sync (nan: not yet), for
+    the updates some pipeline left."""
+    return _Finish(self)
 
   def decide(self, updates: Iterable[tuple[int, int]]) -> None:
     """Advances until every (mini-batch, stage) update of `updates` is decided."""
@@ -399,4 +425,42 @@ class Timeline:
 
   def time(self, b: int) -> float:
     """When update b has left its sync everywhere (decided at every stage)."""
-    return float(self.finish[b].max())
+    return max(max(left[b]) for left in self._left)
+
+  def prune(self, keep_from: Sequence[int]) -> None:
+    """For a 1F1B fill the executor runs (`jlp.pipeline.placement` reads the groups from `log`):
+    forgets each pipeline i's leave times of updates before keep_from[i], the groups' records
+    (`groups`, `windows`, `groups_at`) and AD-PSGD's rounds before the earliest of them. A long
+    fill's host memory then stays flat, however far a fast pipeline runs ahead of a slow one."""
+    for left, keep in zip(self._left, keep_from, strict=True):
+      for b in [b for b in left if b < keep]:
+        del left[b]
+    self.groups.clear()
+    self.windows.clear()
+    self.groups_at.clear()
+    drop = min(min(keep_from) - self._partners_base, len(self._partners))
+    if drop > 0:
+      del self._partners[:drop]
+      self._partners_base += drop
+
+
+class _Finish(collections.abc.Mapping):
+  """`Timeline.finish`: update b -> float64 [N, S] leave times, assembled from the pipelines'
+  own records."""
+
+  def __init__(self, timeline: Timeline):
+    self._timeline = timeline
+
+  def __getitem__(self, b: int) -> np.ndarray:
+    if b not in self:
+      raise KeyError(b)
+    return np.stack([self._timeline.left_at(i, b) for i in range(self._timeline.N)])
+
+  def __contains__(self, b: object) -> bool:
+    return any(b in left for left in self._timeline._left)  # pylint: disable=protected-access
+
+  def __iter__(self):
+    return iter(sorted(set().union(*self._timeline._left)))  # pylint: disable=protected-access
+
+  def __len__(self) -> int:
+    return len(set().union(*self._timeline._left))  # pylint: disable=protected-access

@@ -9,12 +9,16 @@ groups keeps that sum (a group's mean replaces its members), so with syncs none,
 preduce and adpsgd every chunk must count exactly once at every stage.
 """
 
+import pickle
+
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from jlp.pipeline import Hetero, Pipeline, pipeline_mesh
+from jlp.pipeline.fill import (FillCache, FillModel, drain_nodes, encode_snapshot,
+                               snapshot_capacity)
 
 N, S, ROWS = 2, 2, 2
 CODES = 64  # room for 32 mini-batches of N chunks
@@ -164,43 +168,176 @@ def test_idle_fraction_is_the_idle_share_of_virtual_time(sync):
     assert joined < 0.15
 
 
-# Cases whose flush replay forms some groups otherwise, or earlier, than the endless timeline of the
+# Cases whose flush forms some groups otherwise, or earlier, than the never-ending timeline of the
 # fill did (found by searching seeds): preduce's seed 48 and adpsgd's seed 42 are the review's.
 @pytest.mark.parametrize("sync, num_pipelines, num_stages, seed",
                          [("preduce", 2, 4, 48), ("preduce", 4, 2, 12), ("adpsgd", 2, 4, 42),
                           ("adpsgd", 4, 2, 58)])
 def test_a_flush_averages_every_update_once(sync, num_pipelines, num_stages, seed):
-  """Host side only: the fill's endless placement cut after 6 mini-batches, the flush's replay
-  with that end, and the drain the executor runs (`_drain_nodes`). Every (pipeline, stage,
-  update) is a member of at most one average across both, and every member update of a replayed
-  group that is not in an average before the cut is in one of the drain's."""
+  """Host side only: the fill cut into runs of 3 and 3 mini-batches, then the flush's drain.
+  Every (pipeline, stage, update) is a member of at most one average across the runs and the
+  drain, and every member update of a group the drain's timeline formed is in one of them."""
   from jlp.pipeline import HetPipe, PReduce  # pylint: disable=g-import-not-at-top
-  from jlp.pipeline.executor import _drain_nodes  # pylint: disable=g-import-not-at-top
-  from jlp.pipeline.fill import FillCache, FillModel  # pylint: disable=g-import-not-at-top
   n, s = num_pipelines, num_stages
   model = FillModel(sync, STALLS, PReduce(), HetPipe(), seed, False)
-  cache, clock = FillCache(), np.zeros((n, s))
-  endless = cache.placement(model, "1f1b", n, s, fill_start=0, clock=clock, fed_start=[0] * n,
-                            position=0)
-  cut = endless.chunk_cut(6 * n)
-  taken = [sum(1 for i, _ in endless.chunks_below(cut) if i == p) for p in range(n)]
-  replay = cache.placement(model, "1f1b", n, s, fill_start=0, clock=clock, fed_start=[0] * n,
-                           position=None, total=taken)
-  replay.finish()
-  done = {node for node in endless.ticks
-          if node[0] in ("op", "mix", "pull") and endless.sortkey(node) < cut}
-  drained, override = _drain_nodes(replay, done)
-  groups = dict((node, group) for group, node in replay.groups)
+  fill = FillCache().fill(model, "1f1b", n, s, fill_start=0, clock=np.zeros((n, s)),
+                          fed_start=[0] * n, position=0)
+  ran = []
+  for fed in (3 * n, 6 * n):
+    placement = fill.placement
+    nodes = placement.take(placement.chunk_cut(fed), fed)
+    ran += nodes
+    fill.end_run(nodes, [0] * n)
+  drain, drained, override = fill.drain()
+  groups = dict((node, group) for group, node in drain.groups)
   groups.update(override)
-  before = [(i, g.stage, m) for g, node in endless.groups if node in done
-            for i, m in zip(g.members, node[3], strict=True)]
-  updates = {node: dict(zip(node[2], node[3], strict=True)) for node in drained
-             if node[0] == "mix"}
-  after = [(i, groups[node].stage, updates[node][i]) for node in updates
+  members = lambda node: dict(zip(node[2], node[3], strict=True))
+  before = [(i, node[1], m) for node in ran if node[0] == "mix" for i, m in members(node).items()]
+  after = [(i, node[1], members(node)[i]) for node in drained if node[0] == "mix"
            for i in groups[node].members]
   assert len(before + after) == len(set(before + after))
-  replayed = {(i, g.stage, m) for g, node in replay.groups
-              for i, m in zip(g.members, node[3], strict=True)}
-  assert replayed <= set(before) | set(after)
-  # Nothing the endless timeline ran before the cut runs again.
-  assert not set(drained) & done
+  formed = {(i, node[1], m) for _, node in drain.groups for i, m in members(node).items()}
+  assert formed <= set(before) | set(after)
+  assert not set(drained) & set(ran)  # nothing a run ran runs again
+
+
+# -- host side: pruning, start points, snapshots (no devices) -------------------------------------
+def _reference_runs(model, n, s, runs):
+  """The fill as the executor ran it before pruning and start points: one never-pruned
+  placement cut into `runs` (mini-batches each), then the flush replayed from the fill's start
+  with its end (`Timeline(total=...)`), less what the runs took. Returns each run's nodes with
+  their local ticks, and the drain's."""
+  from jlp.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+  from jlp.pipeline.placement import Placement  # pylint: disable=g-import-not-at-top
+
+  def placement(total=None):
+    seed = int(np.random.SeedSequence([model.seed, 0]).generate_state(1)[0])
+    timeline = Timeline("1f1b", model.sync, n, s, 1, seed=seed, hetero=model.hetero,
+                        preduce=model.preduce, hetpipe=model.hetpipe, first_batch=0,
+                        start=np.zeros((n, s)), total=total, log=True)
+    return Placement(timeline, aligned=model.sync == "allreduce")
+
+  endless, out, taken, fed = placement(), [], set(), 0
+  for count in runs:
+    fed += count * n
+    nodes = endless.take(endless.chunk_cut(fed), fed)
+    out.append((nodes, endless.local_ticks(nodes)))
+    taken |= set(nodes)
+  replay = placement(total=endless.taken_counts)
+  replay.finish()
+  nodes, override = drain_nodes(replay, taken)
+  return out, (nodes, replay.local_ticks(nodes), override)
+
+
+def _fill_runs(model, n, s, runs, snapshot_every=0):
+  """The same through `Fill` (pruned after every run; with snapshot_every, restored from its
+  encoded snapshot every that many runs)."""
+  cache = FillCache()
+  kw = dict(fill_start=0, clock=np.zeros((n, s)), fed_start=[0] * n)
+  fill, out, fed = cache.fill(model, "1f1b", n, s, position=0, **kw), [], 0
+  for r, count in enumerate(runs):
+    fed += count * n
+    placement = fill.placement
+    nodes = placement.take(placement.chunk_cut(fed), fed)
+    out.append((nodes, placement.local_ticks(nodes)))
+    fill.end_run(nodes, [c - s - 1 for c in placement.taken_counts])
+    if snapshot_every and (r + 1) % snapshot_every == 0:
+      data = encode_snapshot(fill, snapshot_capacity(n, s))
+      cache.clear()
+      fill = cache.fill(model, "1f1b", n, s, position=fed, snapshot=data, **kw)
+  placement, nodes, override = fill.drain()
+  return out, (nodes, placement.local_ticks(nodes), override)
+
+
+UNEVEN = Hetero(slowdown=((1.0,) * 2, (2.0,) * 2, (1.3,) * 2, (1.0,) * 2), delay_s=0.03)
+MODELS = [("none", STALLS, False), ("allreduce", STALLS, False), ("preduce", STALLS, False),
+          ("adpsgd", STALLS, False), ("hetpipe", STALLS, False), ("preduce", UNEVEN, False),
+          ("hetpipe", UNEVEN, False), ("hetpipe", UNEVEN, True)]
+
+
+@pytest.mark.parametrize("sync, hetero, barrier", MODELS)
+def test_a_pruned_fill_runs_and_drains_as_the_whole_one(sync, hetero, barrier):
+  """4 pipelines x 2 stages, HetPipe pulling every 3rd mini-batch (with and without its wave
+  barrier), runs of 1 to 5 mini-batches (3 seeds): every run takes the same nodes at the same
+  ticks as the never-pruned placement, and the flush from the kept start point drains exactly
+  what the fill replayed from its start with its end drains (nodes, ticks, restricted groups);
+  also through snapshots."""
+  from jlp.pipeline import HetPipe, PReduce  # pylint: disable=g-import-not-at-top
+  for seed, runs in ((3, (1, 2, 5, 1, 1, 3, 4)), (48, (3, 3, 2, 5)), (7, (5, 1, 1, 1, 4, 2))):
+    model = FillModel(sync, hetero, PReduce(), HetPipe(pull_every=3, barrier=barrier), seed,
+                      False)
+    expected = _reference_runs(model, 4, 2, runs)
+    assert _fill_runs(model, 4, 2, runs) == expected, seed
+    assert _fill_runs(model, 4, 2, runs, snapshot_every=2) == expected, seed
+
+
+@pytest.mark.parametrize("sync", ["preduce", "hetpipe"])
+def test_a_long_fill_keeps_flat_host_memory(sync):
+  """The pickled fill (what the host keeps and a checkpoint holds) does not grow with the fill's
+  length, although the fast pipeline runs ever further ahead of one twice as slow: its largest
+  size over runs 41-50 is within 1.25x of that over runs 11-20 (4 mini-batches a run)."""
+  from jlp.pipeline import HetPipe, PReduce  # pylint: disable=g-import-not-at-top
+  hetero = Hetero(delay_s=0.03, probability=0.2, slowdown=((1.0,) * 2, (2.0,) * 2))
+  model = FillModel(sync, hetero, PReduce(), HetPipe(pull_every=3), 1, False)
+  fill = FillCache().fill(model, "1f1b", 2, 2, fill_start=0, clock=np.zeros((2, 2)),
+                          fed_start=[0, 0], position=0)
+  sizes = {}
+  for r in range(1, 51):
+    placement = fill.placement
+    nodes = placement.take(placement.chunk_cut(r * 4 * 2), r * 4 * 2)
+    fill.end_run(nodes, [c - 3 for c in placement.taken_counts])
+    sizes[r] = len(pickle.dumps(fill))
+  early, late = max(sizes[r] for r in range(11, 21)), max(sizes[r] for r in range(41, 51))
+  assert late < 1.25 * early, (early, late)
+  assert abs(placement.taken_counts[0] - placement.taken_counts[1]) > 60  # far apart
+
+
+def test_a_snapshot_loads_only_what_a_fill_is_made_of():
+  """A checkpoint's snapshot that names another callable is refused while loading; one too large
+  for the state's buffer is left out (a restore then replays the fill), with a warning."""
+  import os  # pylint: disable=g-import-not-at-top
+  import zlib  # pylint: disable=g-import-not-at-top
+  from jlp.pipeline.fill import decode_snapshot  # pylint: disable=g-import-not-at-top
+
+  class Evil:
+    def __reduce__(self):
+      return (os.getcwd, ())
+  data = zlib.compress(pickle.dumps(Evil()))
+  raw = np.zeros((8 + len(data),), np.uint8)
+  raw[:8] = np.frombuffer(np.int64(len(data)).tobytes(), np.uint8)
+  raw[8:] = np.frombuffer(data, np.uint8)
+  with pytest.raises(pickle.UnpicklingError, match="may not load posix.getcwd"):
+    decode_snapshot(raw)
+  fill = FillCache().fill(FillModel("none", STALLS, *_knobs(), 0, False), "1f1b", 2, 2,
+                          fill_start=0, clock=np.zeros((2, 2)), fed_start=[0, 0], position=0)
+  with pytest.warns(UserWarning, match="a restore will replay the fill"):
+    small = encode_snapshot(fill, 64)
+  assert decode_snapshot(small) is None and decode_snapshot(
+      encode_snapshot(fill, snapshot_capacity(2, 2))).key == fill.key
+
+
+def _knobs():
+  from jlp.pipeline import HetPipe, PReduce  # pylint: disable=g-import-not-at-top
+  return PReduce(), HetPipe()
+
+
+def test_hetpipe_waves_wait_only_for_the_pipelines_that_reach_them():
+  """HetPipe's wave barrier, a pipeline twice as slow, 7 chunks (4 and 3 mini-batches): the
+  flush's wave at the 4th mini-batch closes without the pipeline that has only 3, and the next
+  fill, whose pipelines start at counts 4 and 3, does not wait at the wave the first already
+  made (both ran out of events before)."""
+  from jlp.pipeline import HetPipe, PReduce  # pylint: disable=g-import-not-at-top
+  model = FillModel("hetpipe", Hetero(slowdown=((1.0,) * 2, (2.0,) * 2)), PReduce(),
+                    HetPipe(pull_every=2, barrier=True), 1, False)
+  kw = dict(clock=np.zeros((2, 2)), position=0)
+  fill = FillCache().fill(model, "1f1b", 2, 2, fill_start=0, fed_start=[0, 0], **kw)
+  placement = fill.placement
+  fill.end_run(placement.take(placement.chunk_cut(7), 7), [0, 0])
+  assert placement.taken_counts == [4, 3]
+  drain, nodes, _ = fill.drain()
+  assert {("pull", 0, s, 3) for s in range(2)} <= set(nodes)  # pipeline 0's 2nd pull
+  assert drain.timeline.wave_members(2) == [0]
+  after = FillCache().fill(model, "1f1b", 2, 2, fill_start=1, fed_start=[4, 3], **kw)
+  assert after.placement.timeline.wave_members(2) == [1]  # pipeline 0 made it already
+  after.placement.take(after.placement.chunk_cut(12), 12)
+  assert after.placement.taken_counts[1] >= 3
