@@ -8,15 +8,24 @@ devices and its own hostname, joined by a bridge whose links are shaped to --ban
 `none`: unshaped), and runs the Python module (or script) after `--` with its arguments on every
 host. The hosts join one JAX runtime: `jlp.train.distributed.initialize()` with no arguments reads
 what the launcher exports, so `experiments.train` and every multi-device experiment run unchanged.
-Each host writes DIR/host{i}.log and DIR/host{i}.pid; standard output shows host 0. If a host
-fails, the others are stopped within 30 s and the launcher exits 1 with one line naming it; Ctrl-C
-is passed to every host (a training run checkpoints and exits; the same command then resumes).
-Everything it makes is removed on every exit path; after a `kill -9` of the launcher,
-`python -m experiments.cluster --cleanup` removes what is left. Needs Linux, root (or
-CAP_NET_ADMIN), iproute2 and unshare; without them the hosts run on localhost, unshaped.
+Each host writes DIR/host{i}.log (an earlier run's moves to host{i}.log.1, ...) and DIR/host{i}.pid
+(removed at exit); standard output shows host 0 (a closed standard output stops only the echo).
+If a host fails, the others are stopped within 30 s and the launcher exits with that host's
+status (1 for a signal) and one line naming it and its log; Ctrl-C is passed to every host (a
+training run checkpoints and exits; the same command then resumes), SIGTERM and SIGHUP as SIGTERM;
+the exit status is then 128 + the signal. Everything it makes is removed on every exit path, a
+second Ctrl-C during the teardown included; after a `kill -9` of the launcher,
+`python -m experiments.cluster --cleanup` removes what launchers that no longer run left (and
+names what it leaves to running ones). Bad flags are one-line errors (exit 2) before anything is
+made: --hosts from 1 to 254, --bandwidth from 1mbit to 100gbit, a --workdir that is a directory
+no other user can write. Needs Linux, root (or CAP_NET_ADMIN), iproute2 and unshare; without them
+the hosts run on localhost, unshaped.
 What it does to the machine: `jlp.train.cluster`.
 """
 
+import contextlib
+import os
+import signal
 import sys
 
 from absl import app, flags
@@ -33,15 +42,17 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where the hosts' logs and pid f
                                "usually, the command's own --workdir).")
 _HETERO = flags.DEFINE_float("hetero", 0.0, "Before every training step each host sleeps this "
                              "many seconds with probability 0.1 (SD-PIPE's --hetero, real).")
-_CLEANUP = flags.DEFINE_bool("cleanup", False, "Stop the hosts and remove the namespaces, links "
-                             "and /etc/netns entries of every launcher (after a kill -9; run it "
-                             "when no launcher runs) and exit.")
+_CLEANUP = flags.DEFINE_bool("cleanup", False, "Stop the hosts and remove the namespaces, links, "
+                             "/etc/netns entries and state files of launchers that no longer run "
+                             "(after a kill -9), name what belongs to running ones, and exit.")
 
 
 def main(argv):
   if _CLEANUP.value:
-    removed = cluster.remove_leftovers()
+    removed, kept = cluster.remove_leftovers()
     print(f"removed {len(removed)}: {' '.join(removed)}" if removed else "nothing to remove")
+    if kept:
+      print(f"left alone (their launchers still run): {' '.join(kept)}")
     return
   command = argv[1:]
   if not command:
@@ -53,18 +64,30 @@ def main(argv):
   if not namespaces:
     print("no network namespaces (needs root or CAP_NET_ADMIN, iproute2 and unshare): the hosts "
           "run on localhost, unshaped", file=sys.stderr)
+  # Signals that come after the launch's teardown (a terminal repeating Ctrl-C) must not cut
+  # the exit short: launch() handles them while it runs and restores these handlers.
+  for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, signal.SIG_IGN)
   try:
     code = cluster.launch(command[0], command[1:], hosts=_HOSTS.value,
                           devices_per_host=_DEVICES.value, bandwidth=_BANDWIDTH.value,
                           workdir=_WORKDIR.value, hetero=_HETERO.value, namespaces=namespaces,
                           echo=sys.stdout.buffer)
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    code, message = 2, f"error: {e}"
   except cluster.ClusterError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
-  sys.exit(code)
+    code, message = e.code, f"error: {e}"
+  else:
+    message = None
+  if message is not None:
+    print(message, file=sys.stderr)
+  # Out without the interpreter's finalisation, which restores the default handlers: a signal
+  # still on its way (a terminal repeating Ctrl-C) would then end the process instead of this
+  # status. The handlers stay ignored to the end.
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(OSError, ValueError):
+      stream.flush()
+  os._exit(code)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

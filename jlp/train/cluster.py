@@ -4,40 +4,54 @@ joins JAX's multi-controller runtime (`jlp.train.distributed.initialize()` reads
 exports). `python -m experiments.cluster` is the command-line front end.
 
 What it does to the machine (root or CAP_NET_ADMIN, iproute2, util-linux's `unshare`), all of it
-named `jlp<run id>...` and removed on every exit path (success, failure, SIGINT, SIGTERM):
-  * a bridge `jlp<id>br` (no address: the root namespace takes no part), and per host i a network
-    namespace `jlp<id>h<i>` holding one end of a veth pair (`eth0`, 10.R.S.(i + 1)/24 in a private
-    /24 picked per run) whose other end (`jlp<id>v<i>`) is on the bridge; no route, NAT or
-    forwarding to anything outside: traffic stays among the run's hosts;
-  * with a bandwidth, a tbf qdisc (`rate R burst 1mb latency 100ms`) on both ends of every veth,
-    so each host's upload and download are shaped to R (tc has no netem here: bandwidth only);
+named `jlp<run id>...` and removed on every exit path (success, failure, SIGINT, SIGTERM, SIGHUP;
+a second signal during the teardown does not stop it):
+  * a state file `/run/jlp-cluster/jlp<id>.json` (the launcher's pid and start time, written
+    before anything else), so that `remove_leftovers()` removes only what launchers that are gone
+    left;
+  * a bridge `jlp<id>br` with no address at all (IPv6 off, as on the bridge ends of the veths):
+    the root namespace takes no part, and a host reaches nothing of the machine's; per host i a
+    network namespace `jlp<id>h<i>` holding one end of a veth pair (`eth0`, 10.R.S.(i + 1)/24 in a
+    private /24 picked per run) whose other end (`jlp<id>v<i>`) is on the bridge; no route, NAT
+    or forwarding to anything outside: traffic stays among the run's hosts;
+  * with a bandwidth R, a tbf qdisc (`rate R burst B latency 100ms`, B the larger of R x 250 us
+    and four 1514-byte frames: `tbf_burst`) on both ends of every veth, so each host's upload and download are
+    shaped to R, and a transfer of any size after an idle gap takes its bytes at R (a larger
+    bucket lets the first B bytes through at line rate; tc has no netem here: bandwidth only);
   * `/etc/netns/jlp<id>h<i>/hosts`, which `ip netns exec` mounts over /etc/hosts: every host's
     name h<i> resolves to its namespace address (gloo connects to the address of the peer's
     hostname, so each host runs under `unshare --uts` with its own hostname).
 After a `kill -9` of the launcher, `remove_leftovers()` (`python -m experiments.cluster --cleanup`)
-removes whatever any launcher left.
+removes whatever launchers that no longer run left, and names what it left alone.
 
-Without root the hosts run on localhost, unshaped (`--bandwidth` other than none is then an
-error).
+In the workdir (which no other user may write) each host writes host{i}.log (an earlier run's log
+moves to host{i}.log.1, .2, ...) and host{i}.pid (its pid and start time, removed at exit); files
+are opened without following symbolic links. Without root the hosts run on localhost, unshaped
+(`--bandwidth` other than none is then an error), and the coordinator listens on 127.0.0.1 only,
+on a port the launcher holds (SO_REUSEPORT) until the hosts exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
-__all__ = ["ClusterError", "HostSpec", "can_make_namespaces", "check_bandwidth", "launch",
-           "remove_leftovers"]
+__all__ = ["MAX_HOSTS", "ClusterError", "HostSpec", "can_make_namespaces", "check_bandwidth",
+           "launch", "remove_leftovers", "tbf_burst"]
 
 PREFIX = "jlp"
 COORDINATOR_PORT = 61234
@@ -47,24 +61,46 @@ ENV_PROCESS_ID = "JLP_PROCESS_ID"
 ENV_HETERO = "JLP_HETERO"
 ENV_PROGRESS_BAR = "JLP_PROGRESS_BAR"
 STOP_GRACE_S = 20.0  # after one host fails: SIGTERM the others, SIGKILL after this
+STATE_DIR = "/run/jlp-cluster"
+MAX_HOSTS = 254  # host i has address .(i + 1) of a /24
+RATE_BOUNDS = (1e6, 100e9)  # bit/s: tbf's arithmetic holds in between
+KEPT_LOGS = 9  # host{i}.log.1 .. .9
 
 
 class ClusterError(RuntimeError):
-  """The launcher's one-line failure (a host's exit, the network set-up)."""
+  """The launcher's one-line failure (a host's exit, the network set-up); `code` is the exit
+  status the launcher ends with."""
+
+  def __init__(self, message: str, code: int = 1):
+    super().__init__(message)
+    self.code = code
 
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
+_UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def check_bandwidth(bandwidth: str) -> str | None:
   """`bandwidth` as tc's rate ("100mbit", "1gbit"), or None for "none"; ValueError otherwise."""
   if bandwidth == "none":
     return None
-  if not isinstance(bandwidth, str) or not _RATE.match(bandwidth.lower()) or \
-      float(_RATE.match(bandwidth.lower()).group(1)) <= 0:
-    raise ValueError(f"--bandwidth={bandwidth!r} is not allowed; expected 'none' or a positive "
-                     "rate with a unit bit, kbit, mbit or gbit (e.g. 100mbit, 1gbit).")
+  match = _RATE.match(bandwidth.lower()) if isinstance(bandwidth, str) else None
+  low, high = RATE_BOUNDS
+  if match is None or not low <= float(match.group(1)) * _UNIT[match.group(2)] <= high:
+    raise ValueError(f"--bandwidth={bandwidth!r} is not allowed; expected 'none' or a rate from "
+                     "1mbit to 100gbit with a unit bit, kbit, mbit or gbit (e.g. 100mbit, 1gbit).")
   return bandwidth.lower()
+
+
+def tbf_burst(rate: str) -> int:
+  """tbf's bucket in bytes for a tc rate: the larger of rate x 250 us and four 1514-byte frames,
+  so that an idle link lets at most that much through at line rate. Measured between two hosts
+  after an idle gap (0.25, 0.5, 1 and 16 MiB): 96-97 Mbit/s at 100mbit, 0.89-0.98 Gbit/s at
+  1gbit; a 1 ms bucket let 0.25 MiB through at 1.5 Gbit/s at 1gbit, a 0.1 ms one kept 1gbit at
+  0.82-0.90 Gbit/s."""
+  match = _RATE.match(rate)
+  bits = float(match.group(1)) * _UNIT[match.group(2)]
+  return max(int(bits / 8 / 4000), 4 * 1514)
 
 
 def can_make_namespaces() -> bool:
@@ -74,10 +110,34 @@ def can_make_namespaces() -> bool:
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-  out = subprocess.run(argv, capture_output=True, text=True, check=False)
+  """argv, in a session of its own: a Ctrl-C at the terminal does not reach it."""
+  out = subprocess.run(argv, capture_output=True, text=True, check=False,
+                       start_new_session=True)
   if check and out.returncode:
     raise ClusterError(f"`{' '.join(argv)}` failed: {out.stderr.strip() or out.stdout.strip()}")
   return out
+
+
+def _start_time(pid: int) -> str | None:
+  """The start time of process `pid` (clock ticks since boot), None when it does not run: with
+  the pid, what names a process across pid reuse."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().rsplit(")", 1)[1].split()[19]
+  except (OSError, IndexError):
+    return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+  return started is not None and _start_time(pid) == started
+
+
+def _no_ipv6(interface: str, namespace: str | None = None) -> None:
+  """No IPv6 address on `interface` (no link-local either), where the kernel has IPv6."""
+  path = f"/proc/sys/net/ipv6/conf/{interface}/disable_ipv6"
+  prefix = ("ip", "netns", "exec", namespace) if namespace else ()
+  if os.path.exists("/proc/sys/net/ipv6"):
+    _run(*prefix, "sh", "-c", f'echo 1 > "$0"', path)
 
 
 @dataclasses.dataclass
@@ -100,12 +160,18 @@ class Network:
     self.hosts = [HostSpec(i, f"{self.name}h{i}", f"h{i}", f"10.{subnet[0]}.{subnet[1]}.{i + 1}")
                   for i in range(hosts)]
     self.bandwidth = bandwidth
+    self.state_file = os.path.join(STATE_DIR, f"{self.name}.json")
     self._made: list[tuple[str, str]] = []  # what to remove, in reverse order
 
   def __enter__(self) -> "Network":
     try:
+      os.makedirs(STATE_DIR, mode=0o700, exist_ok=True)
+      with _open_new(self.state_file, "w") as f:
+        json.dump({"pid": os.getpid(), "started": _start_time(os.getpid())}, f)
+      self._made.append(("file", self.state_file))
       _run("ip", "link", "add", self.bridge, "type", "bridge")
       self._made.append(("link", self.bridge))
+      _no_ipv6(self.bridge)
       _run("ip", "link", "set", self.bridge, "up")
       hosts_file = "127.0.0.1 localhost\n" + "".join(
           f"{h.address} {h.hostname}\n" for h in self.hosts)
@@ -115,11 +181,12 @@ class Network:
         etc = f"/etc/netns/{h.namespace}"
         os.makedirs(etc, exist_ok=True)
         self._made.append(("dir", etc))
-        with open(os.path.join(etc, "hosts"), "w") as f:
+        with _open_new(os.path.join(etc, "hosts"), "w") as f:
           f.write(hosts_file)
         outside, inside = f"{self.name}v{h.index}", f"{self.name}i{h.index}"
         _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
         self._made.append(("link", outside))
+        _no_ipv6(outside)
         _run("ip", "link", "set", inside, "netns", h.namespace)
         _run("ip", "link", "set", outside, "master", self.bridge)
         _run("ip", "link", "set", outside, "up")
@@ -129,27 +196,42 @@ class Network:
         _run(*ns, "ip", "link", "set", "eth0", "up")
         _run(*ns, "ip", "link", "set", "lo", "up")
         if self.bandwidth is not None:
-          shape = ("root", "tbf", "rate", self.bandwidth, "burst", "1mb", "latency", "100ms")
+          shape = ("root", "tbf", "rate", self.bandwidth, "burst", str(tbf_burst(self.bandwidth)),
+                   "latency", "100ms")
           _run("tc", "qdisc", "add", "dev", outside, *shape)
           _run(*ns, "tc", "qdisc", "add", "dev", "eth0", *shape)
     except BaseException:
-      self.close()
+      with _signals_held():
+        left = self.close()
+      if left:
+        raise ClusterError(f"could not remove {' '.join(left)} after a failed set-up; run "
+                           "`python -m experiments.cluster --cleanup`") from None
       raise
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def close(self) -> None:
-    """Removes everything this network made (each step on its own: one failure stops none)."""
+  def close(self) -> list[str]:
+    """Removes everything this network made (each step on its own: one failure stops none);
+    returns what could not be removed."""
+    left = []
     while self._made:
       kind, name = self._made.pop()
       if kind == "link":
-        _run("ip", "link", "del", name, check=False)
+        if _run("ip", "link", "del", name, check=False).returncode and _link_exists(name):
+          left.append(name)
       elif kind == "netns":
-        _run("ip", "netns", "del", name, check=False)
-      else:
+        if _run("ip", "netns", "del", name, check=False).returncode and name in _namespaces():
+          left.append(name)
+      elif kind == "dir":
         shutil.rmtree(name, ignore_errors=True)
+        if os.path.exists(name):
+          left.append(name)
+      else:
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(name)
+    return left
 
   def command(self, host: HostSpec, argv: Sequence[str]) -> list[str]:
     """argv run as `host`: in its namespace, under its own hostname."""
@@ -157,33 +239,77 @@ class Network:
             'hostname "$0" && exec "$@"', host.hostname, *argv]
 
 
-def remove_leftovers() -> list[str]:
-  """Stops the hosts a launcher left running (e.g. after its kill -9) and removes every
-  namespace, link and /etc/netns entry it left; returns their names."""
-  removed = []
-  names = _run("ip", "netns", "list", check=False).stdout.split()
-  for name in names:
+def _namespaces() -> list[str]:
+  return _run("ip", "netns", "list", check=False).stdout.split()
+
+
+def _link_exists(name: str) -> bool:
+  return not _run("ip", "link", "show", name, check=False).returncode
+
+
+def _live_runs() -> set[str]:
+  """The run names (jlp<id>) whose launcher still runs, by their state files."""
+  live = set()
+  if os.path.isdir(STATE_DIR):
+    for entry in os.listdir(STATE_DIR):
+      match = re.match(rf"^({PREFIX}\d{{6}})\.json$", entry)
+      if not match:
+        continue
+      try:
+        with _open_existing(os.path.join(STATE_DIR, entry)) as f:
+          state = json.load(f)
+      except (OSError, ValueError):
+        continue
+      if _alive(int(state.get("pid", -1)), state.get("started")):
+        live.add(match.group(1))
+  return live
+
+
+def remove_leftovers() -> tuple[list[str], list[str]]:
+  """Stops the hosts that launchers which no longer run left (e.g. after a kill -9) and removes
+  every namespace, link, /etc/netns entry and state file of theirs; leaves those of running
+  launchers alone. Returns (what was removed, what was left alone)."""
+  live = _live_runs()
+  removed, kept = [], []
+
+  def owner(name: str) -> str:
+    return name[:len(PREFIX) + 6]
+  for name in _namespaces():
     if re.match(rf"^{PREFIX}\d{{6}}h\d+$", name):
+      if owner(name) in live:
+        kept.append(name)
+        continue
       # The hosts of a killed launcher may still run inside: stop them first.
       for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError):
           os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-          pass
       _run("ip", "netns", "del", name, check=False)
       removed.append(name)
-  links = _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
-  for line in links:
+  for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
     match = re.match(rf"^\d+: ({PREFIX}\d{{6}}(?:br|v\d+))[@:]", line)
     if match:
+      if owner(match.group(1)) in live:
+        kept.append(match.group(1))
+        continue
       _run("ip", "link", "del", match.group(1), check=False)
       removed.append(match.group(1))
-  if os.path.isdir("/etc/netns"):
-    for name in os.listdir("/etc/netns"):
-      if re.match(rf"^{PREFIX}\d{{6}}h\d+$", name):
-        shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
-        removed.append(f"/etc/netns/{name}")
-  return removed
+  for folder, pattern in (("/etc/netns", rf"^{PREFIX}\d{{6}}h\d+$"),
+                          (STATE_DIR, rf"^{PREFIX}\d{{6}}\.json$")):
+    if not os.path.isdir(folder):
+      continue
+    for name in os.listdir(folder):
+      if re.match(pattern, name):
+        path = os.path.join(folder, name)
+        if owner(name) in live:
+          kept.append(path)
+          continue
+        if os.path.isdir(path) and not os.path.islink(path):
+          shutil.rmtree(path, ignore_errors=True)
+        else:
+          with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        removed.append(path)
+  return removed, kept
 
 
 def _python_argv(target: str, args: Sequence[str]) -> list[str]:
@@ -194,12 +320,79 @@ def _python_argv(target: str, args: Sequence[str]) -> list[str]:
 
 
 def _tee(pipe, log, echo) -> None:
+  """Copies a host's output to its log and, while it can, to `echo`: a closed or failing echo
+  (`... | head -1`) stops the echo only, never the host or its log."""
   for chunk in iter(lambda: pipe.read1(4096), b""):
     log.write(chunk)
     log.flush()
     if echo is not None:
-      echo.write(chunk)
-      echo.flush()
+      try:
+        echo.write(chunk)
+        echo.flush()
+      except (OSError, ValueError):
+        echo = None
+
+
+def _open_new(path: str, mode: str):
+  """`path` created or truncated for writing, never through a symbolic link."""
+  flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+  try:
+    fd = os.open(path, flags, 0o644)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise ClusterError(f"{path} is a symbolic link; the launcher does not follow it") from None
+    raise
+  return os.fdopen(fd, mode)
+
+
+def _open_existing(path: str):
+  fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+  return os.fdopen(fd, "r")
+
+
+def _rotate(path: str) -> None:
+  """Keeps an earlier run's `path` as path.1 (and path.1 as path.2, ..., up to KEPT_LOGS)."""
+  if not os.path.lexists(path):
+    return
+  for k in range(KEPT_LOGS - 1, 0, -1):
+    if os.path.lexists(f"{path}.{k}"):
+      os.replace(f"{path}.{k}", f"{path}.{k + 1}")
+  os.replace(path, f"{path}.1")
+
+
+def check_workdir(workdir: str) -> None:
+  """ValueError unless `workdir` is (or can be made as) a directory that no other user can
+  write: as root the launcher writes logs and pid files there."""
+  if os.path.lexists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir} is not allowed; it is not a directory.")
+  if not os.path.isdir(workdir):
+    return
+  info = os.stat(workdir)
+  if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    raise ValueError(f"--workdir={workdir} is not allowed; another user can write it (owner uid "
+                     f"{info.st_uid}, mode {stat.filemode(info.st_mode)}); expected a directory "
+                     "of this user's that only it can write.")
+
+
+@contextlib.contextmanager
+def _signals_held():
+  """SIGINT, SIGTERM and SIGHUP ignored for the block (the teardown must finish)."""
+  held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM,
+                                                        signal.SIGHUP)}
+  try:
+    yield
+  finally:
+    for s, handler in held.items():
+      signal.signal(s, handler)
+
+
+def _reserve_port() -> socket.socket:
+  """A localhost port held with SO_REUSEPORT: nobody else can take it while the coordinator
+  (gRPC, which sets SO_REUSEPORT too) binds it."""
+  held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+  held.bind(("127.0.0.1", 0))
+  return held
 
 
 def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: int,
@@ -207,25 +400,30 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
            echo=None, on_start=None) -> int:
   """Runs `target args` on `hosts` host processes of `devices_per_host` CPU devices each (module
   docstring) and returns 0, or raises ClusterError naming the first host that failed (its exit
-  status and log) after stopping the others. SIGINT / SIGTERM to the launcher are passed to every
-  host (a training run then checkpoints and exits 130); the launcher returns 130 / 143.
+  status and log; `code` is that status, or 1 for a signal) after stopping the others. SIGINT,
+  SIGTERM and SIGHUP to the launcher are passed to every host (SIGINT as SIGINT: a training run
+  then checkpoints and exits; the others as SIGTERM); the launcher returns 130 / 143 / 129.
 
   namespaces: True / False / None (= whether this process can make them). echo: where host 0's
   output goes besides its log (e.g. sys.stdout.buffer). on_start(pids): called once every host
   runs (tests)."""
-  for name, value, low in (("hosts", hosts, 1), ("devices_per_host", devices_per_host, 1)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise ValueError(f"--{name}={value!r} is not allowed; expected an integer >= {low}.")
+  for name, value, low, high in (("hosts", hosts, 1, MAX_HOSTS),
+                                 ("devices_per_host", devices_per_host, 1, None)):
+    if (isinstance(value, bool) or not isinstance(value, int) or value < low
+        or (high is not None and value > high)):
+      allowed = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+      raise ValueError(f"--{name}={value!r} is not allowed; expected {allowed}.")
   if isinstance(hetero, bool) or not isinstance(hetero, (int, float)) or not hetero >= 0:
     raise ValueError(f"--hetero={hetero!r} is not allowed; expected seconds >= 0.")
   rate = check_bandwidth(bandwidth)
+  check_workdir(workdir)
   if namespaces is None:
     namespaces = can_make_namespaces()
   if not namespaces and rate is not None:
     raise ValueError(f"--bandwidth={bandwidth} is not allowed without network namespaces (root, "
                      "iproute2 and unshare); expected none (the hosts then run on localhost, "
                      "unshaped).")
-  os.makedirs(workdir, exist_ok=True)
+  os.makedirs(workdir, mode=0o755, exist_ok=True)
   env = dict(os.environ)
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
@@ -244,39 +442,50 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
   signals = {"got": None}
 
   def forward(signum, _frame):
-    signals["got"] = signum
+    if signals["got"] is None:
+      signals["got"] = signum
+    if signals.get("setting_up"):
+      raise KeyboardInterrupt  # stop the set-up; the teardown below removes what it made
 
-  old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
   procs: list[subprocess.Popen] = []
-  threads = []
-  logs = []
+  threads, logs, pid_files = [], [], []
+  held_port = None
   try:
-    if network is not None:
-      network.__enter__()
-      specs = network.hosts
-      coordinator = f"{specs[0].address}:{COORDINATOR_PORT}"
-      with open(os.path.join(workdir, "network.json"), "w") as f:
-        json.dump({"bridge": network.bridge, "bandwidth": rate,
-                   "hosts": [dataclasses.asdict(h) for h in specs]}, f, indent=1)
-    else:
-      import socket  # pylint: disable=g-import-not-at-top
-      with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-      specs = [HostSpec(i, None, "localhost", "127.0.0.1") for i in range(hosts)]
-      coordinator = f"127.0.0.1:{port}"
+    signals["setting_up"] = True
+    try:
+      if network is not None:
+        network.__enter__()
+        specs = network.hosts
+        coordinator = f"{specs[0].address}:{COORDINATOR_PORT}"
+        with _open_new(os.path.join(workdir, "network.json"), "w") as f:
+          json.dump({"bridge": network.bridge, "bandwidth": rate,
+                     "burst_bytes": None if rate is None else tbf_burst(rate),
+                     "hosts": [dataclasses.asdict(h) for h in specs]}, f, indent=1)
+      else:
+        held_port = _reserve_port()
+        specs = [HostSpec(i, None, "localhost", "127.0.0.1") for i in range(hosts)]
+        coordinator = f"127.0.0.1:{held_port.getsockname()[1]}"
+    except KeyboardInterrupt:
+      raise ClusterError("interrupted while setting up the network; what it made is removed",
+                         code=128 + (signals["got"] or signal.SIGINT)) from None
+    finally:
+      signals["setting_up"] = False
     argv = _python_argv(target, args)
     for h in specs:
       host_env = dict(env, **{ENV_COORDINATOR: coordinator, ENV_PROCESS_ID: str(h.index)})
       command = network.command(h, argv) if network is not None else argv
       path = os.path.join(workdir, f"host{h.index}.log")
-      log = open(path, "wb")  # pylint: disable=consider-using-with
+      _rotate(path)
+      log = _open_new(path, "wb")
       logs.append(log)
       proc = subprocess.Popen(command, env=host_env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, start_new_session=True)
       procs.append(proc)
-      with open(os.path.join(workdir, f"host{h.index}.pid"), "w") as f:
-        f.write(f"{proc.pid}\n")
+      pid_file = os.path.join(workdir, f"host{h.index}.pid")
+      with _open_new(pid_file, "w") as f:
+        f.write(f"{proc.pid} {_start_time(proc.pid)}\n")
+      pid_files.append(pid_file)
       thread = threading.Thread(target=_tee, args=(proc.stdout, log, echo if h.index == 0
                                                    else None), daemon=True)
       thread.start()
@@ -284,6 +493,7 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
     if on_start is not None:
       on_start([p.pid for p in procs])
     failed = forwarded = kill_at = None
+    exited: list[int] = []  # hosts in the order they were seen to exit
     while True:
       if signals["got"] is not None and forwarded is None:
         forwarded = signals["got"]
@@ -291,15 +501,16 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
           _signal(p, signal.SIGINT if forwarded == signal.SIGINT else signal.SIGTERM)
         kill_at = time.monotonic() + 60.0  # time to write a checkpoint
       codes = [p.poll() for p in procs]
-      if all(c is not None for c in codes):
-        break
+      exited += [i for i, c in enumerate(codes) if c is not None and i not in exited]
       if failed is None and forwarded is None:
-        failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+        failed = next((i for i in exited if codes[i] != 0), None)
         if failed is not None:
           for p in procs:
             if p.poll() is None:
               _signal(p, signal.SIGTERM)
           kill_at = time.monotonic() + STOP_GRACE_S
+      if all(c is not None for c in codes):
+        break
       if kill_at is not None and time.monotonic() > kill_at:
         for p in procs:
           if p.poll() is None:
@@ -308,24 +519,37 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
     for thread in threads:
       thread.join(timeout=5)
     if forwarded is not None:
-      return 130 if forwarded == signal.SIGINT else 143
+      return 128 + forwarded
     if failed is not None:
       code = procs[failed].returncode
       status = f"signal {-code}" if code < 0 else f"status {code}"
       raise ClusterError(f"host {failed} exited with {status}; see "
-                         f"{os.path.join(workdir, f'host{failed}.log')}")
+                         f"{os.path.join(workdir, f'host{failed}.log')}",
+                         code=code if 0 < code < 256 else 1)
     return 0
   finally:
-    for p in procs:
-      if p.poll() is None:
-        _signal(p, signal.SIGKILL)
-        p.wait()
-    for log in logs:
-      log.close()
-    if network is not None:
-      network.close()
-    for s, handler in old.items():
-      signal.signal(s, handler)
+    failing = sys.exc_info()[0] is not None
+    with _signals_held():
+      for p in procs:
+        if p.poll() is None:
+          _signal(p, signal.SIGKILL)
+          p.wait()
+      for log in logs:
+        log.close()
+      for pid_file in pid_files:
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(pid_file)
+      if held_port is not None:
+        held_port.close()
+      left = network.close() if network is not None else []
+      for s, handler in old.items():
+        signal.signal(s, handler)
+    if left:
+      message = (f"could not remove {' '.join(left)}; run `python -m experiments.cluster "
+                 "--cleanup`")
+      if not failing:
+        raise ClusterError(message)
+      print(f"error: {message}", file=sys.stderr)
 
 
 def _signal(proc: subprocess.Popen, signum: int) -> None:

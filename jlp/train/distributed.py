@@ -86,11 +86,15 @@ def initialize(coordinator_address: str | None = None,
     raise _invalid("cpu_collectives", cpu_collectives, f"one of {CPU_COLLECTIVES}")
   if not jax.distributed.is_initialized():
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    # Under the launcher the coordinator listens where the hosts reach it and nowhere else (JAX's
+    # default is every interface: its coordination service has no authentication).
+    bind = coordinator_address if launched() and process_id == 0 else None
     jax.distributed.initialize(coordinator_address,
                                num_processes,
                                process_id,
                                local_device_ids=local_device_ids,
-                               initialization_timeout=initialization_timeout)
+                               initialization_timeout=initialization_timeout,
+                               coordinator_bind_address=bind)
   return {
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),

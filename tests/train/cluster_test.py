@@ -6,7 +6,9 @@ resume with the same command."""
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +29,14 @@ def test_bandwidth_is_a_tc_rate(bandwidth, ok):
   assert cluster.check_bandwidth(bandwidth) == ok
 
 
-@pytest.mark.parametrize("bandwidth", ["fast", "100", "0mbit", "1 gbit", "-1gbit"])
+@pytest.mark.parametrize("rate, burst", [("100mbit", 4 * 1514), ("1gbit", 31250),
+                                         ("1mbit", 4 * 1514), ("10gbit", 312500)])
+def test_the_bucket_holds_a_quarter_millisecond_at_the_rate(rate, burst):
+  assert cluster.tbf_burst(rate) == burst
+
+
+@pytest.mark.parametrize("bandwidth", ["fast", "100", "0mbit", "1 gbit", "-1gbit", "1bit",
+                                       "999kbit", "101gbit"])
 def test_bad_bandwidth_names_the_flag(bandwidth):
   with pytest.raises(ValueError, match=r"--bandwidth=.* is not allowed; expected 'none' or"):
     cluster.check_bandwidth(bandwidth)
@@ -55,7 +64,7 @@ def test_a_failing_host_is_named_with_its_log_on_localhost(tmp_path):
                    workdir=str(tmp_path / "w"), namespaces=False)
   assert time.monotonic() - start < 30
   assert str(info.value) == (f"host 1 exited with status 3; see {tmp_path / 'w' / 'host1.log'}")
-  assert (tmp_path / "w" / "host0.pid").read_text().strip().isdigit()
+  assert info.value.code == 3
 
 
 def _netns() -> set[str]:
@@ -135,7 +144,7 @@ def test_two_hosts_train_as_one_process_through_ctrl_c_and_kill_9(tmp_path):
 
   launcher = _launcher(work, _train_args(run, 20))
   _wait_for(work / "host0.log", "step 15/20")
-  os.kill(int((work / "host1.pid").read_text()), signal.SIGKILL)
+  os.kill(int((work / "host1.pid").read_text().split()[0]), signal.SIGKILL)
   killed = time.monotonic()
   out, err = launcher.communicate(timeout=120)
   assert time.monotonic() - killed < 30
@@ -261,3 +270,324 @@ def test_hetero_sleeps_with_probability_one_tenth(monkeypatch):
   for _ in range(100):
     stall()
   assert not slept
+
+
+# -- the launcher tells the truth, isolates its hosts, keeps its logs (issue 31) ----------------
+def _script(tmp_path, body, name="host.py"):
+  path = tmp_path / name
+  path.write_text("import os, sys, time\nHOST = int(os.environ['JLP_PROCESS_ID'])\n" + body)
+  return str(path)
+
+
+def _cli(workdir, *command, hosts=2, bandwidth="none", **kwargs):
+  """`python -m experiments.cluster` as a process (its own session, as a shell's job)."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen([sys.executable, "-m", "experiments.cluster", f"--hosts={hosts}",
+                           "--devices_per_host=1", f"--bandwidth={bandwidth}",
+                           f"--workdir={workdir}", "--", *command], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs)
+
+
+@pytest.mark.parametrize("body, code", [
+    ("time.sleep(1); sys.exit(3)\n", 3),  # every host fails
+    ("sys.exit(0 if HOST == 0 else 4)\n", 4),  # one host fails after the other succeeded
+])
+def test_the_exit_status_is_the_first_failing_hosts(tmp_path, body, code):
+  """Every host exits 3, or host 0 exits 0 before host 1 exits 4: the launcher exits with the
+  failing host's status and names it (it exited 0 when every host had exited by its next look)."""
+  launcher = _cli(tmp_path / "w", _script(tmp_path, body))
+  _, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == code, err[-2000:]
+  assert re.search(rf"error: host \d exited with status {code}; see .*host\d\.log$", err.strip())
+
+
+def test_a_missing_module_fails_the_launch(tmp_path):
+  launcher = _cli(tmp_path / "w", "experiments.no_such_module")
+  _, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 1 and "exited with status 1" in err
+
+
+def test_a_rerun_keeps_the_earlier_logs_and_no_pid_files(tmp_path):
+  """The README says to resume by repeating the command: the earlier run's logs move to
+  host{i}.log.1 (then .2), and no host{i}.pid is left after an exit."""
+  work = tmp_path / "w"
+  for run in range(3):
+    script = _script(tmp_path, f"print('run {run} host', HOST)\n")
+    assert cluster.launch(script, [], hosts=2, devices_per_host=1, bandwidth="none",
+                          workdir=str(work), namespaces=False) == 0
+  assert "run 2 host 1" in (work / "host1.log").read_text()
+  assert "run 1 host 1" in (work / "host1.log.1").read_text()
+  assert "run 0 host 0" in (work / "host0.log.2").read_text()
+  assert not list(work.glob("*.pid"))
+
+
+def test_pid_files_name_the_process_and_its_start(tmp_path):
+  """While the hosts run, host{i}.pid holds the pid and the process's start time, so that nobody
+  signals a stranger that got the pid after the host exited."""
+  seen = {}
+
+  def on_start(pids):
+    for i, pid in enumerate(pids):
+      seen[i] = (tmp_path / "w" / f"host{i}.pid").read_text().split()
+      assert seen[i] == [str(pid), open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]]
+  script = _script(tmp_path, "time.sleep(0.5)\n")
+  assert cluster.launch(script, [], hosts=2, devices_per_host=1, bandwidth="none",
+                        workdir=str(tmp_path / "w"), namespaces=False, on_start=on_start) == 0
+  assert len(seen) == 2
+
+
+def test_a_closed_standard_output_does_not_stop_the_run(tmp_path):
+  """`... | head -1`: the reader goes away after one line while host 0 prints 2 MB; the hosts
+  finish, the launcher exits 0, and host 0's log holds every line."""
+  script = _script(tmp_path, "for k in range(40000): print('line', k, 'x' * 40)\n")
+  launcher = _cli(tmp_path / "w", script)
+  assert launcher.stdout.readline()
+  launcher.stdout.close()
+  assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-2000:]
+  assert (tmp_path / "w" / "host0.log").read_text().count("\n") == 40000
+
+
+def test_the_coordinator_listens_on_localhost_only(tmp_path):
+  """Without namespaces JAX's coordination service (no authentication) listens on 127.0.0.1 and
+  not on every interface."""
+  script = _script(tmp_path, """
+from jlp.train import distributed
+distributed.initialize()
+port = int(os.environ['JLP_COORDINATOR'].rsplit(':', 1)[1])
+listening = []
+for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+  for line in open(table).read().splitlines()[1:]:
+    local, state = line.split()[1], line.split()[3]
+    if state == '0A' and int(local.rsplit(':', 1)[1], 16) == port:
+      listening.append(local.rsplit(':', 1)[0])
+print('LISTEN', HOST, sorted(listening))
+""")
+  assert cluster.launch(script, [], hosts=2, devices_per_host=1, bandwidth="none",
+                        workdir=str(tmp_path / "w"), namespaces=False) == 0
+  log = (tmp_path / "w" / "host0.log").read_text()
+  listening = re.search(r"LISTEN 0 (\[.*\])", log)
+  assert listening, log[-2000:]
+  local = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1, as IPv4 or IPv4-mapped
+  assert eval(listening.group(1)) and set(eval(listening.group(1))) <= set(local), log[-2000:]
+
+
+def test_bad_input_is_one_line_before_anything(tmp_path):
+  """--hosts over 254 (the /24's addresses), a rate tbf cannot keep, a workdir that is a file,
+  a workdir another user can write: one-line errors naming the limits (exit 2), nothing made."""
+  (tmp_path / "file").write_text("")
+  cases = [({"hosts": 255}, r"--hosts=255 is not allowed; expected an integer from 1 to 254"),
+           ({"bandwidth": "1bit"}, r"--bandwidth='1bit' is not allowed; expected 'none' or a "
+                                   r"rate from 1mbit to 100gbit"),
+           ({"workdir": str(tmp_path / "file")}, r"it is not a directory")]
+  for change, message in cases:
+    kw = dict(hosts=2, devices_per_host=1, bandwidth="none", workdir=str(tmp_path / "w"),
+              namespaces=False)
+    kw.update(change)
+    with pytest.raises(ValueError, match=message):
+      cluster.launch("experiments.no_such_module", [], **kw)
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  shared.chmod(0o777)
+  with pytest.raises(ValueError, match=r"--workdir=.* another user can write it"):
+    cluster.launch("experiments.no_such_module", [], hosts=1, devices_per_host=1,
+                   bandwidth="none", workdir=str(shared), namespaces=False)
+  launcher = _cli(tmp_path / "file", "experiments.no_such_module")
+  _, err = launcher.communicate(timeout=60)
+  assert launcher.returncode == 2 and len(err.strip().splitlines()) == 1, err
+  assert not (tmp_path / "w").exists()
+
+
+@NEEDS_ROOT
+def test_symbolic_links_in_the_workdir_are_not_followed(tmp_path):
+  """As root: a host{i}.pid that links to another file is refused, and the file is untouched; a
+  workdir owned by another user is refused."""
+  work, target = tmp_path / "w", tmp_path / "precious"
+  work.mkdir()
+  target.write_text("keep me\n")
+  (work / "host0.pid").symlink_to(target)
+  with pytest.raises(cluster.ClusterError, match="host0.pid is a symbolic link"):
+    cluster.launch(_script(tmp_path, "pass\n"), [], hosts=1, devices_per_host=1,
+                   bandwidth="none", workdir=str(work), namespaces=False)
+  assert target.read_text() == "keep me\n"
+  other = tmp_path / "other"
+  other.mkdir()
+  os.chown(other, 65534, 65534)
+  with pytest.raises(ValueError, match=r"another user can write it \(owner uid 65534"):
+    cluster.launch("experiments.no_such_module", [], hosts=1, devices_per_host=1,
+                   bandwidth="none", workdir=str(other), namespaces=False)
+
+
+def _run_names(workdir):
+  """This launch's namespaces and links (workdir/network.json names them)."""
+  network = json.load(open(os.path.join(workdir, "network.json")))
+  namespaces = {h["namespace"] for h in network["hosts"]}
+  links = {network["bridge"]} | {network["bridge"][:-2] + f"v{i}"
+                                 for i in range(len(network["hosts"]))}
+  return namespaces, links
+
+
+def _links() -> set[str]:
+  out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+  return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+def _wait_file(path, timeout=60):
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    assert time.monotonic() < deadline, f"{path} never appeared"
+    time.sleep(0.05)
+
+
+@NEEDS_ROOT
+def test_cleanup_leaves_a_running_launcher_alone(tmp_path):
+  """`--cleanup` while another launcher works: its namespaces, links and hosts stay (and are named
+  as left alone); that launcher then finishes normally and removes them itself."""
+  go = tmp_path / "go"
+  script = _script(tmp_path, f"open('{tmp_path}/started%d' % HOST, 'w').close()\n"
+                             f"while not os.path.exists('{go}'): time.sleep(0.05)\n")
+  launcher = _cli(tmp_path / "w", script)
+  for i in range(2):
+    _wait_file(tmp_path / f"started{i}")
+  namespaces, links = _run_names(tmp_path / "w")
+  removed, kept = cluster.remove_leftovers()
+  assert not (namespaces | links) & set(removed)
+  assert namespaces | links <= set(kept)
+  assert namespaces <= _netns() and links <= _links()
+  go.write_text("")
+  _, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 0, err[-2000:]
+  assert not namespaces & _netns() and not links & _links()
+
+
+@NEEDS_ROOT
+def test_cleanup_removes_what_a_killed_launcher_left(tmp_path):
+  """kill -9 of the launcher leaves its namespaces and hosts; `--cleanup` removes them."""
+  script = _script(tmp_path, f"open('{tmp_path}/started%d' % HOST, 'w').close()\n"
+                             "time.sleep(600)\n")
+  launcher = _cli(tmp_path / "w", script)
+  for i in range(2):
+    _wait_file(tmp_path / f"started{i}")
+  namespaces, links = _run_names(tmp_path / "w")
+  launcher.kill()
+  launcher.wait()
+  removed, _ = cluster.remove_leftovers()
+  assert namespaces <= set(removed)  # (a veth goes with its namespace)
+  assert not namespaces & _netns() and not links & _links()
+
+
+@NEEDS_ROOT
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_signals_during_the_teardown_leave_nothing(tmp_path, signum, code):
+  """A terminal's Ctrl-C reaches the launcher's whole process group, twice in a row (the second
+  during the teardown), or the terminal closes (SIGHUP): the hosts stop, every namespace and
+  link goes, and the exit status is 128 + the signal."""
+  script = _script(tmp_path, f"open('{tmp_path}/started%d' % HOST, 'w').close()\n"
+                             "time.sleep(600)\n")
+  launcher = _cli(tmp_path / "w", script, hosts=4, bandwidth="100mbit")
+  for i in range(4):
+    _wait_file(tmp_path / f"started{i}")
+  namespaces, links = _run_names(tmp_path / "w")
+  os.killpg(launcher.pid, signum)
+  for _ in range(20):  # more of the same while it tears down
+    time.sleep(0.02)
+    try:
+      os.killpg(launcher.pid, signum)
+    except ProcessLookupError:
+      break
+  _, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == code, err[-2000:]
+  assert not namespaces & _netns() and not links & _links()
+
+
+@NEEDS_ROOT
+def test_a_ctrl_c_during_the_set_up_removes_what_it_made(tmp_path):
+  """Ctrl-C while 60 hosts' namespaces are being made: one line saying so, exit 130, nothing
+  left (it exited 1 with an empty message)."""
+  before = _netns()
+  launcher = _cli(tmp_path / "w", "experiments.no_such_module", hosts=60, bandwidth="100mbit")
+  deadline = time.monotonic() + 60
+  while not [n for n in _netns() - before if n.startswith("jlp")]:
+    assert time.monotonic() < deadline
+    time.sleep(0.02)
+  os.killpg(launcher.pid, signal.SIGINT)
+  _, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 130, err[-2000:]
+  assert err.strip().splitlines()[-1] == (
+      "error: interrupted while setting up the network; what it made is removed")
+  assert not [n for n in _netns() - before if n.startswith("jlp")]
+
+
+@NEEDS_ROOT
+def test_hosts_reach_nothing_of_the_machine(tmp_path):
+  """A listener on every address of the machine ([::], dual stack): from a host, no address of
+  the machine's interfaces answers, over IPv4 or IPv6 (the bridge had an IPv6 link-local
+  address through which a host reached the machine)."""
+  server = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+  server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+  server.bind(("::", 0))
+  server.listen(16)
+  port = server.getsockname()[1]
+  try:
+    with cluster.Network(2, "100mbit") as network:
+      out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True).stdout
+      addresses = [line.split()[3].split("/")[0] for line in out.splitlines()]
+      assert addresses
+      bridge = subprocess.run(["ip", "-o", "addr", "show", "dev", network.bridge],
+                              capture_output=True, text=True).stdout
+      assert not bridge.strip()  # no address at all on the bridge
+      probe = ("import socket, sys\n"
+               "for a in sys.argv[2:]:\n"
+               "  family = socket.AF_INET6 if ':' in a else socket.AF_INET\n"
+               "  target = (a + '%eth0', int(sys.argv[1]), 0, 0) if a.startswith('fe80') else "
+               "(a, int(sys.argv[1]))\n"
+               "  s = socket.socket(family)\n"
+               "  s.settimeout(1)\n"
+               "  try:\n"
+               "    s.connect(target); print('REACHED', a)\n"
+               "  except OSError: pass\n")
+      for host in network.hosts:
+        reached = subprocess.run(["ip", "netns", "exec", host.namespace, sys.executable, "-c",
+                                  probe, str(port), *addresses], capture_output=True, text=True,
+                                 timeout=120)
+        assert "REACHED" not in reached.stdout, reached.stdout
+  finally:
+    server.close()
+
+
+@NEEDS_ROOT
+@pytest.mark.parametrize("bandwidth, bits", [("100mbit", 100e6), ("1gbit", 1e9)])
+def test_every_transfer_takes_its_bytes_at_the_rate(tmp_path, bandwidth, bits):
+  """After an idle gap, transfers of 0.25, 0.5, 1 and 16 MiB between two hosts run no faster than
+  1.3x the asked rate (tbf's 1 MB bucket let the first MiB through at line rate: 0.25 MiB at 5.2
+  Gbit/s on a 100 Mbit/s link), and at 100 Mbit/s 16 MiB runs within 1.3x of it."""
+  receiver = ("import socket, sys\n"
+              "server = socket.socket(); server.bind((sys.argv[1], 5001)); server.listen(4)\n"
+              "print('ready', flush=True)\n"
+              "for _ in range(4):\n"
+              "  conn, _ = server.accept(); want = int(conn.recv(16).decode()); got = 0\n"
+              "  while got < want: got += len(conn.recv(1 << 20))\n"
+              "  conn.sendall(b'k'); conn.close()\n")
+  sender = ("import socket, sys, time\n"
+            "for size in (1 << 18, 1 << 19, 1 << 20, 1 << 24):\n"
+            "  time.sleep(1.0)  # an idle gap: the bucket refills\n"
+            "  s = socket.create_connection((sys.argv[1], 5001))\n"
+            "  s.sendall(str(size).encode().ljust(16))\n"
+            "  begin = time.perf_counter(); s.sendall(bytes(size)); s.recv(1)\n"
+            "  print(size, size * 8 / (time.perf_counter() - begin), flush=True)\n")
+  with cluster.Network(2, bandwidth) as network:
+    h0, h1 = network.hosts
+    rx = subprocess.Popen(["ip", "netns", "exec", h1.namespace, sys.executable, "-c", receiver,
+                           h1.address], stdout=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == "ready"
+    tx = subprocess.run(["ip", "netns", "exec", h0.namespace, sys.executable, "-c", sender,
+                         h1.address], capture_output=True, text=True, timeout=120)
+    rx.wait(timeout=30)
+  rates = {int(size): float(rate) for size, rate in
+           (line.split() for line in tx.stdout.splitlines())}
+  assert len(rates) == 4, tx.stderr
+  for size, rate in rates.items():
+    assert rate < 1.3 * bits, (size, rate)
+  if bits < 1e9:  # (at 1 Gbit/s two busy cores may not keep up)
+    assert rates[1 << 24] > bits / 1.3
