@@ -14,7 +14,7 @@ a second signal during the teardown does not stop it):
     network namespace `jlp<id>h<i>` holding one end of a veth pair (`eth0`, 10.R.S.(i + 1)/24 in a
     private /24 picked per run) whose other end (`jlp<id>v<i>`) is on the bridge; no route, NAT
     or forwarding to anything outside: traffic stays among the run's hosts;
-  * with a bandwidth R, a tbf qdisc (`rate R burst B latency 100ms`, B the larger of R x 250 us
+  * with a bandwidth R, a tbf qdisc (`rate R burst B latency 100ms`, B the larger of R x 1 ms
     and four 1514-byte frames: `tbf_burst`) on both ends of every veth, so each host's upload and download are
     shaped to R, and a transfer of any size after an idle gap takes its bytes at R (a larger
     bucket lets the first B bytes through at line rate; tc has no netem here: bandwidth only);
@@ -93,14 +93,16 @@ def check_bandwidth(bandwidth: str) -> str | None:
 
 
 def tbf_burst(rate: str) -> int:
-  """tbf's bucket in bytes for a tc rate: the larger of rate x 250 us and four 1514-byte frames,
-  so that an idle link lets at most that much through at line rate. Measured between two hosts
-  after an idle gap (0.25, 0.5, 1 and 16 MiB): 96-97 Mbit/s at 100mbit, 0.89-0.98 Gbit/s at
-  1gbit; a 1 ms bucket let 0.25 MiB through at 1.5 Gbit/s at 1gbit, a 0.1 ms one kept 1gbit at
-  0.82-0.90 Gbit/s."""
+  """tbf's bucket in bytes for a tc rate: the larger of rate x 1 ms and four 1514-byte frames, so
+  that an idle link lets at most that much through at line rate, while a qdisc whose refill
+  timer runs late on busy cores still keeps the link busy. Measured between two idle hosts after
+  an idle gap (0.25, 0.5, 1 and 16 MiB): 96-100 Mbit/s at 100mbit; at 1gbit 1.5, 1.2, 1.05 and
+  0.94 Gbit/s (the 125 KB bucket is half of 0.25 MiB). A 250 us bucket kept every size within
+  0.89-0.98 Gbit/s on idle hosts, but under the cluster study's load (8 processes on 2 cores) its
+  float32 psum at 1gbit took 569 ms against 255 ms for the byte bound's 224 ms."""
   match = _RATE.match(rate)
   bits = float(match.group(1)) * _UNIT[match.group(2)]
-  return max(int(bits / 8 / 4000), 4 * 1514)
+  return max(int(bits / 8 / 1000), 4 * 1514)
 
 
 def can_make_namespaces() -> bool:

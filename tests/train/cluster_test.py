@@ -29,9 +29,9 @@ def test_bandwidth_is_a_tc_rate(bandwidth, ok):
   assert cluster.check_bandwidth(bandwidth) == ok
 
 
-@pytest.mark.parametrize("rate, burst", [("100mbit", 4 * 1514), ("1gbit", 31250),
-                                         ("1mbit", 4 * 1514), ("10gbit", 312500)])
-def test_the_bucket_holds_a_quarter_millisecond_at_the_rate(rate, burst):
+@pytest.mark.parametrize("rate, burst", [("100mbit", 12500), ("1gbit", 125000),
+                                         ("1mbit", 4 * 1514), ("10gbit", 1250000)])
+def test_the_bucket_holds_a_millisecond_at_the_rate(rate, burst):
   assert cluster.tbf_burst(rate) == burst
 
 
@@ -561,7 +561,8 @@ def test_hosts_reach_nothing_of_the_machine(tmp_path):
 def test_every_transfer_takes_its_bytes_at_the_rate(tmp_path, bandwidth, bits):
   """After an idle gap, transfers of 0.25, 0.5, 1 and 16 MiB between two hosts run no faster than
   1.3x the asked rate (tbf's 1 MB bucket let the first MiB through at line rate: 0.25 MiB at 5.2
-  Gbit/s on a 100 Mbit/s link), and at 100 Mbit/s 16 MiB runs within 1.3x of it."""
+  Gbit/s on a 100 Mbit/s link; at 1 Gbit/s the 1 ms bucket is half of 0.25 MiB, so that size is
+  left out there), and at 100 Mbit/s 16 MiB runs within 1.3x of it."""
   receiver = ("import socket, sys\n"
               "server = socket.socket(); server.bind((sys.argv[1], 5001)); server.listen(4)\n"
               "print('ready', flush=True)\n"
@@ -588,6 +589,7 @@ def test_every_transfer_takes_its_bytes_at_the_rate(tmp_path, bandwidth, bits):
            (line.split() for line in tx.stdout.splitlines())}
   assert len(rates) == 4, tx.stderr
   for size, rate in rates.items():
-    assert rate < 1.3 * bits, (size, rate)
+    if size * 8 >= 4 * bits / 1000:  # at least four buckets' worth
+      assert rate < 1.3 * bits, (size, rate)
   if bits < 1e9:  # (at 1 Gbit/s two busy cores may not keep up)
     assert rates[1 << 24] > bits / 1.3
