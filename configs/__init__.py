@@ -20,17 +20,22 @@ HIPRESS_MIN_SIZE = DEFAULT_MIN_SIZE
 
 
 def hipress_compression(c, compressor: str, topology: str):
-  """Sets c.compression to `compressor` ("none" or a name of HIPRESS_COMPRESSOR_KWARGS) with
-  HiPress's fields, over CaSync `topology` ("ps" or "ring"), compressing gradients of more than
-  HIPRESS_MIN_SIZE floats; returns c. Unknown names are left to the config's validation.
+  """Sets c.compression to `compressor` (a name of HIPRESS_COMPRESSOR_KWARGS) with HiPress's
+  fields, over CaSync `topology` ("ps" or "ring"), compressing gradients of more than
+  HIPRESS_MIN_SIZE floats; returns c. "none" (the float32 baseline) leaves c.compression at its
+  defaults: without a compressor, topology, min_size and kwargs do nothing, and validation
+  refuses them. Unknown names are left to the config's validation.
   DGC's momentum correction is the momentum (Lin et al. 2018, §3.2: each worker accumulates
-  u = m u + g and sends from v += u), so with DGC the optimizer's own momentum is turned off
-  (c.momentum = 0): both at once compound to 1/(1-m)^2 times the step."""
+  u = m u + g and sends from v += u), so with DGC the SGD momentum is turned off
+  (c.momentum = 0): both at once compound to 1/(1-m)^2 times the step (AdamW has no momentum
+  field; its first moment, adam_b1, is left as it is)."""
+  if compressor == "none":
+    return c
   c.compression.name = compressor
   c.compression.topology = topology
   c.compression.min_size = HIPRESS_MIN_SIZE
   c.compression.kwargs = dict(HIPRESS_COMPRESSOR_KWARGS.get(compressor, {}))
-  if compressor == "dgc":
+  if compressor == "dgc" and c.optimizer == "sgd":
     c.momentum = 0.0
   return c
 

@@ -12,17 +12,21 @@ are not copied).
   python -m experiments.train --config=configs/bfp_resnet18_cifar100.py --workdir=W \
       --config.dataset.root=DATA      # needs DATA/cifar-100-python/{train,test,meta}
       --config.bfp.controller=Simple/0.1/0.3/0/1   # BFPsim's dynamic precision control
-      --config.bfp.preset=ResNet18_FB12            # a fixed preset instead of the schedule
+  --config=configs/bfp_resnet18_cifar100.py:preset=ResNet18_FB12   # a fixed preset, no schedule
 
+Arguments: local, preset. `preset=NAME` (a BFPsim preset name or JSON path) replaces the schedule
+with that preset for the whole run (bfp.preset=NAME, bfp.schedule={}); `--config.bfp.preset` alone
+is refused while the schedule is set, since the schedule decides the preset.
 `:local` is a CPU smoke run on digits at 32x32x3 with a width-8 ResNet18 of one block per stage
-(the preset's rules for the missing blocks match nothing) and the Simple controller on 2-step windows.
+(the preset's rules for the missing blocks match nothing), a two-entry schedule (FB16, then
+FB12LG16 from epoch 1) and the Simple controller on 2-step windows.
 """
 
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, local=False)
+  arg = parse_arg(arg, local=False, preset="")
   c = base_config()
   c.model.name = "resnet18"
   c.dataset.name = "cifar100"
@@ -38,7 +42,6 @@ def get_config(arg=None):
   c.schedule.epochs = 200
   c.momentum = 0.9
   c.weight_decay = 5e-4
-  c.bfp.preset = "ResNet18_FB16"
   c.bfp.schedule = {"0": "ResNet18_FB16", "20": "ResNet18_FB12LG16", "180": "ResNet18_FB16"}
   c.bfp.window = 0                   # controller window: one epoch (len(trainloader))
   if arg.local:
@@ -47,4 +50,7 @@ def get_config(arg=None):
     c.bfp.schedule = {"0": "ResNet18_FB16", "1": "ResNet18_FB12LG16"}
     c.bfp.controller = "Simple/0.1/0.3/0/1"
     c.bfp.window = 2
+  if arg.preset:
+    c.bfp.schedule = {}
+    c.bfp.preset = arg.preset
   return c

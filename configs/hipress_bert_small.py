@@ -24,7 +24,8 @@ compressor's fields as HiPress ran them (configs.HIPRESS_COMPRESSOR_KWARGS); eve
   --config=configs/hipress_bert_small.py:compressor=tbq,topology=ring
 
 Arguments: compressor ("onebit" default, "tbq", "terngrad", "dgc", "graddrop", "none"), topology
-("ps" default, "ring"), local. `:local` needs no files: the bundled digits as sentences of their 64
+("ps" default, "ring"; ignored with "none", the float32 baseline: the compression fields then keep
+their defaults), local. `:local` needs no files: the bundled digits as sentences of their 64
 pixel values ("digits_tokens", 21-token vocabulary), a 2-layer hidden-32 BERT, min_size 0 (every
 gradient compressed), a few steps.
 """
@@ -51,5 +52,6 @@ def get_config(arg=None):
   hipress_compression(c, arg.compressor, arg.topology)
   if arg.local:
     local_bert_digits_tokens(c)
-    c.compression.min_size = 0       # the tiny model's gradients are all below 262,144 floats
+    if c.compression.name != "none":
+      c.compression.min_size = 0       # the tiny model's gradients are all below 262,144 floats
   return c

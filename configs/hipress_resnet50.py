@@ -17,7 +17,8 @@ Gradients of more than 262,144 floats are compressed (HiPress's --comp-threshold
   --config=configs/hipress_resnet50.py:compressor=none                 # the float32 baseline
 
 Arguments: compressor ("dgc" default, "onebit", "tbq", "terngrad", "graddrop", "none"), topology
-("ring" default, "ps"), local. `:local` is a CPU smoke run on digits at 32x32x3 with a width-8
+("ring" default, "ps"; ignored with "none", the float32 baseline: the compression fields then keep
+their defaults), local. `:local` is a CPU smoke run on digits at 32x32x3 with a width-8
 ResNet50 of one bottleneck per stage and min_size 1024 (its 11 conv kernels of more than 1,024
 floats compressed; min_size 0 compresses all 53 gradients but compiles ~3x slower on CPU).
 """
@@ -51,5 +52,6 @@ def get_config(arg=None):
     local_digits(c, max_steps=6, width=8, stem="cifar", num_blocks=(1, 1, 1, 1))
     c.lr = 0.05
     c.schedule.init_lr = 0.05
-    c.compression.min_size = 1024    # the width-8 net's conv kernels (all below 262,144 floats)
+    if c.compression.name != "none":
+      c.compression.min_size = 1024    # the width-8 net's conv kernels (all below 262,144 floats)
   return c

@@ -20,7 +20,8 @@ in float32. Every step logs `wire_bytes`, the bytes one device sends for the syn
   --config=configs/hipress_vgg19.py:compressor=none  # the float32 baseline
 
 Arguments: compressor ("onebit" default, "tbq", "terngrad", "dgc", "graddrop", "none"), topology
-("ps" default, "ring"), local. `:local` is a CPU smoke run on digits at 32x32x3 with a width-8
+("ps" default, "ring"; ignored with "none", the float32 baseline: the compression fields then keep
+their defaults), local. `:local` is a CPU smoke run on digits at 32x32x3 with a width-8
 VGG19 and min_size 1024 (its 14 conv kernels of more than 1,024 floats compressed; min_size 0
 compresses all 66 gradients but compiles ~3x slower on CPU), a few steps.
 """
@@ -51,5 +52,6 @@ def get_config(arg=None):
     local_digits(c, max_steps=6, width=8)
     c.lr = 0.05
     c.schedule.warmup_steps = 0
-    c.compression.min_size = 1024    # the width-8 net's conv kernels (all below 262,144 floats)
+    if c.compression.name != "none":
+      c.compression.min_size = 1024    # the width-8 net's conv kernels (all below 262,144 floats)
   return c

@@ -23,8 +23,9 @@ recipe of `jlp.nn.recipes` (`config.quant_recipe`):
                 Formats for Deep Learning", arXiv:2209.05433).
 
 Prints a markdown table (final test accuracy, its difference to float32 in percent points, the
-final train loss, wall seconds per training step) and writes it to WORKDIR/table.md, with the
-training curves (loss and test accuracy against step) in WORKDIR/curves.png. With --bert it does
+train loss averaged over the last logged window, wall seconds per training step) and writes it
+to WORKDIR/table.md, with the training curves (loss and test accuracy against step) in
+WORKDIR/curves.png. With --bert it does
 the same for BERT on configs/hipress_bert_small.py's `:local` data (the bundled digits as 64-token
 sentences, a 2-layer hidden-32 BERT, AdamW, no gradient compression, global batch 128) for
 --bert_steps steps, in WORKDIR/bert/. The library side is `jlp.studies.recipe_study` (the notebooks call it too).

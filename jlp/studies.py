@@ -4,8 +4,9 @@ the gradient-compression study and the pipelined-synchronisation study.
 `aps_study(config, workdir)` trains `config` once per gradient all-reduce variant (float32, e4m3
 and e3m0, each with and without APS; CPD's headline experiment, Han, Demmel, You, "Auto-Precision
 Scaling for Distributed Deep Learning", arXiv:1911.08907) in `workdir/<variant>`, and returns one
-row per run with the final test accuracy, its gap to float32 and the final train loss;
-`render_table` prints them and `jlp.plots.plot_runs` draws the curves.
+row per run with the final test accuracy, its gap to float32 and the train loss of the last logged
+window (the mean over its steps); `render_table` prints them and `jlp.plots.plot_runs` draws the
+curves.
 
 `compression_study(config, workdir)` trains `config` once with a float32 all-reduce and once per
 compressor x CaSync topology (HiPress, Bai et al., SOSP 2021; docs/hipress.md) in
@@ -27,8 +28,8 @@ training recipe (`config.quant_recipe`, `jlp.nn.recipes`: TransformerEngine's NV
 arXiv:2509.25149; MXFP8BlockScaling; MXFP4 with stochastic rounding, arXiv:2502.20586;
 DeepSeek-V3's 1x128 / 128x128 FP8 with promoted accumulation, arXiv:2412.19437 §3.3; TE's
 per-tensor Float8CurrentScaling and DelayedScaling, arXiv:2209.05433) in `workdir/<recipe>`; its
-rows hold the final test accuracy, its gap to float32, the final train loss and the wall seconds
-per training step, and a recipe that `jlp.nn` names but does not build yet
+rows hold the final test accuracy, its gap to float32, the last window's train loss and the wall
+seconds per training step, and a recipe that `jlp.nn` names but does not build yet
 (`jlp.nn.recipes.UNSUPPORTED`, empty at present) gets a row saying so; `render_recipe_table`
 prints them as markdown.
 """
@@ -48,6 +49,7 @@ import numpy as np
 from jlp.compression.casync import TOPOLOGIES
 from jlp.nn.recipes import RECIPES, UNSUPPORTED
 from jlp.train import run_timing
+from jlp.train.config import base_config
 from jlp.train.loop import train_and_evaluate
 from jlp.train.metrics import read_metrics
 
@@ -158,7 +160,9 @@ def compression_study(config: ml_collections.ConfigDict, workdir: str,
   final metrics (module docstring).
 
   compressors: names of jlp.compression compressors (with their default fields), or
-    (name, {field: value}) pairs. The rest of config.compression (min_size) is kept.
+    (name, {field: value}) pairs. The rest of config.compression (min_size) is kept for
+    them; the float32 run gets the default compression fields (validation refuses
+    compression.min_size, topology, kwargs or plan without a compressor).
   topologies: CaSync topologies, "ps" and/or "ring".
   baseline_algorithm: the float32 run's all-reduce (config.grad_algorithm): "ring" or
     "sequential" (module docstring).
@@ -179,9 +183,11 @@ def compression_study(config: ml_collections.ConfigDict, workdir: str,
     if fresh and os.path.isdir(run_dir):
       shutil.rmtree(run_dir)
     cfg = ml_collections.ConfigDict(config.to_dict())
+    if name == "none":
+      cfg.compression = base_config().compression
     cfg.compression.name = name
     cfg.compression.kwargs = ml_collections.ConfigDict(kwargs)
-    if name == "dgc" and kwargs.get("momentum", 0.9) > 0:
+    if name == "dgc" and kwargs.get("momentum", 0.9) > 0 and cfg.optimizer == "sgd":
       cfg.momentum = 0.0  # DGC's momentum correction replaces the optimizer's (Lin et al. §3.2)
     if topology is not None:
       cfg.compression.topology = topology
@@ -554,7 +560,7 @@ def recipe_study(config: ml_collections.ConfigDict, workdir: str,
 def render_recipe_table(rows: Sequence[dict[str, Any]]) -> str:
   """The recipe study's rows as a markdown table (accuracies and their gap to float32 in percent
   points, wall seconds per step); an unsupported recipe's row says "not supported yet"."""
-  head = "| recipe | test acc % | vs float32 | final train loss | s/step |"
+  head = "| recipe | test acc % | vs float32 | train loss, last window | s/step |"
   lines = [head, "| --- | ---: | ---: | ---: | ---: |"]
   for r in rows:
     name = "float32" if r["recipe"] == "none" else r["recipe"]

@@ -67,16 +67,17 @@ def test_hipress_config_selects_each_compressor_with_hipress_fields(name, compre
     for local in ("", ",local"):
       c = module.get_config(f"compressor={compressor},topology={topology}{local}")
       config_lib.validate(c)
+      codec = config_lib.compressor(c)
+      if compressor == "none":  # the float32 baseline: the compression fields keep their defaults
+        assert c.compression.to_dict() == config_lib.base_config().compression.to_dict()
+        assert codec is None
+        continue
       assert (c.compression.name, c.compression.topology) == (compressor, topology)
       assert c.compression.min_size == (LOCAL_MIN_SIZE[name] if local else 262144)  # §2.1
       assert dict(c.compression.kwargs) == HIPRESS_FIELDS[compressor]
-      codec = config_lib.compressor(c)
-      if compressor == "none":
-        assert codec is None
-      else:
-        assert codec.name == compressor
-        for field, value in HIPRESS_FIELDS[compressor].items():
-          assert getattr(codec, field) == value
+      assert codec.name == compressor
+      for field, value in HIPRESS_FIELDS[compressor].items():
+        assert getattr(codec, field) == value
 
 
 def test_hipress_defaults_and_bad_arguments():

@@ -27,7 +27,7 @@ def check_study(out_rows, recipes, out, workdir):
   base = rows[0]
   with open(os.path.join(workdir, "table.md"), encoding="utf-8") as f:
     table = f.read()
-  assert table.splitlines()[2] == "| recipe | test acc % | vs float32 | final train loss | s/step |"
+  assert table.splitlines()[2] == "| recipe | test acc % | vs float32 | train loss, last window | s/step |"
   assert table.split("\n\n", 1)[1].strip() in out
   assert re.search(r"^\| float32 \| \d+\.\d\d \|  \| \d+\.\d{4} \| \d+\.\d{4} \|$", table, re.M)
   for r in rows:

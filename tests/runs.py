@@ -3,13 +3,14 @@ their timing fields, the newest checkpoint of a run directory as flat arrays, an
 equality of two pytrees."""
 
 import os
+import signal
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 #: Metrics fields that depend on the wall clock, not on the run's values.
-VOLATILE = ("time", "throughput")
+VOLATILE = ("time", "throughput", "compile_seconds", "save_seconds")
 
 
 def small_digits(**fields):
@@ -48,3 +49,11 @@ def assert_trees_equal(got, want):
   assert tree_got == tree_want
   for (path, g), (_, w) in zip(flat_got, flat_want, strict=True):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
+
+
+def sigint_before(method):
+  """`method` wrapped to send this process SIGINT first: a Ctrl-C during that call."""
+  def wrapped(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return method(self, *args, **kwargs)
+  return wrapped

@@ -31,6 +31,15 @@ def latest_step(workdir: str) -> int | None:
   return max(steps) if steps else None
 
 
+def read_meta(workdir: str, step: int) -> dict[str, Any]:
+  """The meta of checkpoint `step` in `workdir`, without reading its state."""
+  checkpoints = Checkpointer(workdir)
+  try:
+    return checkpoints.meta(step)
+  finally:
+    checkpoints.close()
+
+
 class Checkpointer:
   """Saves and restores (state, meta) by step with orbax's CheckpointManager.
 

@@ -4,6 +4,9 @@ Every config starts from `base_config()` and overrides fields; `python -m experi
 --config=configs/NAME.py[:ARG] --config.FIELD=VALUE` changes any of them (unknown fields and wrong
 types are rejected by ml_collections). `validate(config)` checks values before anything is built
 or compiled and raises ValueError naming the field, the value given and what is allowed.
+A field that only acts together with another one is refused when it is set (not its default)
+without it, rather than accepted and ignored (the rules are in the list below, marked "Refused");
+`resolved(config)` is the config to record (config.json, checkpoints): it says what ran.
 
 Fields (see `base_config` for defaults):
   seed                          PRNG seed: initialisation, data order, augmentation, stochastic rounding.
@@ -12,6 +15,16 @@ Fields (see `base_config` for defaults):
                                 comes from the dataset).
   dataset.name, dataset.root, dataset.kwargs
                                 a jlp.data dataset ("digits" needs no root) and its options.
+                                Augmentation is for training only: the evaluation split is built
+                                with the same options and augment=False, whatever dataset.kwargs
+                                say (jlp.train.recipe.eval_kwargs), so its augmentation settings
+                                (augment, crop, padding, pad_mode, flip, cutout; imagenet's
+                                scale, ratio; cityscapes' scale_range, cat_max_ratio,
+                                photometric) act on the training split only, and the other
+                                options (variant, recipe, mean, std, imagenet's crop_size /
+                                resize_size centre crop, cityscapes' eval_scale, max_len, ...)
+                                on both. Classification needs one image shape for both splits (a
+                                crop must keep the image size, e.g. crop=32 with padding=4).
   batch_size, eval_batch_size   global batch sizes (all devices and processes together).
   max_steps, log_every, eval_every, checkpoint_every
                                 loop cadence in steps (0 disables eval / periodic checkpoints; a
@@ -19,27 +32,46 @@ Fields (see `base_config` for defaults):
   stop_at_accuracy              end the run at the first evaluation whose eval_accuracy reaches
                                 it (a checkpoint is written; re-running the workdir says it is
                                 finished); 0 (default): off. Data-parallel classification only:
-                                time-to-accuracy studies.
+                                time-to-accuracy studies. Refused with eval_every=0.
   lr, schedule                  peak learning rate and schedule (`schedule.name` plus its fields;
                                 see jlp.train.optim).
   optimizer                     "sgd" (torch-style SGD; LARS with use_lars) or "adamw" (optax.adamw:
                                 adam_b1, adam_b2, adam_eps; decoupled weight_decay, for BERT).
   optimizer fields              momentum, nesterov, weight_decay, wd_exclude (regex over parameter
-                                paths without decay, e.g. "bn|bias"), use_lars.
+                                paths without decay, e.g. "bn|bias"), use_lars. SGD and LARS read
+                                all four (LARS: optax.lars with weight_decay_mask from wd_exclude,
+                                its trust ratio on every parameter, Nesterov momentum with
+                                nesterov); adamw reads weight_decay and wd_exclude.
+                                Refused: nesterov=True or a momentum other than the default 0.9
+                                with "adamw" (its first-moment decay is adam_b1); adam_b1,
+                                adam_b2, adam_eps other than their defaults with "sgd".
   gradient sync (CPD)           grad_exp, grad_man (the all-reduce format; (8, 23) = float32),
                                 grad_algorithm ("sequential" | "ring"), use_aps, aps_mode
                                 ("exact" | "cpd"), use_kahan, emulate_nodes, emulate_form
                                 ("flat" | "cpd"), emulate_node_map ("unroll": fastest on CPU,
                                 compile time grows with emulate_nodes; "scan": one loop body,
                                 for many nodes; "vmap": batched, not bit-identical to devices;
-                                see jlp.train.step); grad_format is derived from grad_exp/grad_man
-                                unless set to a format name directly ("e4m3", "float8_e5m2", ...).
+                                see jlp.train.step; it acts with one node too: the one-node
+                                program unrolled, in a one-trip loop or vmapped differs in the
+                                last bits).
+                                grad_format decides the all-reduce format. It is a reference,
+                                "e{grad_exp}m{grad_man}", until set by name ("e4m3",
+                                "float8_e4m3fn", ...; --config.grad_format=NAME on the command line
+                                replaces the reference with the name, whatever the flag order);
+                                grad_exp / grad_man then change nothing, and any other than the
+                                defaults (8, 23) or the format's own widths are refused.
+                                `resolved(config)` records grad_exp / grad_man as the widths
+                                that ran. Refused: aps_mode other than "exact" without use_aps;
+                                emulate_form="cpd" with emulate_nodes=1, except on "resnet50"
+                                (whose single local gradient CPD casts: GradSync.cast_single).
   compression.name              "none" (the CPD all-reduce above) or a jlp.compression compressor
                                 ("onebit", "tbq", "terngrad", "dgc", "graddrop", ...): gradients
                                 are then summed by HiPress's compressed sync (jlp.compression.sync,
                                 docs/hipress.md) with per-device error-feedback state, which is
                                 checkpointed. Needs the float32 sequential settings of the CPD
                                 fields (grad_format e8m23, no APS / Kahan / ring / emulated nodes).
+                                Refused with "none": compression.topology, min_size, kwargs or
+                                plan other than their defaults ("ps", 262144, {}, "").
   compression.topology          "ps" (CaSync-PS) or "ring" (CaSync-Ring).
   compression.min_size          compress a gradient iff it has more than min_size elements
                                 (HiPress's --comp-threshold, 262144; 0: every gradient).
@@ -79,12 +111,15 @@ Fields (see `base_config` for defaults):
                                 about 9x the float32 step on a CPU); False: its formats with
                                 float32 GEMMs (`recipe_rules(..., accumulator=False)`; the other
                                 recipes have no accumulator model).
-  bfp.preset                    BFPsim preset name or JSON path applied with jlp.nn rules ("" = none).
+  bfp.preset                    BFPsim preset name or JSON path applied with jlp.nn rules ("" =
+                                none), for the whole run. Refused with a non-empty bfp.schedule (the
+                                schedule decides the preset; set one or the other).
   bfp.schedule                  {epoch: preset} switched at epoch boundaries (BFPsim's
                                 bfp-layer-conf-dict, intended semantics: optimizer state and LR
                                 schedule continue).
   bfp.controller, bfp.window    "Simple/<lo>/<hi>/<init>/<hold>" dynamic precision control over
-                                windows of `window` steps ("" = off; 0 = one epoch).
+                                windows of `window` steps ("" = off; 0 = one epoch). Refused:
+                                bfp.window other than 0 without a controller.
   pipeline.*                    pipelined data parallelism (SD-PIPE, docs/sdpipe.md; jlp.pipeline,
                                 jlp.train.pipeline_loop): N pipelines x S stages on N*S devices.
                                 With schedule "none" (default) the other pipeline fields must keep
@@ -149,9 +184,18 @@ DEVICE_HINT = ("on a CPU machine, --cpu_devices=N emulates N devices; across mac
 TASKS = ("classification", "segmentation")
 OPTIMIZERS = ("sgd", "adamw")
 APS_MODES = ("exact", "cpd")
+#: The model whose single local gradient emulate_form="cpd" casts with one node (CPD's ResNet50;
+#: jlp.train.recipe.grad_sync's cast_single).
+CAST_SINGLE_MODEL = "resnet50"
 #: config.compression.plan value: plan with SeCoPa's seed cost model for the model being trained.
 SECOPA = "secopa"
 PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b")
+#: Defaults of the optimizer fields that only one optimizer reads (`validate` refuses another
+#: value with the other optimizer).
+SGD_MOMENTUM = 0.9
+ADAM_DEFAULTS = {"adam_b1": 0.9, "adam_b2": 0.999, "adam_eps": 1e-8}
+#: The float32 gradient format's (grad_exp, grad_man): CPD's plain all-reduce.
+FLOAT32_EXP_MAN = (8, 23)
 #: config.pipeline's fields and defaults (module docstring).
 PIPELINE_DEFAULTS = {
     "schedule": "none", "stages": 1, "pipelines": 0, "microbatches": 1, "sync": "allreduce",
@@ -178,18 +222,17 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.lr = 0.1
   c.schedule = ml_collections.ConfigDict({"name": "constant"})
-  c.momentum = 0.9
+  c.momentum = SGD_MOMENTUM
   c.nesterov = False
   c.weight_decay = 0.0
   c.wd_exclude = ""
   c.use_lars = False
   c.optimizer = "sgd"
-  c.adam_b1 = 0.9
-  c.adam_b2 = 0.999
-  c.adam_eps = 1e-8
+  c.adam_b1 = ADAM_DEFAULTS["adam_b1"]
+  c.adam_b2 = ADAM_DEFAULTS["adam_b2"]
+  c.adam_eps = ADAM_DEFAULTS["adam_eps"]
 
-  c.grad_exp = 8
-  c.grad_man = 23
+  c.grad_exp, c.grad_man = FLOAT32_EXP_MAN
   c.grad_format = "e" + c.get_ref("grad_exp").to_str() + "m" + c.get_ref("grad_man").to_str()
   c.grad_algorithm = "sequential"
   c.use_aps = False
@@ -269,7 +312,45 @@ def grad_format(config: ml_collections.ConfigDict) -> FloatFormat | None:
                      "2..8 / 0..23).") from None
   if not isinstance(fmt, FloatFormat):
     raise ValueError(f"config.grad_format={name!r} is not allowed; expected a float format.")
-  return None if (fmt.exp, fmt.man) == (8, 23) else fmt
+  return None if (fmt.exp, fmt.man) == FLOAT32_EXP_MAN else fmt
+
+
+def _grad_exp_man(config: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(exponent, mantissa) bits of config.grad_format (8, 23 for float32)."""
+  fmt = grad_format(config)
+  return FLOAT32_EXP_MAN if fmt is None else (fmt.exp, fmt.man)
+
+
+def _check_grad_format(config: ml_collections.ConfigDict) -> None:
+  """grad_format decides the all-reduce format. Unless it was set by name (it then differs from
+  "e{grad_exp}m{grad_man}"), it is that reference; when it was, grad_exp / grad_man must be the
+  defaults (8, 23: not set) or the format's own widths."""
+  name = config.grad_format
+  given = (config.grad_exp, config.grad_man)
+  if name == f"e{given[0]}m{given[1]}" or given == FLOAT32_EXP_MAN:
+    return
+  exp, man = _grad_exp_man(config)
+  if given != (exp, man):
+    raise ValueError(
+        f"config.grad_exp={given[0]!r}, config.grad_man={given[1]!r} are not allowed with "
+        f"config.grad_format={name!r}; expected grad_exp={exp}, grad_man={man} (the format's "
+        f"widths) or the defaults {FLOAT32_EXP_MAN[0]}, {FLOAT32_EXP_MAN[1]}: a grad_format set "
+        "by name decides the all-reduce format (grad_exp / grad_man then change nothing), so "
+        "set grad_format or grad_exp and grad_man, not both.")
+
+
+def resolved(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config that runs, for the record (config.json, checkpoint metadata, and the config a
+  resume compares): an unlocked copy of `config` with every FieldReference replaced by its value
+  and grad_exp / grad_man set to grad_format's exponent and mantissa widths (float32: 8, 23), so
+  that a grad_format set by name ("float8_e4m3fn") keeps its name and is recorded beside the
+  widths that ran. `config` itself is not changed. Call it after `validate` (a grad_format that
+  does not parse raises ValueError); `validate(resolved(c))` passes whenever `validate(c)` does,
+  and resolved(resolved(c)) == resolved(c)."""
+  out = config.copy_and_resolve_references()
+  out.unlock()
+  out.grad_exp, out.grad_man = _grad_exp_man(out)
+  return out
 
 
 def quant_rules(config: ml_collections.ConfigDict) -> list[Any]:
@@ -360,6 +441,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
            "stop_at_accuracy", config.stop_at_accuracy,
            "0 unless task='classification' with pipeline.schedule='none' (pipelined runs "
            "evaluate between calls and complete their mini-batches later)")
+    _check(config.eval_every > 0, "stop_at_accuracy", config.stop_at_accuracy,
+           "0 with eval_every=0 (the run stops at an evaluation, and there is none; set "
+           "eval_every)")
   _check(config.lr >= 0, "lr", config.lr, "a learning rate >= 0")
   _check(0 <= config.momentum < 1, "momentum", config.momentum, "a value in [0, 1)")
   _check(config.optimizer in OPTIMIZERS, "optimizer", config.optimizer, f"one of {OPTIMIZERS}")
@@ -368,6 +452,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field in ("adam_b1", "adam_b2"):
     _check(0 <= config[field] < 1, field, config[field], "a value in [0, 1)")
   _check(config.adam_eps > 0, "adam_eps", config.adam_eps, "a value > 0")
+  if config.optimizer == "adamw":
+    adamw = ("with optimizer='adamw' (momentum and nesterov are the SGD / LARS fields; "
+             "adamw's first-moment decay is adam_b1)")
+    _check(not config.nesterov, "nesterov", config.nesterov, f"False {adamw}")
+    _check(config.momentum == SGD_MOMENTUM, "momentum", config.momentum,
+           f"{SGD_MOMENTUM} (the default) {adamw}")
+  else:
+    for field, default in ADAM_DEFAULTS.items():
+      _check(config[field] == default, field, config[field],
+             f"{default!r} (the default) with optimizer={config.optimizer!r} (only "
+             "optimizer='adamw' reads the adam_* fields)")
   _check(config.weight_decay >= 0, "weight_decay", config.weight_decay, "a value >= 0")
   try:
     re.compile(config.wd_exclude)
@@ -378,6 +473,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
          "True or False")
 
   fmt = grad_format(config)
+  _check_grad_format(config)
   _check(config.grad_algorithm in ALGORITHMS, "grad_algorithm", config.grad_algorithm,
          f"one of {ALGORITHMS}")
   _check(config.aps_mode in APS_MODES, "aps_mode", config.aps_mode, f"one of {APS_MODES}")
@@ -388,6 +484,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
          "False with a float32 all-reduce (grad_exp=8, grad_man=23): APS needs a low-precision format")
   _check(_int(config.emulate_nodes) and config.emulate_nodes >= 1, "emulate_nodes",
          config.emulate_nodes, "an int >= 1")
+  _check(config.use_aps or config.aps_mode == "exact", "aps_mode", config.aps_mode,
+         "'exact' (the default) with use_aps=False (aps_mode says how APS computes its "
+         "exponents; set use_aps=True for APS)")
+  _check(config.emulate_form == "flat" or config.emulate_nodes > 1
+         or config.model.name == CAST_SINGLE_MODEL, "emulate_form", config.emulate_form,
+         f"'flat' (the default) with emulate_nodes=1 (the two-level form reduces each device's "
+         f"emulated nodes first; with one node it acts only on model {CAST_SINGLE_MODEL!r}, "
+         "whose single local gradient CPD casts: jlp.sync.GradSync.cast_single)")
 
   _check_compression(config, fmt)
 
@@ -397,10 +501,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
     bfp_controller.SimpleController.from_string(config.bfp.controller)  # raises on a bad string
   _check(_int(config.bfp.window) and config.bfp.window >= 0, "bfp.window", config.bfp.window,
          "an int >= 0 (0: one epoch)")
+  _check(config.bfp.window == 0 or bool(config.bfp.controller), "bfp.window", config.bfp.window,
+         "0 (the default) with bfp.controller='' (the window is the controller's)")
   for epoch in config.bfp.schedule:
     _check(str(epoch).isdigit(), "bfp.schedule", dict(config.bfp.schedule),
            "a mapping {epoch (int >= 0): preset name}")
   _check_pipeline(config, fmt)
+  _check(not (config.bfp.preset and dict(config.bfp.schedule)), "bfp.preset", config.bfp.preset,
+         f"'' with bfp.schedule={dict(config.bfp.schedule)!r} (the schedule decides the preset "
+         "at every epoch); set a fixed preset with bfp.schedule={} (e.g. "
+         "configs/bfp_resnet18_cifar100.py:preset=NAME)")
 
 
 #: config.pipeline.sync values (jlp.pipeline.simulator.SYNC_MODES).
@@ -533,6 +643,11 @@ def _check_compression(config: ml_collections.ConfigDict, fmt: FloatFormat | Non
   plans = f"'', {SECOPA!r} or the path of an existing SeCoPa plan file"
   _check(isinstance(c.plan, str), "compression.plan", c.plan, plans)
   if codec is None:
+    off = "with compression.name='none' (no compressor: the CPD all-reduce sums every gradient)"
+    for field, value, default in (("topology", c.topology, "ps"),
+                                  ("min_size", c.min_size, DEFAULT_MIN_SIZE),
+                                  ("kwargs", dict(c.kwargs), {}), ("plan", c.plan, "")):
+      _check(value == default, f"compression.{field}", value, f"{default!r} (the default) {off}")
     return
   _check(c.plan in ("", SECOPA) or os.path.isfile(c.plan), "compression.plan", c.plan, plans)
   why = f"with config.compression.name={c.name!r} (the compressed sync sums float32 gradients)"

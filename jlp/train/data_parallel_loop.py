@@ -8,8 +8,12 @@ One call runs (or resumes) an experiment config (jlp.train.config) in `workdir`:
   2. Builds the data pipelines, the model (with config.quant_rules, config.quant_recipe and the
      BFPsim preset, when set: jlp.train.loop_common.QuantPlan), the optimizer
      and the data-parallel step (jlp.train.TrainStep with the config's gradient all-reduce).
-  3. Restores the newest checkpoint of `workdir/checkpoints` if there is one, then trains to
-     `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard; `wire_bytes` is
+  3. Restores the newest checkpoint of `workdir/checkpoints` if there is one (under the BFP
+     preset it was written with; a preset switch due at that step follows), then trains to
+     `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard; train_loss and
+     train_accuracy are the means over the steps since the previous row, throughput the examples
+     per second of training since then, compilation and checkpoint saves left out and logged as
+     compile_seconds and save_seconds: jlp.train.loop_common.LogWindow; `wire_bytes` is
      the bytes one device sent for that step's gradient sync, see jlp.train.step), evaluation
      every `eval_every` steps and at the end, a checkpoint every `checkpoint_every` steps and at
      the end. With `stop_at_accuracy`, the first evaluation that reaches it ends the run (with a
@@ -19,9 +23,11 @@ Resume is bit-exact: the state (parameters, optimizer state, BatchNorm statistic
 BFP widths, the compressed sync's per-device state, saved sharded), the BFP controller's state
 and the current preset are checkpointed; every batch is a pure function of (seed, step)
 (jlp.data.Pipeline) and a compressor's random stream one of (config.seed, step), so a resumed run
-logs, from the checkpoint on, exactly the rows the uninterrupted run logs (`time` and
-`throughput` aside). Ctrl-C (SIGINT) ends the current step, writes a checkpoint and returns with
-`interrupted=True`; a second Ctrl-C aborts.
+logs, from the checkpoint on, exactly the rows the uninterrupted run logs (`time`,
+`throughput`, `compile_seconds` and `save_seconds` aside; the checkpoint keeps the losses of the
+steps since the last row). Ctrl-C (SIGINT) ends the current step, writes a checkpoint and returns
+with `interrupted=True`; during the last step or the final evaluation the run completes and says
+it finished. A second Ctrl-C aborts.
 
 Progress: a tqdm bar (steps/s, ETA) on a terminal; plain log lines otherwise. In a multi-process
 run (jlp.train.initialize first) every process runs this function; process 0 writes the metrics.
@@ -33,7 +39,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from typing import Any
 
 import jax
@@ -47,11 +52,13 @@ from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import validate
-from jlp.train.loop_common import (HostStall, Interrupt, QuantPlan, checkpoint_due, close_run,
-                                   log_line, progress as progress_bar, report_interrupt)
+from jlp.train.loop_common import (CompileClock, HostStall, Interrupt, LogWindow, QuantPlan,
+                                   checkpoint_due, close_run, log_line,
+                                   progress as progress_bar, report_finished_on_interrupt,
+                                   report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
-from jlp.train.workdir import describe as describe_changes, record_config
+from jlp.train.workdir import describe as describe_changes, device_layout, record_config
 from jlp.train.step import TrainState, TrainStep, init_train_state, merge_model, split_model
 
 logger = logging.getLogger("jlp.train")
@@ -196,7 +203,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   checkpoints = Checkpointer(workdir)
   start = checkpoints.latest_step() or 0
   spe = run.steps_per_epoch
-  run.preset = run.quant.preset_at(start // spe)
+  saved_meta = checkpoints.meta(start) if start else {}
+  # The state is restored under the preset it was written with (the per-layer BFP widths in
+  # model_state have the same shapes under every preset); the loop then switches to the preset
+  # the config puts at this step, as the uninterrupted run did at the epoch boundary.
+  run.preset = saved_meta.get("preset", run.quant.preset_at(start // spe)) if start else \
+      run.quant.preset_at(0)
   run.report = run.quant.quantize(run.model, run.preset)
   run.model.train()
   _, state = init_train_state(run.model, run.optimizer, run.mesh, run.sync)  # graphdef: compile_step
@@ -222,19 +234,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   row: dict[str, Any] = {}
   interrupted = False
   reached = None  # eval_accuracy once it reaches config.stop_at_accuracy
-  last_time, last_step = time.perf_counter(), start
   step = start
   try:
-    with Interrupt() as stop, run.train_pipe.prefetch(
+    with CompileClock() as clock, Interrupt() as stop, run.train_pipe.prefetch(
         start, config.max_steps - start, sharding=batch_sharding(run.mesh)) as batches:
+      window = LogWindow(clock, saved_meta.get("window"))
       for batch in batches:
-        if step % spe == 0 and run.quant.schedule is not None:
+        if step == start or (step % spe == 0 and run.quant.schedule is not None):
           preset = run.quant.preset_at(step // spe)
           if preset != run.preset:
             state = run.switch_preset(state, preset)
         stall()
         state, metrics = run.step_fn(state, batch)
         step += 1
+        window.add(metrics["loss"], metrics.get("accuracy", np.nan), config.batch_size)
         zse = metrics.pop("zse", None)
         if zse is not None:
           zse = _host(zse)
@@ -248,11 +261,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         logged = step % config.log_every == 0 or step == config.max_steps
         evaluated = (config.eval_every and step % config.eval_every == 0) or step == config.max_steps
         if logged or evaluated:
-          now = time.perf_counter()
-          row = {"train_loss": float(metrics["loss"]),
-                 "train_accuracy": float(metrics.get("accuracy", np.nan)),
+          row = {**window.close(),
                  "learning_rate": float(run.lr(step - 1)),
-                 "throughput": (step - last_step) * config.batch_size / max(now - last_time, 1e-9),
                  "epoch": step / spe,
                  **{name: metrics[name].item() for name in SYNC_REPORT},
                  **_bfp_metrics(run, zse)}
@@ -263,14 +273,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             if config.stop_at_accuracy and row["eval_accuracy"] >= config.stop_at_accuracy:
               reached = row["eval_accuracy"]
           row = writer.write(step, row)
-          last_time, last_step = time.perf_counter(), step
+          window.restart()
           if bar is not None:
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
           else:
             print(log_line(step, config.max_steps, row), flush=True)
-        interrupted = stop.agreed()
+        # Ctrl-C during the last step or the final evaluation: the run is complete.
+        interrupted = stop.agreed() and step < config.max_steps and not reached
         if checkpoint_due(config, step, interrupted) or reached:
-          _save(checkpoints, step, state, run, config, reached)
+          with window.saving():
+            _save(checkpoints, step, state, run, config, window, reached)
         if interrupted or reached:
           break
   finally:
@@ -280,13 +292,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   elif reached is not None:
     print(f"eval_accuracy={reached:.4g} reached config.stop_at_accuracy="
           f"{config.stop_at_accuracy:g} at step {step}: stopped.", flush=True)
+  elif stop.event.is_set():
+    report_finished_on_interrupt(step, checkpoints)
   return {**row, "step": step, "interrupted": interrupted}
 
 
 def _save(checkpoints: Checkpointer, step: int, state: TrainState, run: Run,
-          config: ml_collections.ConfigDict, reached_accuracy: float | None = None) -> None:
+          config: ml_collections.ConfigDict, window: LogWindow,
+          reached_accuracy: float | None = None) -> None:
   meta = {"step": step, "preset": run.preset, "reached_accuracy": reached_accuracy,
-          "config": json.loads(config.to_json_best_effort()),
+          "config": json.loads(config.to_json_best_effort()), "devices": device_layout(),
+          "window": window.values(),
           "controller": run.quant.controller.state_dict() if run.quant.controller else None}
   checkpoints.save(step, saveable(state), meta)
 

@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from jlp.train import checkpoint, data_parallel_loop, pipeline_loop, workdir as workdir_record
-from jlp.train.config import validate
+from jlp.train.config import resolved, validate
 
 __all__ = ["train_and_evaluate"]
 
@@ -25,23 +25,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   terminal, process 0 only).
 
   Before anything is built or written: the config is checked (`validate`), and a workdir that
-  holds checkpoints is resumed only under the config that wrote them (`jlp.train.workdir`:
-  cadence fields aside; else `workdir.ConfigChangedError`, a ValueError, unless
-  `allow_config_change`). A finished run (its checkpoint at max_steps; pipelined: flushed) says
-  so and returns."""
+  holds checkpoints is resumed only under the config and device layout that wrote its newest
+  checkpoint (`jlp.train.workdir`: cadence fields aside; else `workdir.ConfigChangedError`, a
+  ValueError, unless `allow_config_change`); the config is recorded as `resolved` gives it. A
+  finished run (its checkpoint at max_steps; pipelined: flushed) says so and returns."""
   validate(config)
+  config = resolved(config)  # what runs, as config.json, the checkpoints and a resume see it
   start = checkpoint.latest_step(workdir)
   changes = {}
   if start is not None:
-    changes = workdir_record.check_resume(config, workdir, allow_change=allow_config_change)
+    meta = checkpoint.read_meta(workdir, start)
+    changes = workdir_record.check_resume(config, workdir, meta,
+                                          allow_change=allow_config_change)
     # A pipelined checkpoint at max_steps with mini-batches in flight (written before the end,
     # under a larger max_steps or on Ctrl-C) is not finished: the loop flushes and evaluates it.
     drain = (start == config.max_steps and config.pipeline.schedule != "none" and
-             pipeline_loop.needs_drain(workdir, start))
+             pipeline_loop.needs_drain(meta, start))
     if start >= config.max_steps and not drain:
+      how = "raise --config.max_steps to train on"
+      if config.schedule.name in workdir_record.HORIZON_SCHEDULES:
+        how = (f"to train on, raise --config.max_steps with --allow_config_change (schedule "
+               f"{config.schedule.name!r} decays over max_steps: the learning rate from step "
+               f"{start} on changes)")
       print(f"{workdir} is finished: its checkpoint is at step {start} of "
-            f"max_steps={config.max_steps}; raise --config.max_steps to train on, or use a new "
-            "--workdir.", flush=True)
+            f"max_steps={config.max_steps}; {how}, or use a new --workdir.", flush=True)
       return {"step": start, "interrupted": False, "finished": True}
   loop = data_parallel_loop if config.pipeline.schedule == "none" else pipeline_loop
   return loop.train_and_evaluate(config, workdir, progress=progress, config_changes=changes)

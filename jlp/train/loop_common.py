@@ -24,8 +24,8 @@ from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import quant_recipe, quant_rules
 from jlp.train.metrics import MetricsWriter
 
-__all__ = ["Interrupt", "QuantPlan", "checkpoint_due", "close_run", "log_line", "progress",
-           "report_interrupt"]
+__all__ = ["CompileClock", "Interrupt", "LogWindow", "QuantPlan", "checkpoint_due", "close_run",
+           "log_line", "progress", "report_finished_on_interrupt", "report_interrupt"]
 
 
 class QuantPlan:
@@ -144,6 +144,128 @@ class HostStall:
       time.sleep(self.seconds)
 
 
+def union_seconds(spans: list[tuple[float, float]], begin: float, end: float) -> float:
+  """The length of the union of the (begin, end) `spans` within [begin, end]."""
+  total, reach = 0.0, begin
+  for first, last in sorted(spans):
+    first, last = max(first, reach), min(last, end)
+    if last > first:
+      total += last - first
+      reach = last
+  return total
+
+
+class CompileClock:
+  """Wall-clock seconds the thread that entered it spent tracing, lowering and compiling JAX
+  programs (`between(begin, end)`, times of time.perf_counter): the union of the spans of
+  jax.monitoring's compile events (a program traced inside another's trace reports its own,
+  overlapping span; a data loader's thread compiles without stopping training). What a run's
+  throughput leaves out."""
+
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
+
+  def __init__(self):
+    self._spans: list[tuple[float, float]] = []
+    self._thread = threading.current_thread()
+
+  def _listen(self, event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    if event in self.EVENTS and threading.current_thread() is self._thread:
+      end = time.perf_counter()
+      self._spans.append((end - duration, end))
+
+  def spans(self) -> list[tuple[float, float]]:
+    """(begin, end) of every compile event so far."""
+    return list(self._spans)
+
+  def between(self, begin: float, end: float) -> float:
+    """Seconds of compilation within [begin, end]."""
+    return union_seconds(self._spans, begin, end)
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+class LogWindow:
+  """What a metrics row reports about the steps since the previous row.
+
+  `train_loss` and `train_accuracy` are the means of every step's batch loss and accuracy since
+  the previous row (big_vision and the Flax examples do the same; a checkpoint between two rows
+  keeps the window's values in its meta, `values()`, so a resumed run's rows equal the
+  uninterrupted run's). `throughput` is the examples trained since the previous row per
+  wall-clock second of training: the time spent compiling (`CompileClock`) and writing
+  checkpoints (`saving()`) is left out and reported as `compile_seconds` and `save_seconds`;
+  evaluation and logging fall between `close()` and `restart()`.
+  """
+
+  def __init__(self, clock: CompileClock, values: dict[str, list[float]] | None = None):
+    self.clock = clock
+    values = values or {}
+    self.loss: list[Any] = list(values.get("loss", []))
+    self.accuracy: list[Any] = list(values.get("accuracy", []))
+    self.compile_seconds = 0.0
+    self._saves: list[tuple[float, float]] = []  # since the previous row
+    self.restart()
+
+  def restart(self) -> None:
+    """Starts the clock of the next row's throughput."""
+    self._begin = time.perf_counter()
+    self.examples = 0
+
+  def add(self, loss: Any, accuracy: Any, examples: int) -> None:
+    """One step's batch loss and accuracy (device scalars are fine) and its example count."""
+    self.loss.append(loss)
+    self.accuracy.append(accuracy)
+    self.examples += examples
+
+  def saving(self):
+    """A context manager timing a checkpoint save (left out of the throughput)."""
+    saves = self._saves
+
+    class _Timer:
+      def __enter__(self):
+        self.begin = time.perf_counter()
+
+      def __exit__(self, *exc):
+        saves.append((self.begin, time.perf_counter()))
+    return _Timer()
+
+  def values(self) -> dict[str, list[float]]:
+    """The losses and accuracies since the previous row, as floats (for a checkpoint's meta)."""
+    return {"loss": [float(v) for v in self.loss], "accuracy": [float(v) for v in self.accuracy]}
+
+  def compiled(self, begin: float, end: float) -> float:
+    """Seconds compiling within [begin, end] outside checkpoint saves (orbax compiles too)."""
+    return (union_seconds(self.clock.spans() + self._saves, begin, end) -
+            union_seconds(self._saves, begin, end))
+
+  def close(self, throughput: float | None = None) -> dict[str, float]:
+    """The row's train_loss, train_accuracy, throughput, compile_seconds and save_seconds; empties
+    the window (call `restart` once the row is written). `throughput`: the caller's own (the
+    pipelined loop times each call and adds its compile time to `compile_seconds` itself)."""
+    save_seconds = sum(end - begin for begin, end in self._saves)
+    if throughput is None:
+      now = time.perf_counter()
+      compiled = self.compiled(self._begin, now)
+      self.compile_seconds += compiled
+      seconds = now - self._begin - compiled - union_seconds(self._saves, self._begin, now)
+      throughput = self.examples / max(seconds, 1e-9)
+    mean = lambda vs: float(np.mean(np.asarray(jax.device_get(vs), np.float64))) if vs else \
+        float("nan")
+    row = {"train_loss": mean(self.loss), "train_accuracy": mean(self.accuracy),
+           "throughput": throughput, "compile_seconds": self.compile_seconds,
+           "save_seconds": save_seconds}
+    self.loss, self.accuracy, self._saves = [], [], []
+    self.compile_seconds = 0.0
+    return row
+
+
 def checkpoint_due(config: ml_collections.ConfigDict, step: int, interrupted: bool) -> bool:
   """Whether the loop writes a checkpoint after `step`: every checkpoint_every steps, at the end
   and when interrupted."""
@@ -162,6 +284,11 @@ def close_run(bar, writer: MetricsWriter, checkpoints: Checkpointer) -> None:
 def report_interrupt(step: int, checkpoints: Checkpointer) -> None:
   print(f"interrupted at step {step}: checkpoint written to {checkpoints.directory}; run the "
         "same command again to resume.", flush=True)
+
+
+def report_finished_on_interrupt(step: int, checkpoints: Checkpointer) -> None:
+  print(f"finished at step {step} (Ctrl-C came during its last step or evaluation, which "
+        f"completed): checkpoint written to {checkpoints.directory}.", flush=True)
 
 
 def progress(enabled: bool | None, total: int, initial: int):

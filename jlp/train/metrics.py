@@ -7,7 +7,8 @@ float32 value logged, bit for bit: that is what makes "a resumed run's metrics e
 uninterrupted run's" checkable on the file.
 
 Resuming at step s drops the rows after s (the interrupted run logged them after its last
-checkpoint; the resumed run writes them again), in metrics.jsonl and in TensorBoard (`purge_step`).
+checkpoint; the resumed run writes them again), in metrics.jsonl (rewritten through a temporary
+file and a rename, so a crash meanwhile loses nothing) and in TensorBoard (`purge_step`).
 TensorBoard files come from tensorboardX (no TensorFlow dependency).
 """
 
@@ -69,8 +70,13 @@ class MetricsWriter:
       rows = []
     else:
       rows = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
-    with open(self.path, "w") as f:
+    # Through a temporary file and a rename: a crash while rewriting keeps every earlier row.
+    tmp = f"{self.path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, self.path)
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       purge = None if resume_step is None else resume_step + 1

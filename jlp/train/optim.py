@@ -155,8 +155,17 @@ def lars(learning_rate: ScalarOrSchedule,
          trust_coefficient: float = 0.001,
          eps: float = 0.0,
          decay_mask: Any = True,
-         trust_ratio_mask: Any = True) -> optax.GradientTransformation:
-  """optax.lars with CPD's constants (module docstring: where it differs from CPD)."""
+         trust_ratio_mask: Any = True,
+         nesterov: bool = False) -> optax.GradientTransformation:
+  """optax.lars with CPD's constants (module docstring: where it differs from CPD).
+
+  `decay_mask` (optax's weight_decay_mask): True (decay every parameter), a pytree of bools or a
+  function params -> bools such as `decay_mask(is_bn_or_bias)`; a masked-out parameter gets no
+  weight decay, and its trust ratio is taken over its plain gradient (`trust_ratio_mask` still
+  applies to it). With u = -lr * trust ratio * (g + wd * w) and buf = momentum * buf + u
+  (optax.trace), the update is buf, or with `nesterov` u + momentum * buf."""
+  if not isinstance(nesterov, bool):
+    raise _invalid("nesterov", nesterov, "True or False")
   return optax.lars(_check_lr(learning_rate),
                     weight_decay=_check_nonneg("weight_decay", weight_decay),
                     weight_decay_mask=decay_mask,
@@ -164,7 +173,7 @@ def lars(learning_rate: ScalarOrSchedule,
                     eps=_check_nonneg("eps", eps),
                     trust_ratio_mask=trust_ratio_mask,
                     momentum=_check_nonneg("momentum", momentum),
-                    nesterov=False)
+                    nesterov=nesterov)
 
 
 class CpdLarsState(NamedTuple):

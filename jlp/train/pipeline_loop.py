@@ -21,33 +21,37 @@ One call runs (or resumes) the config in `workdir`:
      pipeline (config.batch_size rows) is mini-batch `step`; pipeline i trains on its rows
      [i*b, (i+1)*b), b = batch_size / N.
 
-Rows of metrics.jsonl, for every log_every-th mini-batch once it has completed (its last update,
-at stage 0, ran: 1F1B completes a mini-batch up to S - 1 calls' worth of ticks after it entered,
-so a row may come a call later, or with the flush): train_loss and train_accuracy (means over
-pipelines), learning_rate, throughput (examples fed per wall-clock second over the call), epoch,
-virtual_time (virtual seconds at which the mini-batch's update finished), virtual_throughput
-(examples fed per virtual second over the call), bubble_fraction (the idle share of the call's
-tick table), idle_fraction (the devices' idle share of the call's virtual time),
-idle_slot_fraction (the device slots of the call in which no stage ran, counted by the program),
-and with pipeline.sync="allreduce" the gradient sync's wire_bytes, payload_bytes (per
-device, averaged over all devices) and nonfinite. Evaluation (every eval_every steps and at the
-end, between calls): every pipeline's latest model (its stages merged, eval mode) is evaluated
-on the whole eval split with `recipe.eval_sums` (data-parallel on every device), and eval_loss /
-eval_accuracy, the means over the N pipelines (the seed reduces validation over its pipelines,
-docs/sdpipe.md), join the row of that step when it is written (the final evaluation follows the
-flush), with eval_virtual_time: the virtual seconds of the evaluated weights (the pipeline's
-clock at the evaluation). With 1F1B the row's virtual_time is a later update's, up to a call
-later; time to accuracy reads eval_virtual_time (`jlp.plots.plot_runs(x="virtual_time")`).
+Rows of metrics.jsonl, for every log_every-th mini-batch once it has completed (its last update, at
+stage 0, ran: 1F1B completes a mini-batch up to S - 1 calls' worth of ticks after it entered, so a
+row may come a call later, or with the flush): train_loss and train_accuracy (means over the
+pipelines and over the mini-batches completed since the previous row), learning_rate, throughput
+(examples fed per wall-clock second over the call, compilation left out), compile_seconds and
+save_seconds (spent compiling and writing checkpoints since the previous row), epoch, virtual_time
+(virtual seconds at which the mini-batch's update finished), virtual_throughput (examples fed per
+virtual second over the call), bubble_fraction (the idle share of the call's tick table),
+idle_fraction (the devices' idle share of the call's virtual time), idle_slot_fraction (the device
+slots of the call in which no stage ran, counted by the program), and with pipeline.sync="allreduce"
+the gradient sync's wire_bytes, payload_bytes (per device, averaged over all devices) and nonfinite.
+Evaluation (every eval_every steps and at the end, between calls): every pipeline's latest model
+(its stages merged, eval mode) is evaluated on the whole eval split with `recipe.eval_sums` (data-
+parallel on every device), and eval_loss / eval_accuracy, the means over the N pipelines (the seed
+reduces validation over its pipelines, docs/sdpipe.md), join the row of that step when it is written
+(the final evaluation follows the flush), with eval_virtual_time: the virtual seconds of the
+evaluated weights (the pipeline's clock at the evaluation). With 1F1B the row's virtual_time is a
+later update's, up to a call later; time to accuracy reads eval_virtual_time
+(`jlp.plots.plot_runs(x="virtual_time")`).
 
 Resume is bit-exact: a resumed run logs exactly the rows the uninterrupted one logs (`time`,
-`throughput` aside); the checkpoint's meta keeps the evaluations still waiting for their row
-(eval_virtual_time included) and how many rows were due. A checkpoint at max_steps that still
-has mini-batches in flight (written under a larger max_steps, or on Ctrl-C) is not finished: a
-resume flushes it, writes the rows the flush completes (without throughput or
-virtual_throughput: that call feeds nothing), evaluates and replaces the checkpoint, as the last
-call of an uninterrupted run would. Resuming a flushed checkpoint at max_steps does nothing
-(`jlp.train.loop` says the run is finished). Ctrl-C ends the current call, writes a checkpoint
-and returns with `interrupted=True`. One process only.
+`throughput`, `compile_seconds` and `save_seconds` aside); the checkpoint's meta keeps the
+evaluations still waiting for their row (eval_virtual_time included), the losses of the mini-batches
+completed since the last row and how many rows were due. A checkpoint at max_steps that still has
+mini-batches in flight (written under a larger max_steps, or on Ctrl-C) is not finished: a resume
+flushes it, writes the rows the flush completes (without throughput or virtual_throughput: that call
+feeds nothing), evaluates and replaces the checkpoint, as the last call of an uninterrupted run
+would. Resuming a flushed checkpoint at max_steps does nothing (`jlp.train.loop` says the run is
+finished). Ctrl-C ends the current call, writes a checkpoint and returns with `interrupted=True`;
+during the last call or the final evaluation the run completes and says it finished. One process
+only.
 """
 
 from __future__ import annotations
@@ -71,11 +75,12 @@ from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import pipeline_size, validate
-from jlp.train.loop_common import (Interrupt, QuantPlan, checkpoint_due, close_run,
-                                   log_line, progress as progress_bar, report_interrupt)
+from jlp.train.loop_common import (CompileClock, Interrupt, LogWindow, QuantPlan, checkpoint_due,
+                                   close_run, log_line, progress as progress_bar,
+                                   report_finished_on_interrupt, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
-from jlp.train.workdir import describe as describe_changes, record_config
+from jlp.train.workdir import describe as describe_changes, device_layout, record_config
 
 __all__ = ["PipelineRun", "last_stage_loss", "needs_drain", "setup", "train_and_evaluate"]
 
@@ -204,6 +209,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   # written when that step's mini-batch completes, a call or the flush later).
   pending: dict[int, dict[str, float]] = {}
   completed = start  # mini-batches whose row is due or written: the fed ones, less those in flight
+  meta: dict[str, Any] = {}
   if start:
     state, meta = checkpoints.restore(start, state)
     pending = {int(k): v for k, v in (meta.get("pending_eval") or {}).items()}
@@ -228,9 +234,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   row: dict[str, Any] = {}
   interrupted = False
   step = start
-  last_time = time.perf_counter()
   try:
-    with Interrupt() as stop, Prefetcher(run.calls(start, config.max_steps), size=1) as calls:
+    with CompileClock() as clock, Interrupt() as stop, \
+        Prefetcher(run.calls(start, config.max_steps), size=1) as calls:
+      window = LogWindow(clock, meta.get("window") if start else None)
+      call_begin = time.perf_counter()
       for first, end, xs, ys in _with_drain(calls, start, config.max_steps, completed):
         before = run.pipe.virtual_seconds(state)
         if xs is None:  # a resume at max_steps with mini-batches in flight: only the flush
@@ -243,8 +251,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         if early is not None:  # the drain at a resume under a changed model: its rows come first
           metrics, early = _joined(early, metrics), None
         now = time.perf_counter()
+        compiled = window.compiled(call_begin, now)
+        window.compile_seconds += compiled
         examples = (end - first) * config.batch_size
-        throughput = examples / max(now - last_time, 1e-9)
+        throughput = examples / max(now - call_begin - compiled, 1e-9)
         span = run.pipe.virtual_seconds(state) - before
         virtual_throughput = examples / span if span > 0 else float("nan")
         if (config.eval_every and end % config.eval_every == 0) or end == config.max_steps:
@@ -254,12 +264,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                           "eval_virtual_time": run.pipe.virtual_seconds(state)}
         for k, batch in enumerate(metrics["batch"]):
           step = int(batch) + 1
+          window.add(metrics["loss"][k], metrics["accuracy"][k], 0)
           if not (step % config.log_every == 0 or step == config.max_steps or step in pending):
             continue
-          row = {"train_loss": float(metrics["loss"][k]),
-                 "train_accuracy": float(metrics["accuracy"][k]),
+          row = {**window.close(throughput),
                  "learning_rate": float(run.lr(step - 1)),
-                 "throughput": throughput,
                  "epoch": step / spe,
                  "virtual_time": float(metrics["virtual_time"][k]),
                  "virtual_throughput": virtual_throughput,
@@ -283,21 +292,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           bar.update(end - first)
           if row:
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)
-        last_time = time.perf_counter()
-        interrupted = stop.agreed()
+        # Ctrl-C during the last call or the final evaluation: the run is complete.
+        interrupted = stop.agreed() and end < config.max_steps
         if checkpoint_due(config, end, interrupted):
           meta = {"step": end, "completed": completed,
                   "virtual_time": run.pipe.virtual_seconds(state),
                   "pending_eval": {str(k): v for k, v in pending.items()},
-                  "config": json.loads(config.to_json_best_effort())}
+                  "window": window.values(),
+                  "config": json.loads(config.to_json_best_effort()),
+                  "devices": device_layout()}
           # The drain at a resume replaces the checkpoint it started from (same step, in flight).
-          checkpoints.save(end, state, meta, replace=xs is None)
+          with window.saving():
+            checkpoints.save(end, state, meta, replace=xs is None)
         if interrupted:
           break
+        call_begin = time.perf_counter()
   finally:
     close_run(bar, writer, checkpoints)
   if interrupted:
     report_interrupt(step, checkpoints)
+  elif stop.event.is_set():
+    report_finished_on_interrupt(step, checkpoints)
   return {**row, "step": step, "interrupted": interrupted}
 
 
@@ -310,16 +325,11 @@ def _with_drain(calls, start: int, stop: int, completed: int):
     yield stop, stop, None, None
 
 
-def needs_drain(workdir: str, step: int) -> bool:
-  """Whether checkpoint `step` of a pipelined run in `workdir` holds mini-batches in flight (fed,
+def needs_drain(meta: dict[str, Any], step: int) -> bool:
+  """Whether the pipelined checkpoint `step` with meta `meta` holds mini-batches in flight (fed,
   not completed): written before the run's end (every checkpoint_every steps or on Ctrl-C), so a
   resume with max_steps = `step` still flushes and evaluates. False after the flush at
   max_steps."""
-  checkpoints = Checkpointer(workdir)
-  try:
-    meta = checkpoints.meta(step)
-  finally:
-    checkpoints.close()
   return int(meta.get("completed", step)) < step
 
 

@@ -36,7 +36,7 @@ from jlp import data as jdata
 from jlp import models
 from jlp.compression import secopa
 from jlp.train import optim
-from jlp.train.config import DEVICE_HINT, SECOPA, compressor, grad_format
+from jlp.train.config import CAST_SINGLE_MODEL, DEVICE_HINT, SECOPA, compressor, grad_format
 from jlp.train.step import cross_entropy_loss
 from jlp.sync import GradSync
 
@@ -54,8 +54,22 @@ def _bad(field: str, value: Any, allowed: str) -> ValueError:
 # -- data ---------------------------------------------------------------------------------------
 
 
+def eval_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """The options of data set `name`'s evaluation split from config.dataset.kwargs: the same, with
+  augment=False for every data set that takes `augment` (digits, cifar10/100, imagenet,
+  cityscapes), whatever kwargs say. Augmentation is for training only: the augmentation settings
+  (crop, padding, pad_mode, flip, cutout; imagenet's scale, ratio; cityscapes' scale_range,
+  cat_max_ratio, photometric) then act on nothing, and the evaluation transform (normalisation;
+  imagenet's resize + centre crop; cityscapes' eval_scale) is the data set's own."""
+  if "augment" in jdata.DATASETS[name].options:
+    return {**kwargs, "augment": False}
+  return dict(kwargs)
+
+
 def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Dataset]:
-  """(train, eval) splits; a missing data folder raises here, showing the expected layout."""
+  """(train, eval) splits; a missing data folder raises here, showing the expected layout. The
+  evaluation split is never augmented (`eval_kwargs`); a classification data set whose training
+  images (after augmentation) and evaluation images differ in shape raises ValueError."""
   name = config.dataset.name
   if name not in jdata.DATASETS:
     raise _bad("dataset.name", name, f"one of {sorted(jdata.DATASETS)}")
@@ -63,7 +77,7 @@ def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Da
   kwargs = dict(config.dataset.kwargs)
   try:
     train = jdata.get_dataset(name, root, split="train", **kwargs)
-    evaluation = jdata.get_dataset(name, root, split="eval", **kwargs)
+    evaluation = jdata.get_dataset(name, root, split="eval", **eval_kwargs(name, kwargs))
   except FileNotFoundError as e:
     source = ("config.dataset.root" if config.dataset.root else
               f"the default of an empty config.dataset.root: ${jdata.DATA_DIR_ENV}/{name} or "
@@ -71,6 +85,12 @@ def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Da
     raise FileNotFoundError(
         f"no {name} data in {os.path.abspath(root)!r} ({source}); put it there, or pass "
         f"--config.dataset.root=DIR (or set ${jdata.DATA_DIR_ENV}).\n{e}") from None
+  if config.task == "classification" and train.image_shape != evaluation.image_shape:
+    raise _bad("dataset.kwargs", kwargs,
+               f"options that give training and evaluation images one shape (training "
+               f"{train.image_shape}, evaluation {evaluation.image_shape}: the evaluation split "
+               "is not augmented, so a crop must keep the image size, e.g. crop=32 with "
+               "padding=4 on 32x32 images)")
   return train, evaluation
 
 
@@ -152,14 +172,16 @@ def schedule(config: ml_collections.ConfigDict, steps_per_epoch: int,
 
 
 def optimizer(config: ml_collections.ConfigDict, lr: optax.Schedule) -> optax.GradientTransformation:
-  """torch-style SGD (momentum, Nesterov, decoupled mask for wd_exclude), optax LARS, or
+  """torch-style SGD (momentum, Nesterov, decoupled mask for wd_exclude), optax LARS (momentum,
+  Nesterov, weight decay masked by wd_exclude; the trust ratio on every parameter), or
   optax.adamw (optimizer="adamw": decoupled weight decay masked by wd_exclude)."""
-  if config.use_lars:
-    return optim.lars(lr, config.momentum, weight_decay=config.weight_decay)
   mask = None
   if config.wd_exclude:
     pattern = re.compile(config.wd_exclude)
     mask = optim.decay_mask(lambda path: bool(pattern.search(path)))
+  if config.use_lars:
+    return optim.lars(lr, config.momentum, weight_decay=config.weight_decay,
+                      decay_mask=True if mask is None else mask, nesterov=bool(config.nesterov))
   if config.optimizer == "adamw":
     return optax.adamw(lr, b1=float(config.adam_b1), b2=float(config.adam_b2),
                        eps=float(config.adam_eps), weight_decay=float(config.weight_decay),
@@ -196,7 +218,8 @@ def grad_sync(config: ml_collections.ConfigDict, num_devices: int | None = None)
   return GradSync(fmt=fmt, algorithm=config.grad_algorithm, kahan=bool(config.use_kahan), aps=aps,
                   emulate_nodes=int(config.emulate_nodes), form=config.emulate_form,
                   node_map=config.emulate_node_map,
-                  cast_single=config.emulate_form == "cpd" and config.model.name == "resnet50",
+                  cast_single=(config.emulate_form == "cpd"
+                               and config.model.name == CAST_SINGLE_MODEL),
                   **compressed)
 
 

@@ -3,9 +3,10 @@ per step and time to accuracy, as the cluster study (`python -m experiments.clus
 reports them.
 
 Each logged row carries `throughput`: examples per wall-clock second since the previous row,
-evaluation, checkpoints and logging excluded (the data-parallel loop restarts its clock after
-them; the pipelined loop times each `Pipeline.run` call). A step's seconds are therefore
-`batch_size / throughput`. The rows of the first interval include compilation, so they are left
+evaluation, logging, checkpoint saves and compilation excluded (the data-parallel loop's
+`LogWindow`; the pipelined loop times each `Pipeline.run` call, less its compilation), and the
+excluded `compile_seconds` and `save_seconds`. A step's seconds are therefore `batch_size /
+throughput`. The first interval still warms caches and the data prefetcher, so its rows can be left
 out (`after_step`). Time to accuracy is the steps to the first evaluation that reaches the target
 times the median seconds per step: the training time, without compilation and evaluation.
 """

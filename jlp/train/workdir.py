@@ -1,14 +1,23 @@
 """A run directory's record of its config: what `experiments.train` checks before it resumes.
 
-`config.json` always holds the config of the run that wrote the directory's checkpoints, and
-`config_history.json` the changes made to it on resume, as a list of
-``{"step": resumed step, "time": unix seconds, "changes": {field: [old, new]}}``.
+Every checkpoint's meta holds the config it was written under and the device layout it ran on
+(`device_layout`: devices and processes). `config.json` holds the config of the latest start (the
+one the newest metrics rows were written under) and `config_history.json` the changes made on
+resume, as a list of ``{"step": resumed step, "time": unix seconds, "changes": {field: [old,
+new]}}``; both are written by process 0 only.
 
-On resume (`check_resume`), the new config is compared with `config.json`. Fields that only set
-the loop's cadence or end (`CADENCE_FIELDS`) may change freely; any other difference changes the
-training, so the run stops before anything is written (`ConfigChangedError`, exit 2 in
-`experiments.train`) unless `allow_change` is set, in which case the change is recorded in the
-history and in the first metrics row after the resume (`config_change`).
+On resume (`check_resume`), the new config and this machine's device layout are compared with
+those of the checkpoint the run resumes from (`config.json` only for a checkpoint written before
+its meta held the config). Fields that only set the loop's cadence or end (`CADENCE_FIELDS`) may
+change freely, except `max_steps` under a schedule whose horizon it is (`HORIZON_SCHEDULES`: the
+learning rate of every later step moves); any other difference changes the training, so the run
+stops before anything is written (`ConfigChangedError`, exit 2 in `experiments.train`) unless
+`allow_change` is set, in which case the change is recorded in the history and in the first
+metrics row after the resume (`config_change`). A resume from step s drops the history entries of
+earlier resumes from s or later (their work after s was lost with the rows after s), so a resume
+that crashed before its first checkpoint leaves no trace but the new one. A changed device count
+cannot resume a run whose state is per device (a compressed sync's error feedback) or per
+pipeline, even when allowed.
 """
 
 from __future__ import annotations
@@ -18,10 +27,11 @@ import os
 import time
 from typing import Any
 
+import jax
 import ml_collections
 
-__all__ = ["CADENCE_FIELDS", "ConfigChangedError", "check_resume", "config_changes",
-           "record_config"]
+__all__ = ["CADENCE_FIELDS", "HORIZON_SCHEDULES", "ConfigChangedError", "check_resume",
+           "config_changes", "describe", "device_layout", "record_config"]
 
 CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.json"
@@ -29,6 +39,11 @@ HISTORY_FILE = "config_history.json"
 #: what a step computes (pipeline.batches_per_call is a performance knob: bit-identical runs).
 CADENCE_FIELDS = ("max_steps", "log_every", "eval_every", "checkpoint_every", "stop_at_accuracy",
                   "pipeline.batches_per_call")
+#: Learning-rate schedules (config.schedule.name, jlp.train.recipe) that decay over max_steps:
+#: under them max_steps changes the training.
+HORIZON_SCHEDULES = ("cosine", "poly")
+#: The pseudo-field naming a changed device layout in a change list.
+DEVICES = "devices"
 
 
 class ConfigChangedError(ValueError):
@@ -50,16 +65,24 @@ def _json(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return json.loads(config.to_json_best_effort())
 
 
+def device_layout() -> dict[str, int]:
+  """{"devices": jax.device_count(), "processes": jax.process_count()}: what a checkpoint's meta
+  records of the machines it ran on."""
+  return {"devices": jax.device_count(), "processes": jax.process_count()}
+
+
 def config_changes(saved: dict[str, Any], config: ml_collections.ConfigDict,
                    defaults: ml_collections.ConfigDict | None = None) -> dict[str, tuple]:
-  """{field: (old, new)} for every training field that differs. A field the saved config lacks
-  (written by an older jlp) counts as unchanged when the new value is its default."""
+  """{field: (old, new)} for every training field that differs (max_steps too when either
+  config's schedule is a HORIZON_SCHEDULES one). A field the saved config lacks (written by an
+  older jlp) counts as unchanged when the new value is its default."""
   new = _flat(_json(config))
   old = _flat(saved)
   base = _flat(_json(defaults)) if defaults is not None else {}
+  horizon = {old.get("schedule.name"), new.get("schedule.name")} & set(HORIZON_SCHEDULES)
   changes = {}
   for key in sorted(set(new) | set(old)):
-    if key in CADENCE_FIELDS:
+    if key in CADENCE_FIELDS and not (key == "max_steps" and horizon):
       continue
     if key not in old and key in base and base[key] == new.get(key):
       continue
@@ -76,43 +99,88 @@ def saved_config(workdir: str) -> dict[str, Any] | None:
     return json.load(f)
 
 
-def check_resume(config: ml_collections.ConfigDict, workdir: str, *,
-                 allow_change: bool) -> dict[str, tuple]:
-  """The changes of `config` against the workdir's config.json (none without one); raises
-  ConfigChangedError, one line naming each change, when there are some and not `allow_change`."""
-  from jlp.train.config import base_config  # pylint: disable=g-import-not-at-top
-  saved = saved_config(workdir)
-  if saved is None:
+def _layout_changes(meta: dict[str, Any]) -> dict[str, tuple]:
+  saved = meta.get("devices")
+  if not isinstance(saved, dict):  # a checkpoint written before its meta held the layout
     return {}
-  changes = config_changes(saved, config, base_config())
+  now = device_layout()
+  changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+  if not changed:
+    return {}
+  describe_layout = lambda i: ", ".join(f"{changed[k][i]} {k}" for k in changed)
+  return {DEVICES: (describe_layout(0), describe_layout(1))}
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: str, meta: dict[str, Any], *,
+                 allow_change: bool) -> dict[str, tuple]:
+  """The changes of `config` and of the device layout against the checkpoint the run resumes
+  from (`meta`, its meta; config.json when the meta holds no config); raises ConfigChangedError,
+  one line naming each change, when there are some and not `allow_change`, or when the device
+  layout changed under a per-device state."""
+  from jlp.train.config import base_config  # pylint: disable=g-import-not-at-top
+  saved = meta.get("config") or saved_config(workdir)
+  changes = config_changes(saved, config, base_config()) if saved is not None else {}
+  changes.update(_layout_changes(meta))
+  if DEVICES in changes:
+    per_device = ("the compressed sync's per-device error-feedback state"
+                  if config.compression.name != "none" else
+                  "the per-pipeline state of a pipelined run"
+                  if config.pipeline.schedule != "none" else None)
+    if per_device is not None:
+      old, new = changes[DEVICES]
+      raise ConfigChangedError(
+          f"the run in {workdir} ran on {old} and this one has {new}: {per_device} cannot move "
+          "to another device count; expected the same devices (--cpu_devices on a CPU machine, "
+          "the same --hosts under the cluster launcher), or a new --workdir.")
   if changes and not allow_change:
     listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    why = ""
+    if "max_steps" in changes:
+      why = (f" (schedule {config.schedule.name!r} decays the learning rate over max_steps, so "
+             "a new max_steps changes every later step's)")
+    if DEVICES in changes:
+      why += " (each device's batch share, and so BatchNorm's statistics, change with the count)"
     raise ConfigChangedError(
-        f"the config changes the training of the run in {workdir}: {listed}; expected the "
-        "saved config (only max_steps, log_every, eval_every, checkpoint_every, "
-        "stop_at_accuracy and pipeline.batches_per_call may change): use a new --workdir, or "
-        "--allow_config_change to continue this run under the new config (recorded in its "
+        f"the config changes the training of the run in {workdir}: {listed}{why}; expected the "
+        "checkpoint's config and devices (only max_steps, log_every, eval_every, "
+        "checkpoint_every, stop_at_accuracy and pipeline.batches_per_call may change, "
+        f"max_steps not under a {' or '.join(HORIZON_SCHEDULES)} schedule): use a new --workdir, "
+        "or --allow_config_change to continue this run under the new config (recorded in its "
         "metrics and config_history.json).")
   return changes
 
 
+def _write_json(path: str, write) -> None:
+  """Writes a file through a temporary one and a rename: a crash leaves the old file whole."""
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with open(tmp, "w") as f:
+    write(f)
+  os.replace(tmp, path)
+
+
 def record_config(config: ml_collections.ConfigDict, workdir: str, step: int,
                   changes: dict[str, tuple]) -> None:
-  """Writes config.json, and appends `changes` (made when resuming at `step`) to the history."""
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  if not changes:
+  """On process 0: writes config.json, and records `changes` (made when resuming at `step`) in
+  the history after dropping the entries of earlier resumes at `step` or later."""
+  if jax.process_index() != 0:
     return
+  os.makedirs(workdir, exist_ok=True)
+  _write_json(os.path.join(workdir, CONFIG_FILE),
+              lambda f: f.write(config.to_json_best_effort(indent=2)))
   path = os.path.join(workdir, HISTORY_FILE)
   history = []
   if os.path.exists(path):
     with open(path) as f:
       history = json.load(f)
-  history.append({"step": step, "time": time.time(),
-                  "changes": {k: list(v) for k, v in changes.items()}})
-  with open(path, "w") as f:
-    json.dump(history, f, indent=1)
+  kept = [h for h in history if h["step"] < step]
+  if changes:
+    kept.append({"step": step, "time": time.time(),
+                 "changes": {k: list(v) for k, v in changes.items()}})
+  if not kept:
+    if os.path.exists(path):
+      os.remove(path)
+  elif kept != history:
+    _write_json(path, lambda f: json.dump(kept, f, indent=1))
 
 
 def describe(changes: dict[str, tuple]) -> str:

@@ -92,7 +92,7 @@ def test_a_changed_config_is_refused_before_anything_is_written(finished_run, tm
   workdir = str(tmp_path / "run")
   shutil.copytree(finished_run, workdir)
   before = _snapshot(workdir)
-  changed = small_config(max_steps=6)
+  changed = small_config(log_every=1, checkpoint_every=1)
   changed.compression.name = "onebit"
   changed.lr = 0.05
   with pytest.raises(workdir_record.ConfigChangedError) as e:
@@ -100,19 +100,37 @@ def test_a_changed_config_is_refused_before_anything_is_written(finished_run, tm
   message = str(e.value)
   assert "\n" not in message
   assert "compression.name 'none' -> 'onebit'" in message and "lr 0.2 -> 0.05" in message
-  assert "max_steps" not in message.split(";")[0]  # a cadence field is not a change
+  assert "log_every" not in message.split(";")[0]  # a cadence field is not a change
   assert "--allow_config_change" in message and "--workdir" in message
   assert _snapshot(workdir) == before
 
 
-def test_cadence_changes_resume_and_allowed_changes_are_recorded(finished_run, tmp_path):
+def test_a_longer_run_under_a_decaying_schedule_is_a_change(finished_run, tmp_path, capsys):
+  """configs/digits.py's cosine schedule decays to 0 at max_steps: raising max_steps moves the
+  learning rate of every later step, so it is refused, and recorded when allowed."""
   workdir = str(tmp_path / "run")
   shutil.copytree(finished_run, workdir)
-  longer = small_config(max_steps=6, log_every=1, eval_every=3)
+  loop.train_and_evaluate(small_config(), workdir, progress=False)
+  assert "--allow_config_change" in capsys.readouterr().out  # the finished run's hint
+  with pytest.raises(workdir_record.ConfigChangedError, match=r"max_steps 4 -> 6 \(schedule 'cosine'"):
+    loop.train_and_evaluate(small_config(max_steps=6), workdir, progress=False)
+  loop.train_and_evaluate(small_config(max_steps=6), workdir, progress=False,
+                          allow_config_change=True)
+  rows = read_metrics(workdir)
+  assert [r.get("config_change") for r in rows if r["step"] > 4][0] == "max_steps: 4 -> 6"
+  history = json.load(open(os.path.join(workdir, workdir_record.HISTORY_FILE)))
+  assert history[0]["changes"] == {"max_steps": [4, 6]}
+
+
+def test_cadence_changes_resume_and_allowed_changes_are_recorded(tmp_path):
+  workdir = str(tmp_path / "run")
+  constant = {"schedule": {"name": "constant"}}
+  loop.train_and_evaluate(small_config(**constant), workdir, progress=False)
+  longer = small_config(max_steps=6, log_every=1, eval_every=3, **constant)
   result = loop.train_and_evaluate(longer, workdir, progress=False)
   assert result["step"] == 6
   assert not os.path.exists(os.path.join(workdir, workdir_record.HISTORY_FILE))
-  changed = small_config(max_steps=8)
+  changed = small_config(max_steps=8, **constant)
   changed.compression.name = "onebit"
   loop.train_and_evaluate(changed, workdir, progress=False, allow_config_change=True)
   config = json.load(open(os.path.join(workdir, "config.json")))

@@ -5,7 +5,8 @@
   w -= lr*(d + m*buf)), five steps.
 * LARS: cpd_lars against a float64 loop of cpd.md §5; optax.lars (`lars`) against the same loop
   with wd = 0, where the two rules coincide, and shown to differ with wd > 0 and on a zero
-  parameter (CPD never moves it, optax does).
+  parameter (CPD never moves it, optax does). `lars`'s decay mask and Nesterov momentum, and the
+  runner's use_lars with wd_exclude and nesterov, against a float64 loop of optax's formula.
 * cpd_resnet18_lr against the spec's formula written out here (float64, cast to float32 once).
 * The weight-decay masks on the small CNN's parameter paths.
 """
@@ -124,6 +125,57 @@ def test_optax_lars_equals_cpd_without_weight_decay_and_differs_with_it():
   assert _max_rel_diff(got, _cpd_lars_reference(4, 2.0, 0.9, 0.5)) > 1e-3
 
 
+def _optax_lars_reference(steps, lr, momentum, wd, no_decay, nesterov):
+  """optax.lars as its documentation writes it (You et al. 2017), float64, per parameter:
+  d = g + wd w (wd = 0 where `no_decay`); ratio = 0.001 ||w|| / ||d|| (1 where either norm is 0);
+  u = -lr ratio d; buf = m buf + u; w += buf, or with Nesterov w += u + m buf."""
+  w = _flat(_params())
+  buf = {k: np.zeros_like(v) for k, v in w.items()}
+  for g in _grads(steps):
+    g = _flat(g)
+    for k in w:
+      d = g[k] + (0.0 if no_decay(k) else wd) * w[k]
+      wn, dn = np.linalg.norm(w[k]), np.linalg.norm(d)
+      ratio = 1.0 if wn == 0 or dn == 0 else 0.001 * wn / dn
+      u = -lr * ratio * d
+      buf[k] = momentum * buf[k] + u
+      w[k] = w[k] + (u + momentum * buf[k] if nesterov else buf[k])
+  return w
+
+
+def _lars_recipe(**fields):
+  """jlp.train.recipe.optimizer of a use_lars config (lr 2.0, weight decay 0.5) with `fields`."""
+  from jlp.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jlp.train import recipe  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.use_lars, c.lr, c.weight_decay = True, 2.0, 0.5
+  c.update(fields)
+  config_lib.validate(c)
+  return recipe.optimizer(c, optax.constant_schedule(c.lr))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_lars_decay_mask_and_nesterov_match_the_formula(nesterov):
+  """`lars`'s decay_mask and nesterov, and the runner's use_lars with wd_exclude and nesterov
+  (issue 32 §6: both were dropped), against the float64 loop of optax's formula."""
+  no_decay = lambda k: k.startswith("bn/") or k.endswith("bias")
+  want = _optax_lars_reference(4, 2.0, 0.9, 0.5, no_decay, nesterov)
+  for opt in (jt.lars(2.0, 0.9, weight_decay=0.5, nesterov=nesterov,
+                      decay_mask=jt.decay_mask(no_decay)),
+              _lars_recipe(wd_exclude="bn|bias", nesterov=nesterov)):
+    got = _flat(_apply(opt, 4))
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=2e-6, atol=1e-8, err_msg=k)
+  # Both settings matter: decaying every parameter, or the other momentum, moves them elsewhere.
+  everything = _optax_lars_reference(4, 2.0, 0.9, 0.5, lambda k: False, nesterov)
+  other = _optax_lars_reference(4, 2.0, 0.9, 0.5, no_decay, not nesterov)
+  for k in ("bn/scale", "linear/bias"):
+    assert _max_rel_diff({k: everything[k]}, {k: want[k]}) > 1e-3, k
+  assert _max_rel_diff(other, want) > 1e-3
+  assert _max_rel_diff({"conv/kernel": everything["conv/kernel"]},
+                       {"conv/kernel": want["conv/kernel"]}) < 1e-12  # decayed in both
+
+
 def test_zero_parameter_never_moves_under_cpd_lars():
   """A parameter initialised to 0 (BatchNorm beta) gets local_lr = 0 in CPD; optax's trust
   ratio falls back to 1 and moves it."""
@@ -170,6 +222,7 @@ def test_decay_masks_on_model_paths():
     (lambda: jt.torch_sgd(0.1, nesterov=True), "nesterov"),
     (lambda: jt.torch_sgd(0.1, 0.9, weight_decay=-1.0), "weight_decay"),
     (lambda: jt.lars(0.1, momentum=-0.5), "momentum"),
+    (lambda: jt.lars(0.1, nesterov=1), "nesterov"),
     (lambda: jt.warmup_step_schedule(0.1, 10, {5: 0.1}), "boundaries_and_scales"),
     (lambda: jt.warmup_step_schedule(0.1, -1), "warmup_steps"),
     (lambda: jt.cpd_resnet18_lr(0), "world_size"),

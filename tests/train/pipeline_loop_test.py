@@ -11,16 +11,17 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 from configs import digits
 from jlp import plots
-from jlp.train import loop, recipe
+from jlp.train import loop, pipeline_loop, recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.metrics import read_metrics
-from runs import final_checkpoint, stable
+from runs import final_checkpoint, sigint_before, stable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,7 +93,8 @@ def resume_config(kind):
   else:  # GPipe with all-reduce compressed by onebit: error-feedback state [N, S, ...] per device
     c = pipelined_config(schedule="gpipe", sync="allreduce", hetero=0.1, batches_per_call=4)
     c.compression.name, c.compression.min_size = "onebit", 0
-  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 10, 1, 8, 4
+  # Rows every 3 mini-batches: the checkpoint at 8 holds the losses of the window since row 6.
+  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 10, 3, 8, 4
   return c
 
 
@@ -101,11 +103,12 @@ def test_resume_is_bit_exact(kind, tmp_path, fast_compile):
   """1F1B + partial reduce under stalls (hetero 0.1 s): the groups and virtual times come from
   the per-call simulation seeded by (seed, step); GPipe + onebit: the compression state is
   checkpointed. Calls [0,4) [4,8) [8,10); a run that lost its last checkpoint resumes at 8 and
-  writes the uninterrupted run's rows (virtual time included) and final state bit for bit."""
+  writes the uninterrupted run's rows (virtual time and the train loss averaged over a window
+  the checkpoint cut included) and final state bit for bit."""
   ref_dir, workdir = str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")
   loop.train_and_evaluate(resume_config(kind), ref_dir, progress=False)
   rows = read_metrics(ref_dir)
-  assert [r["step"] for r in rows] == list(range(1, 11))
+  assert [r["step"] for r in rows] == [3, 6, 8, 9, 10]
   assert [r["step"] for r in rows if "eval_accuracy" in r] == [8, 10]
   assert all("eval_virtual_time" in r for r in rows if "eval_accuracy" in r)
   assert sorted(int(d) for d in os.listdir(os.path.join(ref_dir, "checkpoints"))) == [8, 10]
@@ -277,7 +280,7 @@ def test_a_resume_under_another_cost_model_drains_the_fill_first(tmp_path, fast_
     ({}, {"compression": {"name": "onebit", "topology": "ps", "min_size": 0, "kwargs": {},
                           "plan": "secopa"}}, r"config.compression.plan='secopa'"),
     ({}, {"loss_scale": 128.0}, r"config.loss_scale=128.0 is not allowed"),
-    ({}, {"bfp": {"preset": "default_FB12", "schedule": {"0": "default_FB12"}, "controller": "",
+    ({}, {"bfp": {"preset": "", "schedule": {"0": "default_FB12"}, "controller": "",
                   "window": 0}}, r"config.bfp.schedule=.* preset switches are not supported"),
     ({}, {"bfp": {"preset": "default_FB12", "schedule": {}, "controller": "Simple/0/0/0/0",
                   "window": 1}}, r"config.bfp.controller=.* not supported in pipelines"),
@@ -325,3 +328,20 @@ def test_gpipe_digits_within_3_points_of_the_unpipelined_run(tmp_path):
   piped = loop.train_and_evaluate(c, str(tmp_path / "gpipe"), progress=False)
   assert base["eval_accuracy"] > 0.9
   assert abs(piped["eval_accuracy"] - base["eval_accuracy"]) <= 0.03
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="SIGINT handlers need the main thread")
+def test_ctrl_c_during_the_final_evaluation_finishes_the_run(tmp_path, monkeypatch, capsys,
+                                                             fast_compile):
+  """The final evaluation follows the flush: a Ctrl-C during it leaves a complete run, which
+  says it finished (exit 0), and running it again trains nothing."""
+  monkeypatch.setattr(pipeline_loop.PipelineRun, "evaluate", sigint_before(pipeline_loop.PipelineRun.evaluate))
+  c = pipelined_config(schedule="1f1b", stages=2, batches_per_call=2)
+  c.max_steps, c.log_every, c.eval_every = 4, 2, 0
+  result = loop.train_and_evaluate(c, str(tmp_path), progress=False)
+  out = capsys.readouterr().out
+  assert not result["interrupted"] and result["step"] == 4 and "eval_accuracy" in result
+  assert "finished at step 4" in out and "interrupted" not in out
+  loop.train_and_evaluate(c, str(tmp_path), progress=False)
+  assert "is finished" in capsys.readouterr().out
