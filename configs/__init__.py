@@ -1,6 +1,7 @@
 """Experiment configs: one `get_config(arg)` per file, and the settings several of them share."""
 
 from jlp.compression.casync import DEFAULT_MIN_SIZE
+from jlp.data import config_kwargs
 
 #: The compressor fields HiPress ran with (docs/hipress.md#compressors), by compressor name.
 HIPRESS_COMPRESSOR_KWARGS = {
@@ -81,7 +82,7 @@ def bert_small_sst2(c):
   c.model.kwargs.pad_id = 0          # [PAD]: not attended
   c.dataset.name = "glue_tsv"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
-  c.dataset.kwargs.max_len = c.model.kwargs.get_ref("max_len")
+  c.dataset.kwargs = config_kwargs("glue_tsv", max_len=c.model.kwargs.get_ref("max_len"))
   c.eval_batch_size = 896            # SST-2 dev (872) in one padded batch, 16 | 896
   return c
 
@@ -91,7 +92,7 @@ def local_bert_digits_tokens(c):
   sentences, a 2-layer BERT of width 32, six steps with evaluation and checkpoints every three."""
   c.dataset.name = "digits_tokens"
   c.dataset.root = ""
-  c.dataset.kwargs = {"max_len": 66}
+  c.dataset.kwargs = config_kwargs("digits_tokens", max_len=66)
   c.model.kwargs = {"vocab": 21, "max_len": 66, "hidden": 32, "num_layers": 2, "heads": 2,
                     "mlp_dim": 64, "pad_id": 0}
   c.batch_size = 64

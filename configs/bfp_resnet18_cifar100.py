@@ -22,6 +22,7 @@ is refused while the schedule is set, since the schedule decides the preset.
 FB12LG16 from epoch 1) and the Simple controller on 2-step windows.
 """
 
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
@@ -31,6 +32,7 @@ def get_config(arg=None):
   c.model.name = "resnet18"
   c.dataset.name = "cifar100"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
+  c.dataset.kwargs = config_kwargs("cifar100")  # every option, settable by flag
   c.batch_size = 128
   c.eval_batch_size = 100
   c.max_steps = 78200                # 200 epochs x 391 steps

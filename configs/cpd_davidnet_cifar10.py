@@ -16,6 +16,7 @@ of the gradient; jlp divides it out unless --config.unscale_grads=False (that bu
 `:local` is a CPU smoke run on digits at 32x32x3, width 8.
 """
 
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
@@ -25,7 +26,8 @@ def get_config(arg=None):
   c.model.name = "davidnet"
   c.dataset.name = "cifar10"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
-  c.dataset.kwargs.recipe = "davidnet"  # reflect pad 4, crop 32, flip, Cutout 8x8
+  # every option, settable by flag; the recipe: reflect pad 4, crop 32, flip, Cutout 8x8
+  c.dataset.kwargs = config_kwargs("cifar10", recipe="davidnet")
   c.batch_size = 4096
   c.eval_batch_size = 1000
   c.max_steps = 288                    # 24 epochs x 12 steps (drop_last)

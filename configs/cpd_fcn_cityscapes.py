@@ -14,6 +14,7 @@ all-reduce is hard-coded e4m3 without APS in CPD (edit line 27 there; a flag her
 labelled with its digit, background class 10) with a width-4 FCN.
 """
 
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
@@ -24,9 +25,11 @@ def get_config(arg=None):
   c.model.name = "fcn"
   c.dataset.name = "cityscapes"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
-  c.dataset.kwargs.crop_size = 769
-  c.dataset.kwargs.cat_max_ratio = 0.75  # mmseg RandomCrop's re-draws (1.0: off)
-  c.dataset.kwargs.photometric = True    # mmseg PhotoMetricDistortion on the crops
+  c.dataset.kwargs = config_kwargs(
+      "cityscapes",
+      crop_size=769,
+      cat_max_ratio=0.75,  # mmseg RandomCrop's re-draws (1.0: off)
+      photometric=True)    # mmseg PhotoMetricDistortion on the crops
   c.batch_size = 8
   c.eval_batch_size = 8
   c.max_steps = 40000
@@ -45,5 +48,6 @@ def get_config(arg=None):
     local_digits(c, max_steps=6, batch_size=16, width=4, num_blocks=(1, 1, 1, 1), channels=16,
                  aux_channels=8)
     c.dataset.name = "digits_segmentation"
+    c.dataset.kwargs = config_kwargs("digits_segmentation", variant="32x32x3")
     c.eval_batch_size = 64
   return c

@@ -14,6 +14,7 @@ x0.1 after epochs 40 and 80), 1,221 steps (100 epochs); only the gradient all-re
 `:local` is a CPU smoke run on the bundled digits (upsampled to 32x32x3) with a width-8 ResNet18.
 """
 
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
@@ -24,6 +25,7 @@ def get_config(arg=None):
   c.model.name = "resnet18"
   c.dataset.name = "cifar10"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
+  c.dataset.kwargs = config_kwargs("cifar10")  # every option, settable by flag
   c.batch_size = 4096                # 512 per node x 8 nodes
   c.eval_batch_size = 1000
   c.max_steps = 1221                 # ceil(50000 * 100 / 4096)

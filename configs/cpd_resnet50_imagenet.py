@@ -14,6 +14,7 @@ devices; ResNet50 casts even a single node's gradient):
 and 2 emulated nodes per device (two-level reduction, one loop body).
 """
 
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
@@ -24,6 +25,7 @@ def get_config(arg=None):
   c.model.name = "resnet50"
   c.dataset.name = "imagenet"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
+  c.dataset.kwargs = config_kwargs("imagenet")  # every option, settable by flag
   c.batch_size = 8192                # 32 per node x 256 nodes
   c.eval_batch_size = 1024
   c.max_steps = 14076                # 90 epochs of 1,281,167 images

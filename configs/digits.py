@@ -11,6 +11,7 @@ The main job (python -m experiments.aps_digits) runs this config with float32, e
 gradient all-reduce, each with and without APS.
 """
 
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, parse_arg
 
 
@@ -21,6 +22,7 @@ def get_config(arg=None):
   c.model.name = "small_cnn"
   c.model.kwargs.width = 16
   c.dataset.name = "digits"
+  c.dataset.kwargs = config_kwargs("digits")  # every option, settable by flag
   c.batch_size = 128                 # global: 16 per device on 8 devices
   c.eval_batch_size = 360
   c.max_steps = 300                  # ~27 epochs of the 1,437 training images

@@ -13,6 +13,7 @@ which is where gradient compression and low-precision all-reduce pay off in wall
 on it.
 """
 
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, parse_arg
 
 
@@ -23,6 +24,7 @@ def get_config(arg=None):
   c.model.name = "mlp"
   c.model.kwargs.hidden = (1536, 1536, 1536)
   c.dataset.name = "digits"
+  c.dataset.kwargs = config_kwargs("digits")  # every option, settable by flag
   c.batch_size = 128
   c.eval_batch_size = 360
   c.max_steps = 150                  # float32 reaches 97 % test accuracy in about 50 steps

@@ -24,6 +24,7 @@ floats compressed; min_size 0 compresses all 53 gradients but compiles ~3x slowe
 """
 
 from configs import hipress_compression
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
@@ -33,6 +34,7 @@ def get_config(arg=None):
   c.model.name = "resnet50"
   c.dataset.name = "imagenet"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
+  c.dataset.kwargs = config_kwargs("imagenet")  # every option, settable by flag
   c.batch_size = 1024                # 64 per node x 16 nodes
   c.eval_batch_size = 1000
   c.max_steps = 112590               # 90 epochs x 1,251 steps (1,281,167 // 1,024)

@@ -27,6 +27,7 @@ compresses all 66 gradients but compiles ~3x slower on CPU), a few steps.
 """
 
 from configs import hipress_compression
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 
@@ -36,6 +37,7 @@ def get_config(arg=None):
   c.model.name = "vgg19"
   c.dataset.name = "cifar10"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
+  c.dataset.kwargs = config_kwargs("cifar10")  # every option, settable by flag
   c.batch_size = 512                 # 32 per node x 16 nodes
   c.eval_batch_size = 1000
   c.max_steps = 19400                # 200 epochs x 97 steps (50,000 // 512)

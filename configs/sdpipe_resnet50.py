@@ -23,6 +23,7 @@ in calls of 3.
 """
 
 from configs import epoch_cadence, sdpipe_pipeline
+from jlp.data import config_kwargs
 from jlp.train.config import base_config, local_digits, parse_arg
 
 IMAGENET_TRAIN = 1281167
@@ -34,6 +35,7 @@ def get_config(arg=None):
   c.model.name = "resnet50"
   c.dataset.name = "imagenet"
   c.dataset.root = ""               # $JLP_DATA_DIR/<dataset>, else data/<dataset>
+  c.dataset.kwargs = config_kwargs("imagenet")  # every option, settable by flag
   sdpipe_pipeline(c, sync=arg.sync, hetero=arg.hetero, pipelines=arg.pipelines, barrier=False)
   c.pipeline.batches_per_call = 12   # 12 | 5,004 steps per epoch at 4 pipelines
   c.eval_batch_size = 1024           # a multiple of 16 devices

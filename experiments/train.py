@@ -6,7 +6,9 @@ r"""Train an experiment config: python -m experiments.train --config=configs/NAM
 
 `--cpu_devices=8` emulates 8 CPU devices (data-parallel, compressed and pipelined configs need
 several; without it XLA shows one). Running the same command on the same workdir resumes from its last checkpoint (bit-exact). Ctrl-C
-writes a checkpoint and exits (status 130). `--multiprocess` joins a multi-process run first
+writes a checkpoint and exits (status 130); a training loss that turns NaN or infinite stops
+the run with one line (status 1); a bad config, a bad data file or a changed data set on resume is
+one line with status 2. `--multiprocess` joins a multi-process run first
 (jax.distributed: SLURM is detected under srun; else --coordinator, --num_processes, --process_id);
 under the cluster launcher (`python -m experiments.cluster ... -- experiments.train ...`) it joins
 without the flag.
@@ -52,6 +54,9 @@ def main(argv):
                                      allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except (ValueError, FileNotFoundError) as e:
     cli.fail(str(e))
+  except loop.NonFiniteLossError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
   if result["interrupted"]:
     sys.exit(130)
 

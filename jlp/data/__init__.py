@@ -6,11 +6,14 @@ input pipeline with prefetching.
   pipe = jlp.data.Pipeline(ds, global_batch_size=512, seed=0)
   with pipe.prefetch(start_step=step, sharding=sharding) as batches:
     for batch in batches: ...        # {"image": NHWC float32, "label": int32, "mask": bool}
+
+What each loader accepts and refuses, and its options: docs/data.md.
 """
 
-from jlp.data.dataset import ArrayDataset, CropFlip, Dataset, Normalization
+from jlp.data.dataset import ArrayDataset, CropFlip, DataFileError, Dataset, Normalization
 from jlp.data.pipeline import SAMPLERS, Pipeline, Prefetcher, Sampler
-from jlp.data.registry import DATA_DIR_ENV, DATASETS, default_root, get_dataset
+from jlp.data.registry import (DATA_DIR_ENV, DATASETS, config_kwargs, dataset_options,
+                               default_root, get_dataset)
 from jlp.data.text import TokenDataset, WordPiece
 
 __all__ = [
@@ -18,6 +21,7 @@ __all__ = [
     "CropFlip",
     "DATASETS",
     "DATA_DIR_ENV",
+    "DataFileError",
     "Dataset",
     "Normalization",
     "Pipeline",
@@ -26,6 +30,8 @@ __all__ = [
     "Sampler",
     "TokenDataset",
     "WordPiece",
+    "config_kwargs",
+    "dataset_options",
     "default_root",
     "get_dataset",
 ]

@@ -28,6 +28,7 @@ from imgproc/src/color_hsv.simd.hpp; mmcv's bgr2hsv / hsv2bgr call cv2.cvtColor)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -226,6 +227,55 @@ def _check_rgb_u8(name: str, image: np.ndarray) -> np.ndarray:
   return image
 
 
+# The conversions run through lookup tables that hold OpenCV's arithmetic evaluated once for
+# every input it can see (built on first use): RGB -> HSV's S by (V, V - min) and H by (hue
+# numerator, V - min); HSV -> RGB's factor of each output channel by (S, H), one table per code
+# path (SIMD / scalar), so that a pixel costs two float32 products (V / 255 * factor * 255) and
+# its rounding, as in OpenCV. The tables are the formulas below evaluated on every (V, V - min),
+# (numerator, V - min) and (S, H), so the results are those of the formulas, bit for bit.
+_HSV_NUMERATOR_MIN = -255  # the hue numerator h' lies in -diff..5 diff, so in -255..1275
+
+
+@functools.lru_cache(maxsize=None)
+def _rgb_to_hsv_tables() -> tuple[np.ndarray, np.ndarray]:
+  """(S by V << 8 | diff, H by (h' + 255) << 8 | diff), uint8, with OpenCV's fixed-point steps."""
+  half = 1 << (_HSV_SHIFT - 1)
+  diff = np.arange(256)
+  s = (diff[None, :] * _HSV_SDIV[:, None] + half) >> _HSV_SHIFT  # rows V; diff > V never read
+  numerator = np.arange(_HSV_NUMERATOR_MIN, 5 * 255 + 1)[:, None]
+  h = (numerator * _HSV_HDIV[diff][None, :] + half) >> _HSV_SHIFT
+  h = np.where(h < 0, h + HSV_HUE_RANGE, h)
+  return (s.astype(np.uint8).ravel(), (h % 256).astype(np.uint8).ravel())
+
+
+def _rgb_to_hsv_planes(image: np.ndarray, s_map: np.ndarray | None = None,
+                       h_map: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+  """(H, S, V) uint8 planes of OpenCV's RGB2HSV_b on (..., W, 3) uint8; s_map / h_map (256
+  uint8 values) are applied to S / H on the way out."""
+  s_table, h_table = _rgb_to_hsv_tables()
+  if s_map is not None:
+    s_table = s_map[s_table]
+  if h_map is not None:
+    h_table = h_map[h_table]
+  r, g, b = image[..., 0], image[..., 1], image[..., 2]
+  v = np.maximum(np.maximum(r, g), b)
+  diff = v - np.minimum(np.minimum(r, g), b)
+  s = np.take(s_table, (v.astype(np.uint16) << 8) | diff)
+  # h' by the first channel that equals V, picked with all-ones / all-zeros int16 masks (faster
+  # than np.where on int16).
+  r16, g16, b16, diff16 = (x.astype(np.int16) for x in (r, g, b, diff))
+  v_is_r = v == r
+  r_mask = -v_is_r.view(np.int8).astype(np.int16)
+  b_mask = -((v != g) & ~v_is_r).view(np.int8).astype(np.int16)
+  g_mask = ~(r_mask | b_mask)
+  numerator = (g16 - b16) & r_mask
+  numerator |= (b16 - r16 + 2 * diff16) & g_mask
+  numerator |= (r16 - g16 + 4 * diff16) & b_mask
+  numerator -= _HSV_NUMERATOR_MIN
+  h = np.take(h_table, (numerator.astype(np.int32) << 8) | diff)
+  return h, s, v
+
+
 def rgb_to_hsv_u8(image: np.ndarray) -> np.ndarray:
   """OpenCV's cv2.cvtColor(image, COLOR_RGB2HSV) on uint8 (..., W, 3), bit for bit.
 
@@ -236,16 +286,54 @@ def rgb_to_hsv_u8(image: np.ndarray) -> np.ndarray:
   r - g + 4 diff. mmcv's bgr2hsv on the BGR image gives the same (H, S, V).
   """
   image = _check_rgb_u8("image", image)
-  rgb = image.astype(np.int64)
-  r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
-  v = np.maximum(np.maximum(r, g), b)
-  diff = v - np.minimum(np.minimum(r, g), b)
-  half = 1 << (_HSV_SHIFT - 1)
-  s = (diff * _HSV_SDIV[v] + half) >> _HSV_SHIFT
-  h = np.where(v == r, g - b, np.where(v == g, b - r + 2 * diff, r - g + 4 * diff))
-  h = (h * _HSV_HDIV[diff] + half) >> _HSV_SHIFT
-  h = np.where(h < 0, h + HSV_HUE_RANGE, h)
-  return np.stack([h, s, v], axis=-1).astype(np.uint8)
+  return np.stack(_rgb_to_hsv_planes(image), axis=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _hsv_to_rgb_factors(simd: bool) -> np.ndarray:
+  """(65536, 3) float32: for S << 8 | H, the factor f of each output channel (R, G, B) with
+  channel = V / 255 * f (OpenCV's v, v (1 - s), v (1 - s f), v (1 - s (1 - f)) by sector)."""
+  f32 = np.float32
+  h = np.arange(256).astype(f32) * f32(6.0 / HSV_HUE_RANGE)
+  s = np.arange(256).astype(f32)[:, None] * f32(1.0 / 255.0)  # rows S, columns H
+  if simd:  # sector = trunc(h) - 6 trunc(trunc(h) / 6)
+    whole = np.trunc(h)
+    sector = whole - np.trunc(whole * f32(1.0 / 6.0)) * f32(6.0)
+    frac = h - whole
+  else:  # h = fmod(h, 6), sector = floor(h)
+    h_mod = np.fmod(h, f32(6.0))
+    sector = np.floor(h_mod)
+    frac = h_mod - sector
+  sector = sector.astype(np.intp)
+  # s * x is exact in float64, so float32(1 - s * x) in float64 rounds once, as an FMA does.
+  s64 = s.astype(np.float64)
+  one_minus_frac = f32(1.0) - frac
+  tab2 = (1.0 - s64 * frac.astype(np.float64)).astype(f32)
+  tab3 = ((1.0 - s64 * one_minus_frac.astype(np.float64)).astype(f32) if simd
+          else f32(1.0) - s * one_minus_frac)
+  tab = np.stack(np.broadcast_arrays(np.ones_like(s), f32(1.0) - s, tab2, tab3), axis=-1)
+  picks = np.broadcast_to(_HSV_SECTORS[sector][:, ::-1], tab.shape[:2] + (3,))
+  return np.ascontiguousarray(np.take_along_axis(tab, picks, axis=-1).reshape(-1, 3))
+
+
+def _hsv_planes_to_rgb(h: np.ndarray, s: np.ndarray, v: np.ndarray, block: int) -> np.ndarray:
+  """OpenCV's HSV2RGB_b on uint8 planes (..., W) -> (..., W, 3) (see hsv_to_rgb_u8)."""
+  f32 = np.float32
+  index = (s.astype(np.uint16) << 8) | h
+  value = v.astype(f32) * f32(1.0 / 255.0)
+  width = h.shape[-1]
+  simd_width = (width // block) * block if block else 0
+  out = np.empty(h.shape + (3,), np.uint8)
+  for lo, hi, simd in ((0, simd_width, True), (simd_width, width, False)):
+    if hi == lo:
+      continue
+    rgb = np.take(_hsv_to_rgb_factors(simd), index[..., lo:hi], axis=0)
+    rgb *= value[..., lo:hi, None]
+    rgb *= f32(255.0)
+    (np.trunc if simd else np.rint)(rgb, out=rgb)
+    np.clip(rgb, 0, 255, out=rgb)
+    out[..., lo:hi, :] = rgb
+  return out
 
 
 def hsv_to_rgb_u8(hsv: np.ndarray, block: int = OPENCV_HSV_BLOCK) -> np.ndarray:
@@ -265,29 +353,7 @@ def hsv_to_rgb_u8(hsv: np.ndarray, block: int = OPENCV_HSV_BLOCK) -> np.ndarray:
   hsv = _check_rgb_u8("hsv", hsv)
   if not isinstance(block, int) or block < 0:
     raise ValueError(f"block={block!r} is not allowed; expected an int >= 0.")
-  f32 = np.float32
-  h = hsv[..., 0].astype(f32) * f32(6.0 / HSV_HUE_RANGE)
-  s = hsv[..., 1].astype(f32) * f32(1.0 / 255.0)
-  v = hsv[..., 2].astype(f32) * f32(1.0 / 255.0)
-  width = hsv.shape[-2]
-  simd = np.arange(width) < (width // block) * block if block else np.zeros(width, bool)
-  # SIMD: sector = trunc(h) - 6 trunc(trunc(h) / 6); scalar: h = fmod(h, 6), sector = floor(h).
-  whole = np.trunc(h)
-  simd_sector = whole - np.trunc(whole * f32(1.0 / 6.0)) * f32(6.0)
-  h_mod = np.fmod(h, f32(6.0))
-  scalar_whole = np.floor(h_mod)
-  frac = np.where(simd, h - whole, h_mod - scalar_whole)
-  sector = np.where(simd, simd_sector, scalar_whole).astype(np.intp)
-  # s * x is exact in float64, so float32(1 - s * x) in float64 rounds once, as an FMA does.
-  s64 = s.astype(np.float64)
-  tab2 = v * (1.0 - s64 * frac.astype(np.float64)).astype(f32)
-  one_minus_frac = f32(1.0) - frac
-  tab3 = np.where(simd, (1.0 - s64 * one_minus_frac.astype(np.float64)).astype(f32),
-                  f32(1.0) - s * one_minus_frac) * v
-  tab = np.stack([v, v * (f32(1.0) - s), tab2, tab3], axis=-1)
-  rgb = np.take_along_axis(tab, _HSV_SECTORS[sector][..., ::-1], axis=-1) * f32(255.0)
-  rgb = np.where(simd[:, None], np.trunc(rgb), np.rint(rgb))
-  return np.clip(rgb, 0, 255).astype(np.uint8)
+  return _hsv_planes_to_rgb(hsv[..., 0], hsv[..., 1], hsv[..., 2], block)
 
 
 # mmsegmentation's PhotoMetricDistortion, one example's parameters: each step's on/off coin and
@@ -352,6 +418,9 @@ def _scale_shift_u8(x: np.ndarray, alpha: float = 1.0, beta: float = 0.0) -> np.
   return np.clip(y, 0, 255).astype(np.uint8)
 
 
+_U8_VALUES = np.arange(256, dtype=np.uint8)
+
+
 def photometric_distortion(image: np.ndarray, params: np.ndarray,
                            block: int = OPENCV_HSV_BLOCK) -> np.ndarray:
   """mmsegmentation's PhotoMetricDistortion on one uint8 RGB image (H, W, 3), given parameters.
@@ -362,6 +431,10 @@ def photometric_distortion(image: np.ndarray, params: np.ndarray,
   float32(x) * alpha + beta in float32, clip to 0..255 and truncate to uint8; the HSV steps use
   OpenCV's 8-bit conversions (rgb_to_hsv_u8, hsv_to_rgb_u8 with `block`), each its own round trip.
   On an RGB image this is mmseg's BGR result with the channels reversed.
+
+  The saturation and hue maps act on one uint8 value at a time, so they run as 256-entry tables
+  (`_scale_shift_u8` on 0..255, (H + delta) mod 180 on 0..255) folded into the RGB -> HSV tables:
+  the same values without a pass over the image.
   """
   image = _check_rgb_u8("image", image)
   params = np.asarray(params, np.float64)
@@ -372,6 +445,8 @@ def photometric_distortion(image: np.ndarray, params: np.ndarray,
   if params[_PM_HUE_ON] and hue != int(hue):
     raise ValueError(f"hue={float(hue)!r} is not allowed; expected an integer shift (OpenCV hue "
                      "units, degrees / 2).")
+  if not isinstance(block, int) or block < 0:
+    raise ValueError(f"block={block!r} is not allowed; expected an int >= 0.")
   out = image
   if params[_PM_BRIGHTNESS_ON]:
     out = _scale_shift_u8(out, beta=params[_PM_BRIGHTNESS])
@@ -379,13 +454,11 @@ def photometric_distortion(image: np.ndarray, params: np.ndarray,
   if contrast_on and contrast_first:
     out = _scale_shift_u8(out, alpha=params[_PM_CONTRAST])
   if params[_PM_SATURATION_ON]:
-    hsv = rgb_to_hsv_u8(out)
-    hsv[..., 1] = _scale_shift_u8(hsv[..., 1], alpha=params[_PM_SATURATION])
-    out = hsv_to_rgb_u8(hsv, block)
+    s_map = _scale_shift_u8(_U8_VALUES, alpha=params[_PM_SATURATION])
+    out = _hsv_planes_to_rgb(*_rgb_to_hsv_planes(out, s_map=s_map), block)
   if params[_PM_HUE_ON]:
-    hsv = rgb_to_hsv_u8(out)
-    hsv[..., 0] = (hsv[..., 0].astype(np.int64) + int(hue)) % HSV_HUE_RANGE
-    out = hsv_to_rgb_u8(hsv, block)
+    h_map = ((_U8_VALUES.astype(np.int64) + int(hue)) % HSV_HUE_RANGE).astype(np.uint8)
+    out = _hsv_planes_to_rgb(*_rgb_to_hsv_planes(out, h_map=h_map), block)
   if contrast_on and not contrast_first:
     out = _scale_shift_u8(out, alpha=params[_PM_CONTRAST])
   return out if out is not image else image.copy()

@@ -100,7 +100,7 @@ def load_cifar_arrays(root: str | os.PathLike, num_classes: int, split: str,
   CIFAR-100 `label`: "fine" (100 classes) or "coarse" (20 superclasses).
   """
   check_split(split, ("train", "test"))
-  root = os.fspath(root)
+  root = os.path.expanduser(os.fspath(root))
   if num_classes == 10:
     what, tree, sub, label_key = "CIFAR-10", CIFAR10_TREE, CIFAR10_DIR, b"labels"
     names = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
@@ -140,7 +140,7 @@ def cifar(root: str | os.PathLike, split: str = "train", *, num_classes: int = 1
     recipe: "cpd", "davidnet" or "bfpsim" (default "cpd" for 10, "bfpsim" for 100).
     label: CIFAR-100 only, "fine" or "coarse".
     **overrides: any of mean, std, crop, padding, pad_mode, flip, cutout, replacing
-      the recipe's value.
+      the recipe's value (None: the recipe's).
   """
   if recipe is None:
     recipe = "cpd" if num_classes == 10 else "bfpsim"
@@ -151,7 +151,8 @@ def cifar(root: str | os.PathLike, split: str = "train", *, num_classes: int = 1
     if key not in settings:
       raise ValueError(f"{key}={value!r} is not allowed; expected options among "
                        f"{sorted(settings)} (or split, augment, recipe, label, num_classes).")
-    settings[key] = value
+    if value is not None:
+      settings[key] = value
   images, labels = load_cifar_arrays(root, num_classes, split, label)
   if augment is None:
     augment = split == "train"
@@ -160,3 +161,26 @@ def cifar(root: str | os.PathLike, split: str = "train", *, num_classes: int = 1
   name = f"cifar{num_classes}"
   n_classes = 20 if (num_classes == 100 and label == "coarse") else num_classes
   return ArrayDataset(name, split, images, labels, n_classes, normalization, crop_flip)
+
+
+def cifar10(root: str | os.PathLike, split: str = "train", *, augment: bool | None = None,
+            recipe: str | None = None, mean: tuple[float, ...] | None = None,
+            std: tuple[float, ...] | None = None, crop: int | None = None,
+            padding: int | None = None, pad_mode: str | None = None, flip: bool | None = None,
+            cutout: int | None = None) -> ArrayDataset:
+  """CIFAR-10 (`cifar` with num_classes=10): recipe "cpd" unless given; the other options
+  replace the recipe's values, None keeps them."""
+  return cifar(root, split, num_classes=10, augment=augment, recipe=recipe, mean=mean, std=std,
+               crop=crop, padding=padding, pad_mode=pad_mode, flip=flip, cutout=cutout)
+
+
+def cifar100(root: str | os.PathLike, split: str = "train", *, augment: bool | None = None,
+             recipe: str | None = None, label: str = "fine",
+             mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
+             crop: int | None = None, padding: int | None = None, pad_mode: str | None = None,
+             flip: bool | None = None, cutout: int | None = None) -> ArrayDataset:
+  """CIFAR-100 (`cifar` with num_classes=100): recipe "bfpsim" unless given, `label` "fine" (100
+  classes) or "coarse" (20); the other options replace the recipe's values, None keeps them."""
+  return cifar(root, split, num_classes=100, augment=augment, recipe=recipe, label=label,
+               mean=mean, std=std, crop=crop, padding=padding, pad_mode=pad_mode, flip=flip,
+               cutout=cutout)

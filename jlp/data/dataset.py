@@ -36,6 +36,19 @@ def _invalid(field: str, given: Any, allowed: str) -> ValueError:
   return ValueError(f"{field}={given!r} is not allowed; expected {allowed}.")
 
 
+class DataFileError(ValueError):
+  """A file of a data set that cannot be used (truncated, not an image, oversized, labels out of
+  range, ...): the message names the file and what is wrong with it; `path` is the file."""
+
+  def __init__(self, path: str | os.PathLike, problem: str):
+    self.path = os.fspath(path)
+    self.problem = problem
+    super().__init__(f"{self.path}: {problem}")
+
+  def __reduce__(self):  # picklable across worker processes
+    return (type(self), (self.path, self.problem))
+
+
 def layout_message(what: str, root: str | os.PathLike, problem: str, tree: str) -> str:
   """An error message: the problem, then the expected directory tree under `root`."""
   lines = [f"{what}: {problem}", f"Expected layout under {os.fspath(root)!r}:"]
@@ -126,6 +139,9 @@ class Dataset(abc.ABC):
   split: str
   num_classes: int
   augment: bool
+  #: Whether the examples are held in memory (no files to read: the pipeline starts no worker
+  #: processes for them).
+  in_memory: bool = False
 
   @property
   @abc.abstractmethod
@@ -153,6 +169,16 @@ class Dataset(abc.ABC):
   def get(self, indices: np.ndarray, params: Batch) -> Batch:
     """Transformed examples `indices` with their rows of `draw`'s params."""
 
+  def verify(self) -> list[DataFileError]:
+    """Every file of the split that cannot be used, each as a DataFileError (decoding every
+    file; [] for data held in memory)."""
+    return []
+
+  def manifest(self) -> list[str] | None:
+    """The files behind the split in index order, relative to its root (what a resume checks
+    has not changed); None for data held in memory or shipped with a package."""
+    return None
+
   def __repr__(self) -> str:
     return (f"{type(self).__name__}(name={self.name!r}, split={self.split!r}, size={self.size}, "
             f"image_shape={self.image_shape}, num_classes={self.num_classes}, "
@@ -161,6 +187,8 @@ class Dataset(abc.ABC):
 
 class ArrayDataset(Dataset):
   """uint8 NHWC images and int labels in memory, with CropFlip augmentation."""
+
+  in_memory = True
 
   def __init__(self, name: str, split: str, images: np.ndarray, labels: np.ndarray,
                num_classes: int, normalization: Normalization,

@@ -83,6 +83,8 @@ class DigitsSegmentation(Dataset):
   augmentation. Variants as `digits` (the 32x32x3 labels are the 8x8 ones repeated 4x4).
   """
 
+  in_memory = True
+
   def __init__(self, split: str = "train", variant: str = "8x8x1"):
     images, labels = load_digits_arrays(split, variant)
     self.name, self.split = "digits_segmentation", split

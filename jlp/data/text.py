@@ -22,6 +22,12 @@ Data sets (jlp.data.get_dataset):
                    "sentence<TAB>label", then one example per line, no quoting) and vocab.txt
                    (or pass `vocab`); options vocab, max_len (128), lowercase (True),
                    text_column ("sentence"), label_column ("label"), num_classes (2).
+                   Files are UTF-8 (a BOM is skipped; \n or \r\n line ends; blank lines at
+                   the end are ignored). Refused with DataFileError naming the file and line:
+                   bytes that are not UTF-8, a row whose field count differs from the
+                   header's, a label that is not an integer in 0..num_classes-1, a file with
+                   no example after the header (docs/data.md#glue-tsv).
+                   `manifest()`: "<file> sha256=<hex>" of the split's TSV and of vocab.txt.
   "digits_tokens"  scikit-learn's digits (jlp.data.digits split) as sentences of their 64 pixel
                    values "0".."16" (row-major), tokenized with WordPiece over DIGITS_VOCAB
                    ([PAD] [UNK] [CLS] [SEP] then "0".."16": token id = pixel + 4): 66 ids,
@@ -30,7 +36,8 @@ Data sets (jlp.data.get_dataset):
 
 from __future__ import annotations
 
-import csv
+import codecs
+import hashlib
 import os
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -38,9 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from jlp.data.dataset import Batch, Dataset, check_split, layout_message, require_file
+from jlp.data.dataset import Batch, Dataset, DataFileError, check_split, require_file
 
-__all__ = ["DIGITS_VOCAB", "TokenDataset", "WordPiece", "digits_tokens", "glue_tsv", "load_vocab"]
+__all__ = ["DIGITS_VOCAB", "GlueTsvDataset", "TokenDataset", "WordPiece", "digits_tokens",
+           "glue_tsv", "load_vocab"]
 
 PAD, UNK, CLS, SEP = "[PAD]", "[UNK]", "[CLS]", "[SEP]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP)
@@ -59,13 +67,43 @@ def _invalid(field: str, given: Any, allowed: str) -> ValueError:
   return ValueError(f"{field}={given!r} is not allowed; expected {allowed}.")
 
 
+def read_lines(path: str | os.PathLike) -> list[str]:
+  """The lines of the UTF-8 text file `path`, without their ends (\n or \r\n) and without a
+  leading byte-order mark. Bytes that are not UTF-8 raise DataFileError naming the line."""
+  path = os.fspath(path)
+  with open(path, "rb") as f:
+    data = f.read()
+  if data.startswith(codecs.BOM_UTF8):
+    data = data[len(codecs.BOM_UTF8):]
+  raw_lines = data.split(b"\n")
+  if raw_lines[-1] == b"":
+    raw_lines.pop()  # the last line's end
+  lines = []
+  for number, raw in enumerate(raw_lines, start=1):
+    if raw.endswith(b"\r"):
+      raw = raw[:-1]
+    try:
+      lines.append(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise DataFileError(path, (
+          f"line {number} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+          "the file must be UTF-8, as GLUE ships it: convert it, e.g. "
+          "iconv -f latin1 -t utf-8 (if it is latin-1)")) from None
+  return lines
+
+
 def load_vocab(path: str | os.PathLike) -> dict[str, int]:
-  """{token: id} of a BERT vocab.txt (one token per line, id = 0-based line number)."""
-  vocab: dict[str, int] = {}
-  with open(path, encoding="utf-8") as f:
-    for index, line in enumerate(f):
-      vocab[line.strip()] = index
-  return vocab
+  """{token: id} of a BERT vocab.txt (UTF-8, one token per line, id = 0-based line number)."""
+  return {line.strip(): index for index, line in enumerate(read_lines(path))}
+
+
+def file_digest(path: str | os.PathLike) -> str:
+  """The SHA-256 of the file's bytes, in hex."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
 
 
 def _is_whitespace(ch: str) -> bool:
@@ -183,6 +221,8 @@ class WordPiece:
 class TokenDataset(Dataset):
   """Token-id sequences (N, T) and labels in memory; no augmentation. `image_shape` is (T,)."""
 
+  in_memory = True
+
   def __init__(self, name: str, split: str, ids: np.ndarray, labels: np.ndarray,
                num_classes: int, *, vocab_size: int, pad_id: int):
     ids, labels = np.asarray(ids), np.asarray(labels)
@@ -216,52 +256,121 @@ class TokenDataset(Dataset):
     return {"image": self.ids[indices], "label": self.labels[indices]}
 
 
-def read_tsv(path: str, text_column: str, label_column: str,
-             root: str) -> tuple[list[str], list[int]]:
-  """(sentences, integer labels) of a GLUE TSV file with a header line (no quoting)."""
-  with open(path, encoding="utf-8", newline="") as f:
-    rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-  if not rows:
-    raise ValueError(layout_message("glue_tsv", root, f"{path!r} is empty", GLUE_TREE))
-  header = rows[0]
-  for column in (text_column, label_column):
+def parse_tsv(path: str, text_column: str, label_column: str, num_classes: int
+              ) -> tuple[list[str], list[int], list[tuple[int, str]]]:
+  """(sentences, labels, problems) of a GLUE TSV file: a header line naming the columns, then
+  one example per line, fields split at tabs (no quoting). `problems` lists every bad line as
+  (line number, "line N ..."); a file that cannot be read as a whole (not UTF-8, empty, no such
+  column, no example) raises DataFileError."""
+  lines = read_lines(path)
+  while lines and not lines[-1].strip():
+    lines.pop()  # blank lines at the end
+  if not lines:
+    raise DataFileError(path, "the file is empty; expected a header line "
+                        f"({text_column}<TAB>{label_column}) and one example per line")
+  header = lines[0].split("\t")
+  for column, option in ((text_column, "text_column"), (label_column, "label_column")):
     if column not in header:
-      raise ValueError(layout_message(
-          "glue_tsv", root, f"{path!r} has no column {column!r} in its header {header!r}",
-          GLUE_TREE))
+      raise DataFileError(path, (
+          f"line 1, the header {header!r}, has no column {column!r} (the {option} option); "
+          "expected a header line naming the columns, as GLUE's files have"))
+  if len(lines) == 1:
+    raise DataFileError(path, "no examples: the file holds only its header line")
   t, l = header.index(text_column), header.index(label_column)
-  texts, labels = [], []
-  for line, row in enumerate(rows[1:], start=2):
+  texts, labels, problems = [], [], []
+  for number, line in enumerate(lines[1:], start=2):
+    row = line.split("\t")
     if len(row) != len(header):
-      raise ValueError(layout_message(
-          "glue_tsv", root, f"{path!r} line {line} has {len(row)} fields; expected "
-          f"{len(header)} like the header", GLUE_TREE))
+      problems.append((number, f"line {number} has {len(row)} fields; expected {len(header)} "
+                       "like the header" + (" (a blank line)" if not line.strip() else "")))
+      continue
     try:
-      labels.append(int(row[l]))
+      label = int(row[l])
     except ValueError:
-      raise ValueError(layout_message(
-          "glue_tsv", root, f"{path!r} line {line}: label {row[l]!r} is not an integer",
-          GLUE_TREE)) from None
+      problems.append((number, f"line {number}: label {row[l]!r} is not an integer"))
+      continue
+    if not 0 <= label < num_classes:
+      problems.append((number, f"line {number}: label={label} is not allowed; expected "
+                       f"0..{num_classes - 1} (num_classes={num_classes})"))
+      continue
     texts.append(row[t])
+    labels.append(label)
+  return texts, labels, problems
+
+
+def read_tsv(path: str, text_column: str, label_column: str, num_classes: int = 2
+             ) -> tuple[list[str], list[int]]:
+  """(sentences, integer labels) of a GLUE TSV file (`parse_tsv`); the first bad line raises
+  DataFileError, which also counts the others."""
+  texts, labels, problems = parse_tsv(path, text_column, label_column, num_classes)
+  if problems:
+    more = ""
+    if len(problems) > 1:
+      numbers = [str(number) for number, _ in problems[1:11]]
+      more = (f" (and {len(problems) - 1} more bad lines: " + ", ".join(numbers) +
+              (", ..." if len(problems) > 11 else "") + ")")
+    raise DataFileError(path, problems[0][1] + more)
   return texts, labels
+
+
+class GlueTsvDataset(TokenDataset):
+  """A tokenized GLUE TSV split that remembers its files: `verify()` re-reads them and returns
+  every bad line, `manifest()` names them with their content digests."""
+
+  def __init__(self, root: str, path: str, vocab_path: str, text_column: str,
+               label_column: str, *args: Any, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    self.root, self.path, self.vocab_path = root, path, vocab_path
+    self.text_column, self.label_column = text_column, label_column
+
+  def verify(self) -> list[DataFileError]:
+    """A DataFileError per bad line of the split's TSV (or per unreadable file)."""
+    errors = []
+    try:
+      load_vocab(self.vocab_path)
+    except (DataFileError, OSError) as e:
+      errors.append(e if isinstance(e, DataFileError) else DataFileError(self.vocab_path, str(e)))
+    try:
+      problems = parse_tsv(self.path, self.text_column, self.label_column, self.num_classes)[2]
+      errors += [DataFileError(self.path, problem) for _, problem in problems]
+    except DataFileError as e:
+      errors.append(e)
+    except OSError as e:
+      errors.append(DataFileError(self.path, str(e)))
+    return errors
+
+  def manifest(self) -> list[str]:
+    """["<split>.tsv sha256=<hex>", "vocab.txt sha256=<hex>"]: names relative to root (a vocab
+    outside root by its absolute path), so that an edited file counts as a change."""
+    out = []
+    for path in (self.path, self.vocab_path):
+      rel = os.path.relpath(path, self.root)
+      name = rel.replace(os.sep, "/") if not rel.startswith(os.pardir) else os.path.abspath(path)
+      out.append(f"{name} sha256={file_digest(path)}")
+    return out
 
 
 def glue_tsv(root: str | os.PathLike, split: str = "train", *, vocab: str = "",
              max_len: int = 128, lowercase: bool = True, text_column: str = "sentence",
-             label_column: str = "label", num_classes: int = 2) -> TokenDataset:
+             label_column: str = "label", num_classes: int = 2) -> GlueTsvDataset:
   """A GLUE-style single-sentence TSV split (root/train.tsv or root/dev.tsv), tokenized.
 
-  vocab: the BERT vocab.txt ("" = root/vocab.txt); lowercase: True for uncased vocabularies.
+  vocab: the BERT vocab.txt ("" = root/vocab.txt; "~" expanded); lowercase: True for uncased
+  vocabularies; num_classes: labels must lie in 0..num_classes-1.
   """
   check_split(split, ("train", "dev"))
-  root = os.fspath(root)
+  if not isinstance(num_classes, int) or num_classes < 1:
+    raise _invalid("num_classes", num_classes, "a positive int")
+  root = os.path.expanduser(os.fspath(root))
   path = require_file(os.path.join(root, f"{split}.tsv"), "glue_tsv", root, GLUE_TREE)
-  vocab_path = require_file(vocab or os.path.join(root, "vocab.txt"), "glue_tsv", root, GLUE_TREE)
+  vocab_path = require_file(os.path.expanduser(vocab) if vocab else os.path.join(root, "vocab.txt"),
+                            "glue_tsv", root, GLUE_TREE)
   tokenizer = WordPiece(load_vocab(vocab_path), lowercase=lowercase)
-  texts, labels = read_tsv(path, text_column, label_column, root)
-  return TokenDataset("glue_tsv", split, tokenizer.encode_all(texts, max_len),
-                      np.asarray(labels, np.int64), num_classes,
-                      vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+  texts, labels = read_tsv(path, text_column, label_column, num_classes)
+  return GlueTsvDataset(root, path, vocab_path, text_column, label_column,
+                        "glue_tsv", split, tokenizer.encode_all(texts, max_len),
+                        np.asarray(labels, np.int64), num_classes,
+                        vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
 
 
 def digits_sentences(images: np.ndarray) -> list[str]:

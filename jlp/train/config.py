@@ -25,6 +25,18 @@ Fields (see `base_config` for defaults):
                                 resize_size centre crop, cityscapes' eval_scale, max_len, ...)
                                 on both. Classification needs one image shape for both splits (a
                                 crop must keep the image size, e.g. crop=32 with padding=4).
+  dataset.verify                True: before training, decode every file of both splits and list
+                                every one that cannot be used (jlp.data.DataFileError), then stop
+                                if there are any (exit 2). Either way a resume refuses a data set
+                                whose files changed since the run started (removed, added,
+                                reordered or, for text files, edited; the list is kept in
+                                WORKDIR/data_files.json.gz) unless --allow_config_change.
+  dataset.worker_processes      W > 0: file-backed data sets (ImageNet folders, Cityscapes) are
+                                loaded by W worker processes (Grain's multiprocessing prefetch,
+                                jlp.data.Pipeline); 0 (default): threads of this process. The
+                                batches are the same bits either way; in-memory data sets never
+                                start workers. Workers use shared memory (/dev/shm: about 5
+                                chunks of 64 examples per worker; Docker: --shm-size).
   batch_size, eval_batch_size   global batch sizes (all devices and processes together).
   max_steps, log_every, eval_every, checkpoint_every
                                 loop cadence in steps (0 disables eval / periodic checkpoints; a
@@ -211,7 +223,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.task = "classification"
   c.model = ml_collections.ConfigDict({"name": "small_cnn", "kwargs": ml_collections.ConfigDict()})
   c.dataset = ml_collections.ConfigDict(
-      {"name": "digits", "root": "", "kwargs": ml_collections.ConfigDict()})
+      {"name": "digits", "root": "", "kwargs": ml_collections.ConfigDict(), "verify": False,
+       "worker_processes": 0})
   c.batch_size = 128
   c.eval_batch_size = 256
   c.max_steps = 100
@@ -261,9 +274,10 @@ def local_digits(c: ml_collections.ConfigDict, *, max_steps: int, batch_size: in
   """The `:local` CPU smoke variant of a CIFAR/ImageNet-shaped recipe, in place: the bundled
   digits at 32x32x3 (no data download), the model's knobs `model_kwargs` (e.g. width=8), a short
   run with evaluation and checkpoints at its middle and end."""
+  from jlp.data import config_kwargs  # pylint: disable=g-import-not-at-top
   c.dataset.name = "digits"
   c.dataset.root = ""
-  c.dataset.kwargs = {"variant": "32x32x3"}
+  c.dataset.kwargs = config_kwargs("digits", variant="32x32x3")
   c.model.kwargs = model_kwargs
   c.batch_size = batch_size
   c.eval_batch_size = 120
@@ -434,6 +448,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field in ("eval_every", "checkpoint_every"):
     _check(_int(config[field]) and config[field] >= 0, field, config[field], "an int >= 0 (0: off)")
   _check(_int(config.seed), "seed", config.seed, "an int")
+  _check(isinstance(config.dataset.get("verify", False), bool), "dataset.verify",
+         config.dataset.get("verify"), "True or False")
+  workers = config.dataset.get("worker_processes", 0)
+  _check(_int(workers) and workers >= 0, "dataset.worker_processes", workers,
+         "an int >= 0 (0: threads of this process)")
   _check(isinstance(config.stop_at_accuracy, (int, float)) and 0 <= config.stop_at_accuracy <= 1,
          "stop_at_accuracy", config.stop_at_accuracy, "a fraction in [0, 1] (0: off)")
   if config.stop_at_accuracy:

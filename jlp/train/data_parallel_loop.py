@@ -53,12 +53,13 @@ from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import validate
 from jlp.train.loop_common import (CompileClock, HostStall, Interrupt, LogWindow, QuantPlan,
-                                   checkpoint_due, close_run, log_line,
+                                   check_finite_loss, checkpoint_due, close_run, log_line,
                                    progress as progress_bar, report_finished_on_interrupt,
                                    report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
-from jlp.train.workdir import describe as describe_changes, device_layout, record_config
+from jlp.train.workdir import (check_data, describe as describe_changes, device_layout,
+                               record_config, record_data)
 from jlp.train.step import TrainState, TrainStep, init_train_state, merge_model, split_model
 
 logger = logging.getLogger("jlp.train")
@@ -192,16 +193,21 @@ def _bfp_metrics(run: Run, zse: dict[str, dict[str, float]] | None) -> dict[str,
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        progress: bool | None = None,
-                       config_changes: dict[str, tuple] | None = None) -> dict[str, Any]:
+                       config_changes: dict[str, tuple] | None = None,
+                       allow_config_change: bool = False) -> dict[str, Any]:
   """Trains (or resumes) the data-parallel `config` in `workdir`; returns the last logged metrics
   row plus `interrupted` (see the module docstring)."""
   if config.pipeline.schedule != "none":
     raise ValueError(f"config.pipeline.schedule={config.pipeline.schedule!r} is not allowed here; "
                      "expected 'none' (jlp.train.loop.train_and_evaluate runs pipelined configs).")
   run = setup(config)
+  manifests = {"train": run.train_pipe.dataset.manifest(), "eval": run.eval_pipe.dataset.manifest()}
   os.makedirs(workdir, exist_ok=True)
   checkpoints = Checkpointer(workdir)
   start = checkpoints.latest_step() or 0
+  data_changes = check_data(workdir, manifests, resuming=bool(start),
+                            allow_change=allow_config_change)
+  config_changes = {**(config_changes or {}), **data_changes}
   spe = run.steps_per_epoch
   saved_meta = checkpoints.meta(start) if start else {}
   # The state is restored under the preset it was written with (the per-layer BFP widths in
@@ -225,7 +231,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     logger.info("resumed %s from step %d", workdir, start)
   run.compile_step()
   writer = MetricsWriter(workdir, resume_step=start or None, enabled=jax.process_index() == 0)
-  record_config(config, workdir, start, config_changes or {})
+  record_config(config, workdir, start, config_changes)
+  record_data(workdir, manifests, replace=not start or bool(data_changes))
   if config_changes:
     writer.note(config_change=describe_changes(config_changes))
 
@@ -273,6 +280,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             if config.stop_at_accuracy and row["eval_accuracy"] >= config.stop_at_accuracy:
               reached = row["eval_accuracy"]
           row = writer.write(step, row)
+          check_finite_loss(row, step, checkpoints)
           window.restart()
           if bar is not None:
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", refresh=False)

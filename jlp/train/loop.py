@@ -13,8 +13,9 @@ import ml_collections
 
 from jlp.train import checkpoint, data_parallel_loop, pipeline_loop, workdir as workdir_record
 from jlp.train.config import resolved, validate
+from jlp.train.loop_common import NonFiniteLossError
 
-__all__ = ["train_and_evaluate"]
+__all__ = ["NonFiniteLossError", "train_and_evaluate"]
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
@@ -51,4 +52,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             f"max_steps={config.max_steps}; {how}, or use a new --workdir.", flush=True)
       return {"step": start, "interrupted": False, "finished": True}
   loop = data_parallel_loop if config.pipeline.schedule == "none" else pipeline_loop
-  return loop.train_and_evaluate(config, workdir, progress=progress, config_changes=changes)
+  return loop.train_and_evaluate(config, workdir, progress=progress, config_changes=changes,
+                                 allow_config_change=allow_config_change)

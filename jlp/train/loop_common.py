@@ -24,7 +24,7 @@ from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import quant_recipe, quant_rules
 from jlp.train.metrics import MetricsWriter
 
-__all__ = ["CompileClock", "Interrupt", "LogWindow", "QuantPlan", "checkpoint_due", "close_run",
+__all__ = ["CompileClock", "Interrupt", "LogWindow", "NonFiniteLossError", "check_finite_loss", "QuantPlan", "checkpoint_due", "close_run",
            "log_line", "progress", "report_finished_on_interrupt", "report_interrupt"]
 
 
@@ -264,6 +264,25 @@ class LogWindow:
     self.loss, self.accuracy, self._saves = [], [], []
     self.compile_seconds = 0.0
     return row
+
+
+class NonFiniteLossError(RuntimeError):
+  """The training loss became NaN or infinite: the run stopped (the row that shows it is
+  written; no checkpoint of the diverged state is)."""
+
+
+def check_finite_loss(row: dict[str, Any], step: int, checkpoints: Checkpointer) -> None:
+  """Raises NonFiniteLossError when the row's train_loss is not finite."""
+  loss = row.get("train_loss")
+  if loss is None or np.isfinite(loss):
+    return
+  newest = checkpoints.latest_step()
+  kept = f"the newest checkpoint is step {newest}" if newest else "no checkpoint was written"
+  raise NonFiniteLossError(
+      f"train_loss={loss} at step {step} (its row is in metrics.jsonl): the run stopped and "
+      f"{kept}. Usual causes: labels outside the model's classes (a data set's label files), a "
+      "learning rate too high, or a number format whose range overflows; fix the cause and "
+      "resume, or start a new --workdir.")
 
 
 def checkpoint_due(config: ml_collections.ConfigDict, step: int, interrupted: bool) -> bool:

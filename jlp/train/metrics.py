@@ -99,7 +99,9 @@ class MetricsWriter:
       f.write(json.dumps(clean) + "\n")
     if self._tb is not None:
       for name, value in row.items():
-        if name not in ("step", "time") and isinstance(value, (int, float)):
+        # Non-finite values are null in metrics.jsonl and left out here (tensorboardX warns).
+        if name not in ("step", "time") and isinstance(value, (int, float)) and \
+            math.isfinite(value):
           self._tb.add_scalar(name, value, global_step=int(step), walltime=row["time"])
     return row
 

@@ -75,12 +75,13 @@ from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import pipeline_size, validate
-from jlp.train.loop_common import (CompileClock, Interrupt, LogWindow, QuantPlan, checkpoint_due,
-                                   close_run, log_line, progress as progress_bar,
+from jlp.train.loop_common import (CompileClock, Interrupt, LogWindow, QuantPlan,
+                                   check_finite_loss, checkpoint_due, close_run, log_line, progress as progress_bar,
                                    report_finished_on_interrupt, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
-from jlp.train.workdir import describe as describe_changes, device_layout, record_config
+from jlp.train.workdir import (check_data, describe as describe_changes, device_layout,
+                               record_config, record_data)
 
 __all__ = ["PipelineRun", "last_stage_loss", "needs_drain", "setup", "train_and_evaluate"]
 
@@ -195,13 +196,18 @@ def setup(config: ml_collections.ConfigDict) -> PipelineRun:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        progress: bool | None = None,
-                       config_changes: dict[str, tuple] | None = None) -> dict[str, Any]:
+                       config_changes: dict[str, tuple] | None = None,
+                       allow_config_change: bool = False) -> dict[str, Any]:
   """Trains (or resumes) a pipelined `config` in `workdir`; returns the last logged metrics row
   plus `step` and `interrupted` (module docstring)."""
   run = setup(config)
+  manifests = {"train": run.train_pipe.dataset.manifest(), "eval": run.eval_pipe.dataset.manifest()}
   os.makedirs(workdir, exist_ok=True)
   checkpoints = Checkpointer(workdir)
   start = checkpoints.latest_step() or 0
+  data_changes = check_data(workdir, manifests, resuming=bool(start),
+                            allow_change=allow_config_change)
+  config_changes = {**(config_changes or {}), **data_changes}
   example = run.train_pipe.batch(0)
   state = run.pipe.init(run.split.params, run.split.state,
                         batch=(example["image"], example["label"]))
@@ -216,7 +222,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     completed = int(meta.get("completed", start))
   writer = MetricsWriter(workdir, resume_step=completed if start else None,
                          enabled=jax.process_index() == 0)
-  record_config(config, workdir, start, config_changes or {})
+  record_config(config, workdir, start, config_changes)
+  record_data(workdir, manifests, replace=not start or bool(data_changes))
   if config_changes:
     writer.note(config_change=describe_changes(config_changes))
   # A resume whose config changed the model of the 1F1B fill in flight (hetero, slowdown, seed,
@@ -282,6 +289,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             del row["throughput"], row["virtual_throughput"]
           row.update(pending.pop(step, {}))
           row = writer.write(step, row)
+          check_finite_loss(row, step, checkpoints)
           if bar is None:
             print(log_line(step, config.max_steps, row) +
                   f" virtual_time={row['virtual_time']:.4g}", flush=True)

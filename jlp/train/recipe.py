@@ -75,6 +75,13 @@ def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Da
     raise _bad("dataset.name", name, f"one of {sorted(jdata.DATASETS)}")
   root = config.dataset.root or jdata.default_root(name)
   kwargs = dict(config.dataset.kwargs)
+  options = jdata.dataset_options(name)
+  unknown = sorted(set(kwargs) - set(options))
+  if unknown:
+    raise _bad(f"dataset.kwargs.{unknown[0]}", kwargs[unknown[0]],
+               f"an option of {name!r} ({', '.join(sorted(options))}): the config's "
+               "dataset.kwargs hold another data set's options; a config for "
+               f"{name!r} sets dataset.kwargs = jlp.data.config_kwargs({name!r}, ...)")
   try:
     train = jdata.get_dataset(name, root, split="train", **kwargs)
     evaluation = jdata.get_dataset(name, root, split="eval", **eval_kwargs(name, kwargs))
@@ -91,19 +98,40 @@ def datasets(config: ml_collections.ConfigDict) -> tuple[jdata.Dataset, jdata.Da
                f"{train.image_shape}, evaluation {evaluation.image_shape}: the evaluation split "
                "is not augmented, so a crop must keep the image size, e.g. crop=32 with "
                "padding=4 on 32x32 images)")
+  if config.dataset.get("verify", False):
+    verify_files(name, root, {"train": train, "eval": evaluation})
   return train, evaluation
+
+
+def verify_files(name: str, root: str, splits: dict[str, jdata.Dataset]) -> None:
+  """config.dataset.verify: decodes every file of `splits` (Dataset.verify); prints one line when
+  all can be used, else raises ValueError listing every one that cannot."""
+  bad = {split: ds.verify() for split, ds in splits.items()}
+  count = sum(len(v) for v in bad.values())
+  if count:
+    lines = [f"  {error}" for errors in bad.values() for error in errors]
+    raise ValueError(f"config.dataset.verify: {count} files of {name} in "
+                     f"{os.path.abspath(root)!r} cannot be used; remove or replace them (a resume "
+                     "then refuses the changed file list unless --allow_config_change):\n" +
+                     "\n".join(lines))
+  sizes = ", ".join(f"{ds.size} {split}" for split, ds in splits.items())
+  print(f"config.dataset.verify: every file of {name} ({sizes} examples) can be used.",
+        flush=True)
 
 
 def pipelines(config: ml_collections.ConfigDict, train: jdata.Dataset, evaluation: jdata.Dataset,
               *, global_train_batches: bool = False) -> tuple[jdata.Pipeline, jdata.Pipeline]:
   """The training pipeline (reshuffled every epoch, drop_last) and the evaluation one
-  (sequential, last batch padded and masked); both pure functions of (seed, step). With
+  (sequential, last batch padded and masked); both pure functions of (seed, step), loaded by
+  config.dataset.worker_processes worker processes (0: threads of this process). With
   `global_train_batches` every process loads the whole training batch (the pipelined runner
   feeds global mini-batches), else its own slice."""
   single = dict(process_index=0, process_count=1) if global_train_batches else {}
-  train_pipe = jdata.Pipeline(train, config.batch_size, seed=config.seed, **single)
+  workers = int(config.dataset.get("worker_processes", 0))
+  train_pipe = jdata.Pipeline(train, config.batch_size, seed=config.seed,
+                              worker_processes=workers, **single)
   eval_pipe = jdata.Pipeline(evaluation, config.eval_batch_size, seed=config.seed,
-                             sampler="sequential", drop_last=False)
+                             sampler="sequential", drop_last=False, worker_processes=workers)
   return train_pipe, eval_pipe
 
 

@@ -22,23 +22,28 @@ pipeline, even when allowed.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import ml_collections
 
-__all__ = ["CADENCE_FIELDS", "HORIZON_SCHEDULES", "ConfigChangedError", "check_resume",
-           "config_changes", "describe", "device_layout", "record_config"]
+__all__ = ["CADENCE_FIELDS", "HORIZON_SCHEDULES", "ConfigChangedError", "check_data",
+           "check_resume", "config_changes", "describe", "device_layout", "record_config",
+           "record_data"]
 
 CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.json"
+#: The data sets' file lists (Dataset.manifest) at the first start, by split.
+DATA_FILE = "data_files.json.gz"
 #: Fields that change when and how long the run trains, logs, evaluates and checkpoints, not
 #: what a step computes (pipeline.batches_per_call is a performance knob: bit-identical runs).
 CADENCE_FIELDS = ("max_steps", "log_every", "eval_every", "checkpoint_every", "stop_at_accuracy",
-                  "pipeline.batches_per_call")
+                  "pipeline.batches_per_call", "dataset.verify", "dataset.worker_processes")
 #: Learning-rate schedules (config.schedule.name, jlp.train.recipe) that decay over max_steps:
 #: under them max_steps changes the training.
 HORIZON_SCHEDULES = ("cosine", "poly")
@@ -117,9 +122,15 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, meta: dict[str
   from (`meta`, its meta; config.json when the meta holds no config); raises ConfigChangedError,
   one line naming each change, when there are some and not `allow_change`, or when the device
   layout changed under a per-device state."""
+  from jlp.data import dataset_options  # pylint: disable=g-import-not-at-top
   from jlp.train.config import base_config  # pylint: disable=g-import-not-at-top
   saved = meta.get("config") or saved_config(workdir)
-  changes = config_changes(saved, config, base_config()) if saved is not None else {}
+  defaults = base_config()
+  try:  # a run recorded before every option was listed in the config
+    defaults.dataset.kwargs = dataset_options(config.dataset.name)
+  except ValueError:
+    pass
+  changes = config_changes(saved, config, defaults) if saved is not None else {}
   changes.update(_layout_changes(meta))
   if DEVICES in changes:
     per_device = ("the compressed sync's per-device error-feedback state"
@@ -143,7 +154,8 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, meta: dict[str
     raise ConfigChangedError(
         f"the config changes the training of the run in {workdir}: {listed}{why}; expected the "
         "checkpoint's config and devices (only max_steps, log_every, eval_every, "
-        "checkpoint_every, stop_at_accuracy and pipeline.batches_per_call may change, "
+        "checkpoint_every, stop_at_accuracy, pipeline.batches_per_call, dataset.verify and "
+        "dataset.worker_processes may change, "
         f"max_steps not under a {' or '.join(HORIZON_SCHEDULES)} schedule): use a new --workdir, "
         "or --allow_config_change to continue this run under the new config (recorded in its "
         "metrics and config_history.json).")
@@ -181,6 +193,64 @@ def record_config(config: ml_collections.ConfigDict, workdir: str, step: int,
       os.remove(path)
   elif kept != history:
     _write_json(path, lambda f: json.dump(kept, f, indent=1))
+
+
+def _files_change(old: list[str], new: list[str]) -> str:
+  old_set, new_set = set(old), set(new)
+  removed = [f for f in old if f not in new_set]
+  added = [f for f in new if f not in old_set]
+  parts = []
+  for what, files in (("removed", removed), ("added", added)):
+    if files:
+      more = ", ..." if len(files) > 3 else ""
+      parts.append(f"{len(files)} {what} ({', '.join(files[:3])}{more})")
+  if not parts:
+    parts.append("the same files in another order (the batches change)"
+                 if sorted(old) == sorted(new) else "entries edited")
+  return "; ".join(parts)
+
+
+def check_data(workdir: str, manifests: Mapping[str, list[str] | None], *, resuming: bool,
+               allow_change: bool) -> dict[str, tuple]:
+  """The changes of the data sets' file lists (`manifests`, by split: Dataset.manifest()) against
+  those recorded when the run started (DATA_FILE; nothing to compare for a fresh run or one
+  started before the record existed): {"dataset files (split)": (old count, new count and what
+  changed)}; raises ConfigChangedError, one line naming the files, when there are some and not
+  `allow_change` (every batch is a function of the file list)."""
+  path = os.path.join(workdir, DATA_FILE)
+  if not resuming or not os.path.exists(path):
+    return {}
+  with gzip.open(path, "rt") as f:
+    recorded = json.load(f)
+  changes = {}
+  for split, files in manifests.items():
+    old = recorded.get(split)
+    if old is not None and files is not None and old != files:
+      changes[f"dataset files ({split})"] = (f"{len(old)} files",
+                                             f"{len(files)} files: {_files_change(old, files)}")
+  if changes and not allow_change:
+    listed = "; ".join(f"{k}: {new}" for k, (_, new) in changes.items())
+    raise ConfigChangedError(
+        f"the data set's files changed since the run in {workdir} started: {listed}; every "
+        "batch is a function of the file list, so the resumed run would train on other data: "
+        "restore the files, use a new --workdir, or --allow_config_change to continue on the new "
+        "files (recorded in its metrics and config_history.json).")
+  return changes
+
+
+def record_data(workdir: str, manifests: Mapping[str, list[str] | None], *,
+                replace: bool) -> None:
+  """On process 0: writes the data sets' file lists (DATA_FILE), when there are any, if there is
+  no record yet or `replace` (a fresh start, or a resume that allowed a change of files)."""
+  kept = {split: files for split, files in manifests.items() if files is not None}
+  path = os.path.join(workdir, DATA_FILE)
+  if jax.process_index() != 0 or not kept or (os.path.exists(path) and not replace):
+    return
+  os.makedirs(workdir, exist_ok=True)
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with gzip.open(tmp, "wt") as f:
+    json.dump(kept, f)
+  os.replace(tmp, path)
 
 
 def describe(changes: dict[str, tuple]) -> str:

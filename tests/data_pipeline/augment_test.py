@@ -470,3 +470,61 @@ def test_photometric_bad_inputs():
     augment.draw_photometric(rng, 2, contrast_range=(1.5, 0.5))
   with pytest.raises(ValueError, match="brightness_delta"):
     augment.draw_photometric(rng, 2, brightness_delta=-1)
+
+
+def _rgb_to_hsv_formula(image):
+  """OpenCV's RGB2HSV_b as whole-array int64 arithmetic (the formulas of rgb_to_hsv_u8's doc)."""
+  rgb = image.astype(np.int64)
+  r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+  v = np.maximum(np.maximum(r, g), b)
+  diff = v - np.minimum(np.minimum(r, g), b)
+  sdiv = np.array([0] + [round((255 << 12) / i) for i in range(1, 256)], np.int64)
+  hdiv = np.array([0] + [round((180 << 12) / (6 * i)) for i in range(1, 256)], np.int64)
+  s = (diff * sdiv[v] + (1 << 11)) >> 12
+  h = np.where(v == r, g - b, np.where(v == g, b - r + 2 * diff, r - g + 4 * diff))
+  h = (h * hdiv[diff] + (1 << 11)) >> 12
+  return np.stack([np.where(h < 0, h + 180, h), s, v], axis=-1).astype(np.uint8)
+
+
+def _hsv_to_rgb_formula(hsv, simd):
+  """OpenCV's HSV2RGB_b as whole-array float32 arithmetic, one code path for every pixel
+  (hsv_to_rgb_u8's doc; float64 products of float32 values round once, as the FMAs do)."""
+  f32 = np.float32
+  h = hsv[..., 0].astype(f32) * f32(6.0 / 180)
+  s = hsv[..., 1].astype(f32) * f32(1.0 / 255.0)
+  v = hsv[..., 2].astype(f32) * f32(1.0 / 255.0)
+  if simd:
+    whole = np.trunc(h)
+    sector, frac = whole - np.trunc(whole * f32(1.0 / 6.0)) * f32(6.0), h - whole
+  else:
+    h = np.fmod(h, f32(6.0))
+    sector = np.floor(h)
+    frac = h - sector
+  s64 = s.astype(np.float64)
+  tab2 = v * (1.0 - s64 * frac).astype(f32)
+  tab3 = ((1.0 - s64 * (f32(1.0) - frac)).astype(f32) if simd
+          else f32(1.0) - s * (f32(1.0) - frac)) * v
+  tab = np.stack([v, v * (f32(1.0) - s), tab2, tab3], axis=-1)
+  order = np.array([[1, 3, 0], [1, 0, 2], [3, 0, 1], [0, 2, 1], [0, 1, 3], [2, 1, 0]])[:, ::-1]
+  rgb = np.take_along_axis(tab, order[sector.astype(np.intp)], axis=-1) * f32(255.0)
+  return np.clip(np.trunc(rgb) if simd else np.rint(rgb), 0, 255).astype(np.uint8)
+
+
+def test_hsv_tables_give_the_formulas_on_every_input_they_hold():
+  # rgb_to_hsv_u8 / hsv_to_rgb_u8 read lookup tables: every (R, G) with 16 B values, and every
+  # (H, S) (H up to 255) with 12 V values on both code paths, against the formulas.
+  values = np.array([0, 1, 2, 17, 64, 127, 128, 129, 200, 253, 254, 255], np.uint8)
+  r, g, b = np.meshgrid(np.arange(256), np.arange(256), np.append(values, [5, 99, 180, 250]),
+                        indexing="ij")
+  rgb = np.stack([r, g, b], axis=-1).astype(np.uint8).reshape(-1, 256, 3)
+  np.testing.assert_array_equal(augment.rgb_to_hsv_u8(rgb), _rgb_to_hsv_formula(rgb))
+  h, s, v = np.meshgrid(np.arange(256), np.arange(256), values, indexing="ij")
+  hsv = np.stack([h, s, v], axis=-1).astype(np.uint8).reshape(-1, 64, 3)
+  np.testing.assert_array_equal(augment.hsv_to_rgb_u8(hsv), _hsv_to_rgb_formula(hsv, True))
+  np.testing.assert_array_equal(augment.hsv_to_rgb_u8(hsv, block=0),
+                                _hsv_to_rgb_formula(hsv, False))
+  mixed = augment.hsv_to_rgb_u8(hsv.reshape(-1, 48, 3))  # 32 SIMD columns, then 16 scalar
+  np.testing.assert_array_equal(mixed[:, :32], _hsv_to_rgb_formula(hsv.reshape(-1, 48, 3)[:, :32],
+                                                                   True))
+  np.testing.assert_array_equal(mixed[:, 32:], _hsv_to_rgb_formula(hsv.reshape(-1, 48, 3)[:, 32:],
+                                                                   False))

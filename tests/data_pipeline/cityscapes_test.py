@@ -15,8 +15,9 @@ import pytest
 from PIL import Image
 
 from jlp.data import augment as aug
-from jlp.data import get_dataset
+from jlp.data import cityscapes, get_dataset
 from jlp.data.cityscapes import CROP_RETRIES, cat_ratio_accepts
+from jlp.data.dataset import DataFileError
 from jlp.data.pipeline import Pipeline
 from references import imagenet_normalized
 
@@ -301,3 +302,168 @@ def test_bad_options_are_rejected(tmp_path, field, value):
   write_cityscapes(tmp_path)
   with pytest.raises(ValueError, match=f"{field}={value!r} is not allowed"):
     get_dataset("cityscapes", root=tmp_path, **{field: value})
+
+
+# ----------------------------------------------------------------------------- bad files (issue 33)
+
+def _label_path(root, split="val", city="zurich", k=1):
+  name = f"{city}_{k:06d}_000019_gtFine_labelTrainIds.png"
+  return os.path.join(root, "gtFine", split, city, name)
+
+
+def _image_path(root, split="val", city="zurich", k=1):
+  return os.path.join(root, "leftImg8bit", split, city, f"{city}_{k:06d}_000019_leftImg8bit.png")
+
+
+def test_label_values_other_than_train_ids_are_refused_naming_the_file(tmp_path):
+  write_cityscapes(tmp_path)
+  raw = np.random.default_rng(5).integers(0, 34, (H, W), dtype=np.uint8)  # raw labelIds
+  raw[0, :3] = (33, 24, 255)
+  Image.fromarray(raw).save(_label_path(tmp_path))
+  for split, kw in (("val", {}), ("train", {"crop_size": 4})):
+    if split == "train":
+      Image.fromarray(raw).save(_label_path(tmp_path, "train"))
+    ds = get_dataset("cityscapes", root=tmp_path, split=split, **kw)
+    with pytest.raises(DataFileError) as e:
+      ds.get(np.arange(4), ds.draw(np.random.default_rng(0), 4))
+    message = str(e.value)
+    assert e.value.path == _label_path(tmp_path, split)
+    assert message.startswith(_label_path(tmp_path, split))
+    assert "24" in message and "33" in message and "255" in message.split("are not")[1]
+    assert "createTrainIdLabelImgs" in message and "labelIds" in message
+    assert [err.path for err in ds.verify()] == [_label_path(tmp_path, split)]
+  # trainIds and 255 only, as PIL modes L, P and 16-bit grey: accepted, same values.
+  good = np.random.default_rng(6).integers(0, 19, (H, W)).astype(np.uint16)
+  good[1, 1] = 255
+  palette = Image.frombytes("P", (W, H), good.astype(np.uint8).tobytes())
+  palette.putpalette(np.random.default_rng(7).integers(0, 256, 768).tolist())
+  for image in (Image.fromarray(good.astype(np.uint8)), palette, Image.fromarray(good)):
+    image.save(_label_path(tmp_path))
+    assert Image.open(_label_path(tmp_path)).mode in ("L", "P", "I;16")
+    ds = get_dataset("cityscapes", root=tmp_path, split="val")
+    np.testing.assert_array_equal(ds.get(np.array([3]), {})["label"][0], good)
+    assert ds.verify() == []
+  good[2, 2] = 256  # 16-bit: not clipped to 255
+  Image.fromarray(good).save(_label_path(tmp_path))
+  with pytest.raises(DataFileError, match="label values 256"):
+    get_dataset("cityscapes", root=tmp_path, split="val").get(np.array([3]), {})
+
+
+def test_colour_label_maps_are_refused(tmp_path):
+  write_cityscapes(tmp_path)
+  colour = np.random.default_rng(1).integers(0, 256, (H, W, 3), dtype=np.uint8)
+  for mode in ("RGB", "RGBA"):
+    Image.fromarray(colour).convert(mode).save(_label_path(tmp_path))
+    ds = get_dataset("cityscapes", root=tmp_path, split="val")
+    with pytest.raises(DataFileError, match=f"a {mode} image") as e:
+      ds.get(np.arange(4), {})
+    assert e.value.path == _label_path(tmp_path)
+    assert "colour map" in str(e.value) and "createTrainIdLabelImgs" in str(e.value)
+
+
+def test_truncated_corrupt_and_missing_files_are_named(tmp_path):
+  write_cityscapes(tmp_path, per_city=3)
+  truncated = _image_path(tmp_path, k=0)  # the header (size) is intact, pixel data cut
+  with open(truncated, "rb") as f:
+    data = f.read()
+  with open(truncated, "wb") as f:
+    f.write(data[:len(data) // 2])
+  empty_label = _label_path(tmp_path, k=1)
+  open(empty_label, "wb").close()
+  garbage = _image_path(tmp_path, k=2)
+  with open(garbage, "wb") as f:
+    f.write(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+  ds = get_dataset("cityscapes", root=tmp_path, split="val")  # headers that fail are left to load
+  # Index order: aachen 0..2, then zurich 0..2.
+  for index, path, what in ((3, truncated, "truncated"), (4, empty_label, "empty"),
+                            (5, garbage, "not an image|corrupt")):
+    with pytest.raises(DataFileError, match=what) as e:
+      ds.get(np.array([index]), {})
+    assert e.value.path == path and str(e.value).startswith(path)
+  assert [e.path for e in ds.verify()] == [truncated, empty_label, garbage]
+  os.remove(_image_path(tmp_path, k=1))  # removed after the scan
+  with pytest.raises(DataFileError, match="no such file"):
+    ds.get(np.array([4]), {})
+
+
+def test_label_and_image_sizes_must_match(tmp_path):
+  write_cityscapes(tmp_path)
+  Image.fromarray(np.zeros((H + 1, W), np.uint8)).save(_label_path(tmp_path, "train"))
+  ds = get_dataset("cityscapes", root=tmp_path, crop_size=4)
+  with pytest.raises(DataFileError, match=f"is {W}x{H + 1}, its image") as e:
+    ds.get(np.arange(4), ds.draw(np.random.default_rng(0), 4))
+  assert e.value.path == _label_path(tmp_path, "train")
+  assert [e.path for e in ds.verify()] == [_label_path(tmp_path, "train")]
+
+
+def test_eval_images_of_several_sizes_are_refused_at_construction(tmp_path):
+  write_cityscapes(tmp_path)
+  for split in ("val", "train"):
+    Image.fromarray(np.zeros((8, 12, 3), np.uint8)).save(_image_path(tmp_path, split))
+    Image.fromarray(np.zeros((8, 12), np.uint8)).save(_label_path(tmp_path, split))
+  with pytest.raises(ValueError) as e:
+    get_dataset("cityscapes", root=tmp_path, split="val")
+  message = str(e.value)
+  assert "10x6: 3 files" in message and "12x8: 1 file" in message
+  assert "zurich_000001_000019_leftImg8bit.png" in message  # the odd one
+  assert "aachen_000000_000019_leftImg8bit.png" in message  # an example of the others
+  with pytest.raises(ValueError, match="sizes"):
+    get_dataset("cityscapes", root=tmp_path, split="train", augment=False)
+  # Training crops are padded to crop_size: mixed sizes are fine there.
+  ds = get_dataset("cityscapes", root=tmp_path, split="train", crop_size=4)
+  assert ds.get(np.arange(4), ds.draw(np.random.default_rng(0), 4))["image"].shape == (4, 4, 4, 3)
+
+
+def test_manifest_lists_image_and_label_of_each_example(tmp_path):
+  write_cityscapes(tmp_path)
+  ds = get_dataset("cityscapes", root=tmp_path, split="val")
+  assert ds.manifest() == [
+      f"{top}/val/{city}/{city}_{k:06d}_000019_{suffix}"
+      for city in ("aachen", "zurich") for k in (0, 1)
+      for top, suffix in (("leftImg8bit", "leftImg8bit.png"),
+                          ("gtFine", "gtFine_labelTrainIds.png"))]
+  assert ds.verify() == []
+
+
+# ----------------------------------------------------------------------------- speed (issue 33)
+
+def test_resize_window_is_pils_full_resize_then_crop():
+  rng = np.random.default_rng(0)
+  assert cityscapes._window_resize_is_exact()
+  for _ in range(300):
+    src_w, src_h = (int(x) for x in rng.integers(2, 70, 2))
+    scale = rng.uniform(0.3, 3.0)
+    width, height = max(int(src_w * scale + 0.5), 1), max(int(src_h * scale + 0.5), 1)
+    if rng.random() < 0.2:  # one axis unchanged, one portrait image scaled down
+      width, height = (src_w, height) if rng.random() < 0.5 else (width, src_h)
+    crop_h, crop_w = (int(x) for x in rng.integers(1, 40, 2))
+    top = int(rng.integers(0, max(height - crop_h, 0) + 1))
+    left = int(rng.integers(0, max(width - crop_w, 0) + 1))
+    image = Image.fromarray(rng.integers(0, 256, (src_h, src_w, 3), dtype=np.uint8))
+    full = np.asarray(image.resize((width, height), Image.BILINEAR))
+    args = (image, height, width, top, left, crop_h, crop_w)
+    want = full[top:top + crop_h, left:left + crop_w]
+    np.testing.assert_array_equal(cityscapes.resize_window(*args), want, err_msg=str(args[1:]))
+    # The pass-by-pass route itself wherever Pillow resizes horizontally first (13: unless
+    # src_h - height > max(0, 2 (src_w - width))), also where the full resize is taken.
+    if not src_h - height > max(0, 2 * (src_w - width)):
+      np.testing.assert_array_equal(cityscapes._resize_window_by_passes(*args), want,
+                                    err_msg=str(args[1:]))
+
+
+def test_resize_window_computes_the_window_not_the_image(monkeypatch):
+  """A 769 crop of a 2048 x 1024 image scaled by 2 (Cityscapes' largest training scale) takes the
+  window route (the passes over the window only); a window over half the image takes the full
+  resize. (Speed: benchmarks/data_bench.py.)"""
+  image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 2048, 3), np.uint8))
+  calls = []
+  by_passes = cityscapes._resize_window_by_passes  # pylint: disable=protected-access
+
+  def recorded(*args):
+    calls.append(args[1:])
+    return by_passes(*args)
+  monkeypatch.setattr(cityscapes, "_resize_window_by_passes", recorded)
+  cityscapes.resize_window(image, 2048, 4096, 900, 1700, 769, 769)
+  assert calls == [(2048, 4096, 900, 1700, 769, 769)]
+  cityscapes.resize_window(image, 1024, 1536, 100, 100, 900, 1400)
+  assert len(calls) == 1

@@ -105,3 +105,80 @@ def test_digits_tokens_are_the_pixels():
   np.testing.assert_array_equal(ds.ids, expected)
   np.testing.assert_array_equal(ds.labels, bunch.target[idx])
   assert "digits_tokens" in DATASETS and "glue_tsv" in DATASETS
+
+
+# -- what the GLUE TSV loader accepts and refuses (issue 33 §1, §4) ------------------------------
+
+
+def test_glue_tsv_bad_bytes_labels_and_empty_files_name_the_file_and_line(tmp_path):
+  from jlp.data import DataFileError
+  root = tmp_path / "SST-2"
+  _write_glue(root, [("running", 1), ("want", 0)], [("low", 0)])
+  train = root / "train.tsv"
+  train.write_bytes("sentence\tlabel\nrunning\t1\ncaf\u00e9 low\t0\n".encode("latin-1"))
+  with pytest.raises(DataFileError, match=r"train.tsv: line 3 is not UTF-8 \(byte 0xe9.*UTF-8"):
+    get_dataset("glue_tsv", root)
+  train.write_text("sentence\tlabel\nrunning\t1\nwant\t2\nlow\t0\nwanted\t-1\nlowest\tx\n",
+                   encoding="utf-8")
+  with pytest.raises(DataFileError) as e:
+    get_dataset("glue_tsv", root)
+  assert e.value.path == str(train)
+  assert str(e.value).startswith(f"{train}: line 3: label=2 is not allowed; expected 0..1 "
+                                 "(num_classes=2) (and 2 more bad lines: 5, 6)"), str(e.value)
+  train.write_text("sentence\tlabel\nrunning\t1\nwant\t2\n", encoding="utf-8")
+  assert get_dataset("glue_tsv", root, num_classes=3).labels.tolist() == [1, 2]
+  (root / "dev.tsv").write_text("sentence\tlabel\n", encoding="utf-8")
+  with pytest.raises(DataFileError, match=r"dev.tsv: no examples: the file holds only its header"):
+    get_dataset("glue_tsv", root, split="dev")
+  (root / "dev.tsv").write_bytes(b"")
+  with pytest.raises(DataFileError, match=r"dev.tsv: the file is empty"):
+    get_dataset("glue_tsv", root, split="dev")
+  (root / "vocab.txt").write_bytes(b"[PAD]\n[UNK]\n[CLS]\n[SEP]\ncaf\xe9\n")
+  with pytest.raises(DataFileError, match=r"vocab.txt: line 5 is not UTF-8"):
+    get_dataset("glue_tsv", root, split="train", num_classes=3)
+
+
+def test_glue_tsv_accepts_a_bom_crlf_and_blank_lines_at_the_end(tmp_path):
+  root = tmp_path / "SST-2"
+  _write_glue(root, [("running", 1)], [("low", 0)])
+  (root / "train.tsv").write_bytes(
+      b"\xef\xbb\xbfsentence\tlabel\r\nrunning\t1\r\nlow , want\t0\r\n\r\n")
+  (root / "dev.tsv").write_text("sentence\tlabel\nlow\t0\n\n", encoding="utf-8")
+  (root / "vocab.txt").write_bytes(b"\xef\xbb\xbf" + "".join(
+      t + "\n" for t in BERT_TEST_VOCAB).encode())
+  ds = get_dataset("glue_tsv", root, max_len=6)
+  np.testing.assert_array_equal(ds.ids, [[2, 9, 10, 3, 0, 0], [2, 12, 11, 4, 3, 0]])
+  np.testing.assert_array_equal(ds.labels, [1, 0])
+  assert get_dataset("glue_tsv", root, split="dev").size == 1
+  (root / "dev.tsv").write_text("sentence\tlabel\nlow\t0\n\nwant\t1\n", encoding="utf-8")
+  with pytest.raises(ValueError, match=r"dev.tsv: line 3 has 1 fields; expected 2 like the "
+                     r"header \(a blank line\)"):
+    get_dataset("glue_tsv", root, split="dev")
+
+
+def test_glue_tsv_manifest_and_verify(tmp_path):
+  from jlp.data import DataFileError
+  root = tmp_path / "SST-2"
+  _write_glue(root, [("running", 1), ("want", 0)], [("low", 0)])
+  ds = get_dataset("glue_tsv", root)
+  manifest = ds.manifest()
+  assert [m.split(" ")[0] for m in manifest] == ["train.tsv", "vocab.txt"]
+  assert all(len(m.split(" sha256=")[1]) == 64 for m in manifest)
+  assert ds.verify() == [] and get_dataset("glue_tsv", root).manifest() == manifest
+  (root / "train.tsv").write_text("sentence\tlabel\nrunning\t1\nwant\t3\nlow\t1\textra\n",
+                                  encoding="utf-8")
+  assert ds.manifest()[0] != manifest[0] and ds.manifest()[1] == manifest[1]
+  bad = ds.verify()
+  assert all(isinstance(e, DataFileError) and e.path == str(root / "train.tsv") for e in bad)
+  assert [e.problem.split(" ")[1].rstrip(":") for e in bad] == ["3", "4"]
+
+
+def test_a_root_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+  from jlp.data import registry
+  monkeypatch.setenv("HOME", str(tmp_path))
+  _write_glue(tmp_path / "SST-2", [("running", 1)], [("low", 0)])
+  assert get_dataset("glue_tsv", "~/SST-2").size == 1
+  assert get_dataset("glue_tsv", "~/SST-2", vocab="~/SST-2/vocab.txt").size == 1
+  monkeypatch.setenv(registry.DATA_DIR_ENV, "~")
+  assert registry.default_root("glue_tsv") == str(tmp_path / "SST-2")
+  assert get_dataset("glue_tsv").size == 1

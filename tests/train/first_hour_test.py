@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from jlp.data import config_kwargs
 from jlp.train import loop, recipe, workdir as workdir_record
 from jlp.train.metrics import read_metrics
 from runs import small_digits
@@ -162,7 +163,7 @@ def test_the_entry_point_exits_2_with_one_line(finished_run, tmp_path):
 def test_an_empty_root_defaults_to_jlp_data_dir(monkeypatch, tmp_path):
   monkeypatch.setenv("JLP_DATA_DIR", str(tmp_path))
   c = small_config()
-  c.dataset.name = "cifar10"
+  c.dataset.name, c.dataset.kwargs = "cifar10", config_kwargs("cifar10")
   with pytest.raises(FileNotFoundError) as e:
     recipe.datasets(c)
   first = str(e.value).splitlines()[0]

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from jlp.data import config_kwargs
 from jlp.train import loop, recipe
 from jlp.train.metrics import read_metrics
 from runs import final_checkpoint, small_digits, stable
@@ -148,6 +149,7 @@ def test_missing_data_directory_shows_the_expected_layout(monkeypatch, tmp_path)
   monkeypatch.setattr(recipe, "model", lambda *a, **k: pytest.fail("model built"))
   c = small_config()
   c.dataset.name, c.dataset.root = "cifar10", str(tmp_path / "nowhere")
+  c.dataset.kwargs = config_kwargs("cifar10")
   with pytest.raises(FileNotFoundError, match="cifar-10-batches-py") as e:
     loop.train_and_evaluate(c, str(tmp_path / "run"), progress=False)
   assert "data_batch_1" in str(e.value)
