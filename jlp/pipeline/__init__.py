@@ -12,7 +12,9 @@
 Modules: `executor` (`Pipeline`, the public object: checks, state, runs and flush), `program` (the
 jitted per-device program: ticks, exchanges, updates), `buffers` (the ring buffers' layout),
 `sync_modes` (one strategy per sync across pipelines), `schedules` (GPipe / 1F1B tick tables, the
-never-ending 1F1B table cut into runs, bubble fraction), `timeline` (a pipeline's virtual time,
+never-ending 1F1B table cut into runs, bubble fraction), `schedule_data` (flush schedules as data:
+`Schedule`, torch's compute-only CSV, the rules, the named generators, `bubble` and
+`peak_inflight`; the executor does not run them yet), `timeline` (a pipeline's virtual time,
 decided as its runs need it), `simulator` (the event model of a whole run: `simulate`,
 `preduce_schedule`, AD-PSGD matchings; it re-exports the public names of the next three),
 `costs` (the configuration and cost model: `Hetero`, `PReduce`, `HetPipe`, op durations),
@@ -23,13 +25,19 @@ flat buffers).
 """
 
 from jlp.pipeline.executor import Pipeline, PipelineState, pipeline_mesh
+from jlp.pipeline.schedule_data import (FLUSH_SCHEDULES, Action, Overlap, Schedule, bubble,
+                                        peak_inflight)
 from jlp.pipeline.schedules import SCHEDULES, Table, bubble_fraction, stage_order, tick_table
 from jlp.pipeline.stages import STAGE_RULES, StageSplit, split_model
 from jlp.pipeline.simulator import (SYNC_MODES, HetPipe, Hetero, PReduce, SyncPlan,
                                     adpsgd_matchings, preduce_schedule, simulate)
 
 __all__ = [
+    "Action",
+    "FLUSH_SCHEDULES",
+    "Overlap",
     "SCHEDULES",
+    "Schedule",
     "STAGE_RULES",
     "SYNC_MODES",
     "StageSplit",
@@ -41,7 +49,9 @@ __all__ = [
     "SyncPlan",
     "Table",
     "adpsgd_matchings",
+    "bubble",
     "bubble_fraction",
+    "peak_inflight",
     "pipeline_mesh",
     "preduce_schedule",
     "simulate",
