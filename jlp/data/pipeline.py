@@ -49,7 +49,7 @@ raise Docker's --shm-size if needed). An exception in a worker (a DataFileError
 naming a bad file, a ValueError) is raised in the consumer with its type and
 message when the iteration reaches its batch; closing the iterator (or the
 Prefetcher over it) stops and joins the workers and frees the shared memory.
-Datasets held in memory (ArrayDataset: digits, CIFAR; TokenDataset;
+Datasets held in memory (`Dataset.in_memory`: digits, CIFAR; TokenDataset;
 DigitsSegmentation) never start workers.
 
 Not taken from Grain: its index samplers and sharding (grain.IndexSampler,
@@ -84,7 +84,7 @@ import jax
 import numpy as np
 
 from jlp.data import shared_ring
-from jlp.data.dataset import ArrayDataset, Batch, Dataset
+from jlp.data.dataset import Batch, Dataset
 
 SAMPLERS = ("epoch", "fixed", "sequential", "once")
 _PERMUTATION_STREAM = 0
