@@ -204,7 +204,8 @@ def main(argv):
   n = _ELEMENTS.value
   if n <= 0:
     raise app.UsageError(f"--elements={n} is not allowed; expected a positive int.")
-  names = list(HIPRESS) + sorted(set(compression.COMPRESSORS) - set(HIPRESS))
+  codecs = {n for n, c in compression.COMPRESSORS.items() if "ps" in c.topologies}  # not PowerSGD
+  names = list(HIPRESS) + sorted(codecs - set(HIPRESS))
   only = [s for s in _ONLY.value.split(",") if s]
   unknown = sorted(set(only) - set(names))
   if unknown:

@@ -36,7 +36,9 @@ Compressed synchronisation (HiPress's CaSync, `jlp.compression.sync`):
                one float32 ring all-reduce.
   topology     "ps" (CaSync-PS: co-located aggregators, partitions to their owners and back) or
                "ring"
-               (CaSync-Ring: decode-merge-encode at every reduce hop), docs/hipress.md#casync.
+               (CaSync-Ring: decode-merge-encode at every reduce hop), docs/hipress.md#casync;
+               "allreduce" for PowerSGD (its P and Q summed by all-reduces, its Q drawn from
+               `seed`; jlp.compression.powersgd), and PowerSGD only with it.
   min_size     compress a leaf iff it has more than min_size elements (HiPress's
                --comp-threshold, default 262144 floats = 1 MiB); leaves named in `plan` follow it.
   plan         None or a SeCoPa plan (`jlp.compression.secopa`): {keystr(path): (compress, K)},
@@ -71,11 +73,14 @@ from jlp.collectives.allreduce import packed_wire
 from jlp._checks import invalid, is_int
 from jlp.collectives import ALGORITHMS, APS_MODES, FORMS
 from jlp.compression import COMPRESSORS, Compressor, get as get_compressor
-from jlp.compression.casync import DEFAULT_MIN_SIZE, TOPOLOGIES, sync_with_bytes
+from jlp.compression.casync import (DEFAULT_MIN_SIZE, SYNC_TOPOLOGIES, TOPOLOGIES, check_pairing,
+                                   sync_with_bytes)
 from jlp.compression.casync import init_state as init_compression_state
 from jlp.formats import FloatFormat, as_format
+from jlp.diloco import DiLoCo
 
-__all__ = ["DEFAULT_MIN_SIZE", "GradSync", "NODE_MAPS", "Plan", "SYNC_REPORT", "TOPOLOGIES",
+__all__ = ["DEFAULT_MIN_SIZE", "GradSync", "NODE_MAPS", "Plan", "SYNC_REPORT", "SYNC_TOPOLOGIES",
+           "TOPOLOGIES", "DiLoCo",
            "normalise_plan", "reduce_gradients"]
 
 NODE_MAPS = ("unroll", "scan", "vmap")
@@ -198,8 +203,8 @@ class GradSync:
     if compressor is not None and not isinstance(compressor, Compressor):
       raise invalid("compression", compressor,
                      "None, a jlp.compression.Compressor or a registered compressor name")
-    if self.topology not in TOPOLOGIES:
-      raise invalid("topology", self.topology, f"one of {TOPOLOGIES}")
+    if self.topology not in SYNC_TOPOLOGIES:
+      raise invalid("topology", self.topology, f"one of {SYNC_TOPOLOGIES}")
     if not is_int(self.min_size) or self.min_size < 0:
       raise invalid("min_size", self.min_size, "an int >= 0 (elements; 0 compresses every leaf)")
     object.__setattr__(self, "min_size", int(self.min_size))
@@ -214,6 +219,7 @@ class GradSync:
           raise invalid(field, getattr(self, field),
                          f"{default!r} without compression (it only applies to a compressed sync)")
       return
+    check_pairing(compressor, self.topology)
     why = "with compression (the compressed sync sums float32 gradients of real devices)"
     if self.fmt is not None:
       raise invalid("fmt", self.fmt, f"None {why}")
@@ -254,7 +260,7 @@ class GradSync:
     if self.compression is None:
       return None
     return init_compression_state(grads, self.compression, num_devices, topology=self.topology,
-                                  min_size=self.min_size, plan=self.plan_dict)
+                                  min_size=self.min_size, plan=self.plan_dict, seed=self.seed)
 
   def allreduce_wire_bytes(self, sizes: Sequence[int], num_devices: int) -> int:
     """Bytes one device sends in the uncompressed (CPD) reduction of leaves of `sizes` elements

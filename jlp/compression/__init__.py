@@ -1,5 +1,6 @@
 """Gradient compression (HiPress, docs/hipress.md): compressors with HiPress's wire formats and
-error feedback, compression-aware synchronisation (CaSync PS and ring) inside `jax.shard_map`, and
+error feedback, compression-aware synchronisation (CaSync PS and ring; PowerSGD over
+all-reduces) inside `jax.shard_map`, and
 the SeCoPa planner.
 
     c = jlp.compression.get("onebit")                  # or OneBit(), TBQ(threshold=1.0), ...
@@ -16,15 +17,17 @@ unpacked fields (`jlp.compression.base`; README "Writing a compressor").
 
 from jlp.compression import ops
 from jlp.compression.base import COMPRESSORS, Compressor, get, register
-from jlp.compression.casync import TOPOLOGIES, init_state, leaf_routes, sync, sync_with_bytes
+from jlp.compression.casync import (SYNC_TOPOLOGIES, TOPOLOGIES, init_state, leaf_routes, sync,
+                                   sync_with_bytes)
 from jlp.compression.codecs import DGC, TBQ, DGCServer, GradDrop, OneBit, TernGrad
 from jlp.compression.contrib import QSGD, EFSignSGD
 from jlp.compression.layout import Header, Packed, Scalars, Sparse
+from jlp.compression.powersgd import PowerSGD
 from jlp.compression.profile import fit_cost_model
 from jlp.compression.secopa import CostModel, compression_ratio, plan_for_tree, secopa_plan
 
 __all__ = ["COMPRESSORS", "Compressor", "CostModel", "DGC", "DGCServer", "EFSignSGD", "GradDrop",
-           "Header", "OneBit", "Packed", "QSGD", "Scalars", "Sparse", "TBQ", "TernGrad",
-           "TOPOLOGIES", "compression_ratio", "get", "fit_cost_model", "init_state",
-           "leaf_routes", "ops", "plan_for_tree", "register", "secopa_plan", "sync",
+           "Header", "OneBit", "Packed", "PowerSGD", "QSGD", "Scalars", "Sparse", "SYNC_TOPOLOGIES",
+           "TBQ", "TernGrad", "TOPOLOGIES", "compression_ratio", "get", "fit_cost_model",
+           "init_state", "leaf_routes", "ops", "plan_for_tree", "register", "secopa_plan", "sync",
            "sync_with_bytes"]

@@ -152,6 +152,9 @@ class Compressor:
   needs_key: ClassVar[bool] = False
   #: whether the base class keeps an error-feedback residual (see the module docstring).
   error_feedback: ClassVar[bool] = False
+  #: the `jlp.compression.sync` topologies it runs with ("allreduce": payloads that can be
+  #: summed, e.g. PowerSGD's P and Q).
+  topologies: ClassVar[tuple[str, ...]] = ("ps", "ring")
 
   # -- what a compressor writes ----------------------------------------------------------------
   def init(self, x: jax.Array) -> Any:

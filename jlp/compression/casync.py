@@ -2,6 +2,9 @@
 
 `sync(tree, axis_name, compressor, state)` sums a pytree of float32 leaves over the W ranks of
 `axis_name` inside `jax.shard_map`; every rank gets the same bits, and its own new state.
+(topology="allreduce", for compressors whose payloads are summed by all-reduces, is PowerSGD's:
+jlp.compression.powersgd documents its routing, state and bytes; the rest of this docstring is
+CaSync's "ps" and "ring".)
 
 Routing (static, `leaf_routes`). A leaf is compressed iff it has more than `min_size`
 elements (HiPress's --comp-threshold, "minimal (excluded) number of floats to compress"), in
@@ -123,10 +126,13 @@ from jlp.compression.base import Compressor, is_sparse
 from jlp.compression.transport import Codec
 from jlp.numerics.opaque import opaque_zero
 
-__all__ = ["DEFAULT_MIN_SIZE", "TOPOLOGIES", "Route", "init_state", "leaf_routes", "sync",
-           "sync_with_bytes"]
+__all__ = ["DEFAULT_MIN_SIZE", "SYNC_TOPOLOGIES", "TOPOLOGIES", "Route", "check_pairing",
+           "init_state", "leaf_routes", "sync", "sync_with_bytes"]
 
 TOPOLOGIES = ("ps", "ring")
+#: Every topology of `sync`: CaSync's, and "allreduce" for compressors whose payloads can be
+#: summed (PowerSGD: jlp.compression.powersgd, which documents it).
+SYNC_TOPOLOGIES = TOPOLOGIES + ("allreduce",)
 #: HiPress's --comp-threshold: compress iff a leaf has more than this many floats.
 DEFAULT_MIN_SIZE = 262144
 
@@ -143,8 +149,17 @@ class Route(NamedTuple):
 # -- validation and routing (static) ---------------------------------------------------------------
 
 def _check_topology(topology: Any) -> None:
-  if not isinstance(topology, str) or topology not in TOPOLOGIES:
-    raise invalid("topology", topology, f"one of {TOPOLOGIES}")
+  if not isinstance(topology, str) or topology not in SYNC_TOPOLOGIES:
+    raise invalid("topology", topology, f"one of {SYNC_TOPOLOGIES}")
+
+
+def check_pairing(compressor: Compressor, topology: str) -> None:
+  """One-line ValueError unless `compressor` runs with `topology` (`Compressor.topologies`)."""
+  allowed = type(compressor).topologies
+  if topology not in allowed:
+    raise invalid("topology", topology,
+                  f"one of {allowed} for {type(compressor).__name__}"
+                  + (" (its payloads cannot be summed)" if topology == "allreduce" else ""))
 
 
 def _check_min_size(min_size: Any) -> None:
@@ -254,13 +269,20 @@ def _slot_state(compressor: Compressor, leaf: _Leaf) -> Any:
 
 def init_state(tree: Any, compressor: Compressor, num_ranks: int, *, topology: str = "ps",
                min_size: int = DEFAULT_MIN_SIZE,
-               plan: dict[str, tuple[bool, int]] | None = None) -> dict[str, Any]:
+               plan: dict[str, tuple[bool, int]] | None = None, seed: int = 0) -> dict[str, Any]:
   """ONE rank's fresh state for leaves shaped like `tree` (arrays or ShapeDtypeStructs) over
   `num_ranks` ranks: {keystr(path): compressor state with a leading axis of K slots} for the
   compressed leaves. Callable outside shard_map; stack it on a leading [W] axis for a train
-  state (module docstring)."""
+  state (module docstring). topology "allreduce": PowerSGD's state, its Q drawn from `seed`
+  (jlp.compression.powersgd)."""
   _check_topology(topology)
   _check_compressor(compressor)
+  check_pairing(compressor, topology)
+  if topology == "allreduce":
+    from jlp.compression import powersgd  # pylint: disable=g-import-not-at-top
+    if plan is not None:
+      raise invalid("plan", plan, "None with topology='allreduce'")
+    return powersgd.init_state(tree, compressor, seed=seed)
   specs = _leaf_specs(tree)
   routes = leaf_routes(tree, num_ranks, min_size=min_size, plan=plan)
   return {leaf.route.path: _slot_state(compressor, leaf) for leaf in _leaves(specs, routes)}
@@ -563,6 +585,11 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
   identical on every rank."""
   _check_topology(topology)
   _check_compressor(compressor)
+  check_pairing(compressor, topology)
+  if topology == "allreduce":
+    from jlp.compression import powersgd  # pylint: disable=g-import-not-at-top
+    return powersgd.sync_with_bytes(tree, axis_name, compressor, state, axis_size(axis_name),
+                                    plan=plan, key=key)
   specs = _leaf_specs(tree)
   w = axis_size(axis_name)
   routes = _routes(specs, w, min_size, plan)
@@ -654,7 +681,9 @@ def sync(tree: Any, axis_name: Any, compressor: Compressor, state: Any = None, *
     axis_name: a mesh axis of the enclosing shard_map.
     compressor: a jlp.compression.Compressor.
     state: this rank's state from `init_state` or the previous call; None: fresh (zeros).
-    topology: "ps" (CaSync-PS) or "ring" (CaSync-Ring), see the module docstring.
+    topology: "ps" (CaSync-PS) or "ring" (CaSync-Ring), see the module docstring; "allreduce"
+      for compressors whose payloads are summed by all-reduces (PowerSGD,
+      jlp.compression.powersgd; min_size does not apply there).
     min_size: compress a leaf iff it has more than this many elements.
     plan: {keystr(path): (compress, K)} overriding the leaves it names (SeCoPa).
     key: a jax.random key, required when the compressor draws random numbers.

@@ -84,7 +84,8 @@ Fields (see `base_config` for defaults):
                                 fields (grad_format e8m23, no APS / Kahan / ring / emulated nodes).
                                 Refused with "none": compression.topology, min_size, kwargs or
                                 plan other than their defaults ("ps", 262144, {}, "").
-  compression.topology          "ps" (CaSync-PS) or "ring" (CaSync-Ring).
+  compression.topology          "ps" (CaSync-PS) or "ring" (CaSync-Ring); "allreduce" for
+                                "powersgd" (and only it: P and Q summed by all-reduces).
   compression.min_size          compress a gradient iff it has more than min_size elements
                                 (HiPress's --comp-threshold, 262144; 0: every gradient).
   compression.kwargs            the compressor's fields, e.g. {"threshold": 2.0} for "tbq"; from
@@ -188,7 +189,7 @@ from typing import Any
 import ml_collections
 
 from jlp.formats import FloatFormat, as_format
-from jlp.sync import ALGORITHMS, DEFAULT_MIN_SIZE, FORMS, NODE_MAPS, TOPOLOGIES
+from jlp.sync import ALGORITHMS, DEFAULT_MIN_SIZE, FORMS, NODE_MAPS, SYNC_TOPOLOGIES
 
 #: Appended to every error and warning about the number of devices.
 DEVICE_HINT = ("on a CPU machine, --cpu_devices=N emulates N devices; across machines, run it "
@@ -656,7 +657,11 @@ def pipeline_size(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
 def _check_compression(config: ml_collections.ConfigDict, fmt: FloatFormat | None) -> None:
   c = config.compression
   codec = compressor(config)
-  _check(c.topology in TOPOLOGIES, "compression.topology", c.topology, f"one of {TOPOLOGIES}")
+  _check(c.topology in SYNC_TOPOLOGIES, "compression.topology", c.topology,
+         f"one of {SYNC_TOPOLOGIES}")
+  if codec is not None and c.topology not in type(codec).topologies:
+    _check(False, "compression.topology", c.topology,
+           f"one of {type(codec).topologies} with compression.name={c.name!r}")
   _check(_int(c.min_size) and c.min_size >= 0, "compression.min_size", c.min_size,
          "an int >= 0 (elements; 0 compresses every gradient)")
   plans = f"'', {SECOPA!r} or the path of an existing SeCoPa plan file"

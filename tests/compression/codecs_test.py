@@ -125,7 +125,9 @@ def assert_payloads_equal(got, want, msg=""):
 
 def test_every_registered_compressor_is_tested():
   tested = {type(c).name for c in INSTANCES.values()}
-  assert set(compression.COMPRESSORS) <= tested, set(compression.COMPRESSORS) - tested
+  # PowerSGD has no encode / decode of its own (topology "allreduce"): powersgd_test.py.
+  codecs = {n for n, c in compression.COMPRESSORS.items() if "ps" in c.topologies}
+  assert codecs <= tested, codecs - tested
   for name in ("onebit", "tbq", "terngrad", "dgc", "graddrop", "efsignsgd", "qsgd"):
     assert name in compression.COMPRESSORS
 

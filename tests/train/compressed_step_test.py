@@ -235,7 +235,7 @@ def test_compressed_config_builds_the_sync(tmp_path):
     ({"name": "zip"}, {}, r"config.compression.name='zip' is not allowed; expected one of "
      r"\('none', .*'onebit'.*'tbq'"),
     ({"topology": "tree"}, {}, r"config.compression.topology='tree' is not allowed; expected one "
-     r"of \('ps', 'ring'\)"),
+     r"of \('ps', 'ring', 'allreduce'\)"),
     ({"min_size": -1}, {}, r"config.compression.min_size=-1 is not allowed; expected an int >= 0"),
     ({"kwargs": {"scale": 2.0}}, {}, r"config.compression.kwargs=\{'scale': 2.0\} is not allowed "
      r"for compressor 'onebit'.*one of the fields of OneBit: \['impl', 'scale_mode'\]"),
@@ -265,7 +265,7 @@ def test_bad_compression_config_fails_before_the_model_is_built(compression, ove
      r"jlp.compression.Compressor or one of \[.*'onebit'"),
     (dict(compression=3), r"^compression=3 is not allowed"),
     (dict(compression="tbq", topology="tree"), r"^topology='tree' is not allowed; expected one of "
-     r"\('ps', 'ring'\)"),
+     r"\('ps', 'ring', 'allreduce'\)"),
     (dict(compression="tbq", min_size=-1), r"^min_size=-1 is not allowed"),
     (dict(compression="tbq", plan={"['a']": (True, 0)}),
      r"^plan\[\"\['a'\]\"\] K=0 is not allowed; expected an int >= 1"),
