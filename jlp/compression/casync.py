@@ -173,7 +173,7 @@ def _check_compressor(compressor: Any) -> None:
                   "a jlp.compression.Compressor (e.g. jlp.compression.get('tbq'))")
 
 
-def _leaf_specs(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+def leaf_specs(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
   """(keystr(path), shape) of every leaf (arrays or ShapeDtypeStructs), all float32."""
   out = []
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -227,7 +227,7 @@ def leaf_routes(tree: Any, num_ranks: int, *, min_size: int = DEFAULT_MIN_SIZE,
   K)] in flattening order (K = min(num_ranks, size) unless the plan says otherwise)."""
   if not is_int(num_ranks) or num_ranks < 1:
     raise invalid("num_ranks", num_ranks, "an int >= 1")
-  return _routes(_leaf_specs(tree), int(num_ranks), min_size, plan)
+  return _routes(leaf_specs(tree), int(num_ranks), min_size, plan)
 
 
 def _shapes(tree: Any) -> Any:
@@ -283,7 +283,7 @@ def init_state(tree: Any, compressor: Compressor, num_ranks: int, *, topology: s
     if plan is not None:
       raise invalid("plan", plan, "None with topology='allreduce'")
     return powersgd.init_state(tree, compressor, seed=seed)
-  specs = _leaf_specs(tree)
+  specs = leaf_specs(tree)
   routes = leaf_routes(tree, num_ranks, min_size=min_size, plan=plan)
   return {leaf.route.path: _slot_state(compressor, leaf) for leaf in _leaves(specs, routes)}
 
@@ -590,7 +590,7 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
     from jlp.compression import powersgd  # pylint: disable=g-import-not-at-top
     return powersgd.sync_with_bytes(tree, axis_name, compressor, state, axis_size(axis_name),
                                     plan=plan, key=key)
-  specs = _leaf_specs(tree)
+  specs = leaf_specs(tree)
   w = axis_size(axis_name)
   routes = _routes(specs, w, min_size, plan)
   leaves = _leaves(specs, routes)

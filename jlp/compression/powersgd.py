@@ -58,6 +58,7 @@ from jlp.collectives.allreduce import allreduce
 from jlp.compression import layout as layout_lib
 from jlp.compression import transport
 from jlp.compression.base import Compressor, register
+from jlp.compression.casync import leaf_specs
 
 __all__ = ["PowerSGD", "leaf_plan", "orthonormalize"]
 
@@ -146,20 +147,7 @@ class _Leaf:
 
 def leaf_plan(tree: Any, compressor: PowerSGD) -> list[tuple[str, tuple[int, int], int, bool]]:
   """[(keystr(path), (n, m), r, compressed)] of every leaf, in flattening order."""
-  return [(l.path, (l.n, l.m), l.r, l.compress) for l in _routes(_specs(tree), compressor)]
-
-
-def _specs(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
-  out = []
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name = jax.tree_util.keystr(path)
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-      dtype = jnp.asarray(x).dtype
-    if jnp.dtype(dtype) != jnp.float32:
-      raise invalid(f"tree{name}.dtype", str(dtype), "float32")
-    out.append((name, tuple(int(d) for d in np.shape(x))))
-  return out
+  return [(l.path, (l.n, l.m), l.r, l.compress) for l in _routes(leaf_specs(tree), compressor)]
 
 
 def _routes(specs, c: PowerSGD) -> list[_Leaf]:
@@ -176,7 +164,7 @@ def init_state(tree: Any, compressor: PowerSGD, *, seed: int = 0) -> dict[str, A
     raise invalid("seed", seed, "an int")
   key = jax.random.key(int(seed))
   leaves = {}
-  for leaf in _routes(_specs(tree), compressor):
+  for leaf in _routes(leaf_specs(tree), compressor):
     if leaf.compress:
       s = {"q": _draw(key, leaf)}
       if compressor.error_feedback:
@@ -223,7 +211,7 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: PowerSGD, state: Any,
   if plan is not None:
     raise invalid("plan", plan, "None with topology='allreduce' (PowerSGD's rule routes the "
                   "leaves)")
-  specs = _specs(tree)
+  specs = leaf_specs(tree)
   routes = _routes(specs, compressor)
   comp = [l for l in routes if l.compress]
   dense = [l for l in routes if not l.compress and l.size > 0]
