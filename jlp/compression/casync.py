@@ -550,9 +550,10 @@ def _describe(tree: Any) -> Any:
   return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(np.shape(a))}", tree)
 
 
-def _state_form(state: Any, expected: Any) -> bool:
-  """Whether `state` is in block form ([1, ...] leaves) rather than as init_state gives it;
-  ValueError if it is neither."""
+def state_form(state: Any, expected: Any, kind: str = "") -> bool:
+  """Whether `state` is in block form ([1, ...] leaves, a shard_map block) rather than as
+  init_state gives it (`expected`); ValueError if it is neither (`kind`, e.g. "PowerSGD ", names
+  the state in the message)."""
   def matches(lead):
     return jax.tree.structure(state) == jax.tree.structure(expected) and all(
         tuple(np.shape(a)) == lead + tuple(b.shape) and jnp.dtype(a.dtype) == b.dtype
@@ -562,8 +563,8 @@ def _state_form(state: Any, expected: Any) -> bool:
   if matches((1,)):
     return True
   raise invalid("state", _describe(state),
-                f"None, one rank's state as init_state gives it, {_describe(expected)}, or its "
-                "shard_map block (each leaf with a leading axis of 1)")
+                f"None, one rank's {kind}state as init_state gives it, {_describe(expected)}, or "
+                "its shard_map block (each leaf with a leading axis of 1)")
 
 
 def _coders(compressor: Compressor, topology: str, w: int) -> list[Compressor]:
@@ -601,7 +602,7 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
 
   def fresh():
     return init_state(tree, compressor, w, topology=topology, min_size=min_size, plan=plan)
-  block = False if state is None else _state_form(state, jax.eval_shape(fresh))
+  block = False if state is None else state_form(state, jax.eval_shape(fresh))
   if not block:  # inside, every leaf of the state has the block's leading axis of 1
     state = jax.tree.map(lambda a: jnp.asarray(a)[None], fresh() if state is None else state)
 

@@ -58,7 +58,7 @@ from jlp.collectives.allreduce import allreduce
 from jlp.compression import layout as layout_lib
 from jlp.compression import transport
 from jlp.compression.base import Compressor, register
-from jlp.compression.casync import leaf_specs
+from jlp.compression.casync import leaf_specs, state_form
 
 __all__ = ["PowerSGD", "leaf_plan", "orthonormalize"]
 
@@ -221,7 +221,7 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: PowerSGD, state: Any,
   fresh = jax.eval_shape(lambda: init_state(tree, compressor, seed=seed))
   if state is None:
     state = init_state(tree, compressor, seed=seed)
-  block = _state_form(state, fresh)
+  block = state_form(state, fresh, "PowerSGD ")
   if block:
     state = jax.tree.map(lambda a: a[0], state)
 
@@ -329,22 +329,3 @@ def _split(flat: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
     offset += a.size
   return out
 
-
-def _describe(tree: Any) -> Any:
-  return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(np.shape(a))}", tree)
-
-
-def _state_form(state: Any, expected: Any) -> bool:
-  """Whether `state` is a shard_map block ([1, ...] leaves); ValueError if it is neither that
-  nor init_state's form."""
-  def matches(lead):
-    return jax.tree.structure(state) == jax.tree.structure(expected) and all(
-        tuple(np.shape(a)) == lead + tuple(b.shape) and jnp.dtype(a.dtype) == b.dtype
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)))
-  if matches(()):
-    return False
-  if matches((1,)):
-    return True
-  raise invalid("state", _describe(state),
-                f"None, one rank's PowerSGD state as init_state gives it, {_describe(expected)}, "
-                "or its shard_map block (each leaf with a leading axis of 1)")

@@ -54,12 +54,11 @@ from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import validate
 from jlp.train.loop_common import (CompileClock, HostStall, Interrupt, LogWindow, QuantPlan,
                                    check_finite_loss, checkpoint_due, close_run, log_line,
-                                   progress as progress_bar, report_finished_on_interrupt,
-                                   report_interrupt)
+                                   progress as progress_bar, record_start,
+                                   report_finished_on_interrupt, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
-from jlp.train.workdir import (check_data, describe as describe_changes, device_layout,
-                               record_config, record_data)
+from jlp.train.workdir import check_data, device_layout
 from jlp.train.step import TrainState, TrainStep, init_train_state, merge_model, split_model
 
 logger = logging.getLogger("jlp.train")
@@ -219,22 +218,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   run.model.train()
   _, state = init_train_state(run.model, run.optimizer, run.mesh, run.sync)  # graphdef: compile_step
   if start:
-    saved, meta = checkpoints.restore(start, saveable(state))
-    if meta.get("reached_accuracy"):
+    saved, _ = checkpoints.restore(start, saveable(state))  # its meta is saved_meta
+    if saved_meta.get("reached_accuracy"):
       checkpoints.close()
-      print(f"{workdir} is finished: eval_accuracy={meta['reached_accuracy']:.4g} reached "
+      print(f"{workdir} is finished: eval_accuracy={saved_meta['reached_accuracy']:.4g} reached "
             f"config.stop_at_accuracy at step {start}.", flush=True)
-      return {"step": start, "interrupted": False, "eval_accuracy": meta["reached_accuracy"]}
+      return {"step": start, "interrupted": False,
+              "eval_accuracy": saved_meta["reached_accuracy"]}
     state = from_saveable(saved, state)
-    if run.quant.controller is not None and meta.get("controller"):
-      run.quant.controller.load_state_dict(meta["controller"])
+    if run.quant.controller is not None and saved_meta.get("controller"):
+      run.quant.controller.load_state_dict(saved_meta["controller"])
     logger.info("resumed %s from step %d", workdir, start)
   run.compile_step()
   writer = MetricsWriter(workdir, resume_step=start or None, enabled=jax.process_index() == 0)
-  record_config(config, workdir, start, config_changes)
-  record_data(workdir, manifests, replace=not start or bool(data_changes))
-  if config_changes:
-    writer.note(config_change=describe_changes(config_changes))
+  record_start(config, workdir, start, config_changes, manifests, bool(data_changes), writer)
 
   bar = progress_bar(progress, config.max_steps, start)
   stall = HostStall()

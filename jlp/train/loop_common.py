@@ -23,9 +23,11 @@ from jlp.nn import bfpsim, controller as bfp_controller, recipes, rules as nn_ru
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import quant_recipe, quant_rules
 from jlp.train.metrics import MetricsWriter
+from jlp.train.workdir import describe as describe_changes, record_config, record_data
 
-__all__ = ["CompileClock", "Interrupt", "LogWindow", "NonFiniteLossError", "check_finite_loss", "QuantPlan", "checkpoint_due", "close_run",
-           "log_line", "progress", "report_finished_on_interrupt", "report_interrupt"]
+__all__ = ["CompileClock", "Interrupt", "LogWindow", "NonFiniteLossError", "QuantPlan",
+           "check_finite_loss", "checkpoint_due", "close_run", "log_line", "progress",
+           "record_start", "report_finished_on_interrupt", "report_interrupt"]
 
 
 class QuantPlan:
@@ -283,6 +285,18 @@ def check_finite_loss(row: dict[str, Any], step: int, checkpoints: Checkpointer)
       f"{kept}. Usual causes: labels outside the model's classes (a data set's label files), a "
       "learning rate too high, or a number format whose range overflows; fix the cause and "
       "resume, or start a new --workdir.")
+
+
+def record_start(config: ml_collections.ConfigDict, workdir: str, start: int,
+                 changes: dict[str, tuple], manifests: dict[str, list[str] | None],
+                 data_changed: bool, writer: MetricsWriter) -> None:
+  """What a (re)start leaves in `workdir`: config.json and the history of `changes`, the data
+  sets' file lists (on a fresh start, or when their change was allowed), and the changes in the
+  next metrics row."""
+  record_config(config, workdir, start, changes)
+  record_data(workdir, manifests, replace=not start or data_changed)
+  if changes:
+    writer.note(config_change=describe_changes(changes))
 
 
 def checkpoint_due(config: ml_collections.ConfigDict, step: int, interrupted: bool) -> bool:

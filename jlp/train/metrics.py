@@ -18,8 +18,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import IO, Any
 
 import numpy as np
 
@@ -35,6 +35,19 @@ def _scalar(name: str, value: Any) -> float | int | str:
     raise ValueError(f"metric {name!r} has shape {arr.shape}; expected a scalar.")
   v = arr.reshape(()).item()
   return v if isinstance(v, (int, bool)) else float(v)
+
+
+def replace_file(path: str, write: Callable[[IO[str]], Any],
+                 opener: Callable[..., IO[str]] = open) -> None:
+  """Writes `path` with write(f) through a temporary file, flushed to disk, and a rename: a crash
+  leaves the old file whole. `opener` (e.g. gzip.open) opens the temporary file for text."""
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with opener(tmp, "wt") as f:
+    write(f)
+    f.flush()
+  with open(tmp, "rb") as f:
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -71,12 +84,7 @@ class MetricsWriter:
     else:
       rows = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
     # Through a temporary file and a rename: a crash while rewriting keeps every earlier row.
-    tmp = f"{self.path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in rows)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, self.path)
+    replace_file(self.path, lambda f: f.writelines(json.dumps(r) + "\n" for r in rows))
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       purge = None if resume_step is None else resume_step + 1

@@ -76,12 +76,12 @@ from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.config import pipeline_size, validate
 from jlp.train.loop_common import (CompileClock, Interrupt, LogWindow, QuantPlan,
-                                   check_finite_loss, checkpoint_due, close_run, log_line, progress as progress_bar,
+                                   check_finite_loss, checkpoint_due, close_run, log_line,
+                                   progress as progress_bar, record_start,
                                    report_finished_on_interrupt, report_interrupt)
 from jlp.train.mesh import batch_sharding, data_mesh, replicated
 from jlp.train.metrics import MetricsWriter
-from jlp.train.workdir import (check_data, describe as describe_changes, device_layout,
-                               record_config, record_data)
+from jlp.train.workdir import check_data, device_layout
 
 __all__ = ["PipelineRun", "last_stage_loss", "needs_drain", "setup", "train_and_evaluate"]
 
@@ -222,10 +222,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     completed = int(meta.get("completed", start))
   writer = MetricsWriter(workdir, resume_step=completed if start else None,
                          enabled=jax.process_index() == 0)
-  record_config(config, workdir, start, config_changes)
-  record_data(workdir, manifests, replace=not start or bool(data_changes))
-  if config_changes:
-    writer.note(config_change=describe_changes(config_changes))
+  record_start(config, workdir, start, config_changes, manifests, bool(data_changes), writer)
   # A resume whose config changed the model of the 1F1B fill in flight (hetero, slowdown, seed,
   # the syncs' knobs): the pipeline drains under the fill's own model first, and the new model
   # starts a fill of its own (a run under it mid-fill would be refused, jlp.pipeline.fill).

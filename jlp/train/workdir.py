@@ -32,6 +32,8 @@ from typing import Any
 import jax
 import ml_collections
 
+from jlp.train.metrics import replace_file
+
 __all__ = ["CADENCE_FIELDS", "HORIZON_SCHEDULES", "ConfigChangedError", "check_data",
            "check_resume", "config_changes", "describe", "device_layout", "record_config",
            "record_data"]
@@ -162,14 +164,6 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, meta: dict[str
   return changes
 
 
-def _write_json(path: str, write) -> None:
-  """Writes a file through a temporary one and a rename: a crash leaves the old file whole."""
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    write(f)
-  os.replace(tmp, path)
-
-
 def record_config(config: ml_collections.ConfigDict, workdir: str, step: int,
                   changes: dict[str, tuple]) -> None:
   """On process 0: writes config.json, and records `changes` (made when resuming at `step`) in
@@ -177,8 +171,8 @@ def record_config(config: ml_collections.ConfigDict, workdir: str, step: int,
   if jax.process_index() != 0:
     return
   os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, CONFIG_FILE),
-              lambda f: f.write(config.to_json_best_effort(indent=2)))
+  replace_file(os.path.join(workdir, CONFIG_FILE),
+               lambda f: f.write(config.to_json_best_effort(indent=2)))
   path = os.path.join(workdir, HISTORY_FILE)
   history = []
   if os.path.exists(path):
@@ -192,7 +186,7 @@ def record_config(config: ml_collections.ConfigDict, workdir: str, step: int,
     if os.path.exists(path):
       os.remove(path)
   elif kept != history:
-    _write_json(path, lambda f: json.dump(kept, f, indent=1))
+    replace_file(path, lambda f: json.dump(kept, f, indent=1))
 
 
 def _files_change(old: list[str], new: list[str]) -> str:
@@ -247,10 +241,7 @@ def record_data(workdir: str, manifests: Mapping[str, list[str] | None], *,
   if jax.process_index() != 0 or not kept or (os.path.exists(path) and not replace):
     return
   os.makedirs(workdir, exist_ok=True)
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with gzip.open(tmp, "wt") as f:
-    json.dump(kept, f)
-  os.replace(tmp, path)
+  replace_file(path, lambda f: json.dump(kept, f), opener=gzip.open)
 
 
 def describe(changes: dict[str, tuple]) -> str:
