@@ -97,6 +97,38 @@ Fields (see `base_config` for defaults):
                                 "['conv1']['kernel'].value"), or "secopa": SeCoPa's plan for this
                                 model with HiPress's seed cost model (4, 8 or 16 devices).
   Every step logs wire_bytes: the bytes one device sends for the gradient sync (jlp.train.step).
+  diloco.period                 H > 0: DiLoCo (Douillard et al. 2023; jlp.sync.DiLoCo,
+                                docs/baselines.md): every device is a replica that runs H inner
+                                steps of the config's optimizer (lr, schedule, momentum, ...: its
+                                state per replica) on its own share of each batch, then the outer
+                                gradient (outer params - replica params) is averaged over the
+                                devices, the outer optimizer updates the outer params and every
+                                replica continues from them. 0 (default): off, the data-parallel
+                                step above. wire_bytes is the outer sync's bytes on the steps that
+                                sync and 0 on the others. Evaluation runs the outer params (the
+                                global model) with the replicas' mean BatchNorm statistics. The
+                                gradient-sync fields (grad_format, use_aps, aps_mode, use_kahan,
+                                grad_algorithm) set how the outer gradients are summed
+                                (DiLoCo's outer_sync; the defaults: a float32 mean). Refused:
+                                the other diloco fields other than their defaults with period 0;
+                                with period > 0, pipeline.schedule, compression.name,
+                                emulate_nodes > 1, bfp.schedule, bfp.controller and
+                                quant_recipe "fp8_delayed" (each needs the data-parallel step).
+  diloco.outer_optimizer        name "sgd" (torch-style SGD: jlp.train.optim.torch_sgd), lr,
+                                momentum, nesterov: DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9
+                                by default; lr 1 with momentum 0 and nesterov False is FedAvg.
+  diloco.fragments              Streaming DiLoCo (Douillard et al. 2025): P fragments of the
+                                parameter leaves (by leaf order, about equal sizes), each synced
+                                at its own inner step, strided over the period (1 <= P <= H).
+  diloco.overlap, diloco.alpha  a fragment's outer update lands tau inner steps after its outer
+                                gradient was taken (0 <= tau < H), merged as alpha * local +
+                                (1 - alpha) * global (alpha in [0, 1]; 0: assigned).
+  diloco.outer_format           "" (default) or a float format of at most 8 bits ("e2m1", "e3m0",
+                                "e4m3", ...): the outer gradients cross as its codes with a
+                                power-of-two scale per fragment. Refused with gradient-sync fields
+                                other than their float32 sequential defaults.
+  diloco.average_state          True: BatchNorm statistics averaged over the replicas at every
+                                period-th step; False (default): per replica.
   loss_scale                    static loss scale (the reduced gradient is divided by it).
   unscale_grads                 False: CPD DavidNet's bug, the loss scale is never divided out
                                 (the optimizer gets loss_scale x the gradient; docs/cpd.md).
@@ -266,8 +298,26 @@ def base_config() -> ml_collections.ConfigDict:
   c.quant_recipe_accumulator = True
   c.bfp = ml_collections.ConfigDict({
       "preset": "", "schedule": ml_collections.ConfigDict(), "controller": "", "window": 0})
+  c.diloco = diloco_defaults()
   c.pipeline = ml_collections.ConfigDict(PIPELINE_DEFAULTS)
   return c
+
+
+#: config.diloco's fields and defaults (module docstring): DiLoCo off.
+DILOCO_DEFAULTS = {
+    "period": 0, "fragments": 1, "overlap": 0, "alpha": 0.0, "outer_format": "",
+    "average_state": False,
+    "outer_optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True},
+}
+#: config.diloco.outer_optimizer.name values.
+OUTER_OPTIMIZERS = ("sgd",)
+
+
+def diloco_defaults() -> ml_collections.ConfigDict:
+  """config.diloco as base_config sets it (a fresh copy)."""
+  fields = dict(DILOCO_DEFAULTS)
+  fields["outer_optimizer"] = ml_collections.ConfigDict(dict(DILOCO_DEFAULTS["outer_optimizer"]))
+  return ml_collections.ConfigDict(fields)
 
 
 def local_digits(c: ml_collections.ConfigDict, *, max_steps: int, batch_size: int = 64,
@@ -514,6 +564,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
          "whose single local gradient CPD casts: jlp.sync.GradSync.cast_single)")
 
   _check_compression(config, fmt)
+  _check_diloco(config, fmt)
 
   quant_rules(config)
   quant_recipe(config)
@@ -684,3 +735,84 @@ def _check_compression(config: ml_collections.ConfigDict, fmt: FloatFormat | Non
          f"1 {why}: it runs between real devices, emulated nodes are not compressed")
   _check(config.emulate_form == "flat", "emulate_form", config.emulate_form,
          f"'flat' {why}: CPD's two-level form casts node gradients")
+
+
+def _flat_diloco(d: Any, prefix: str = "diloco.") -> dict[str, Any]:
+  out = {}
+  for key, value in d.items():
+    if isinstance(value, (dict, ml_collections.ConfigDict)):
+      out.update(_flat_diloco(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def _check_diloco(config: ml_collections.ConfigDict, fmt: FloatFormat | None) -> None:
+  """config.diloco's checks (module docstring); the fragment count against the model's leaves
+  is checked when the model exists (jlp.train.recipe.diloco)."""
+  d = config.get("diloco")
+  if d is None:  # a config written before the diloco fields
+    return
+  _check(_int(d.period) and d.period >= 0, "diloco.period", d.period,
+         "an int >= 0 (inner steps per outer step; 0: off)")
+  if d.period == 0:
+    given = _flat_diloco(d)
+    for field, default in _flat_diloco(DILOCO_DEFAULTS).items():
+      if field == "diloco.period":
+        continue
+      _check(given.get(field) == default, field, given.get(field),
+             f"{default!r} (the default) with diloco.period=0 (DiLoCo is off; set diloco.period "
+             "to train with it)")
+    return
+  h = d.period
+  _check(_int(d.fragments) and 1 <= d.fragments <= h, "diloco.fragments", d.fragments,
+         f"an int with 1 <= fragments <= diloco.period={h}")
+  _check(_int(d.overlap) and 0 <= d.overlap < h, "diloco.overlap", d.overlap,
+         f"an int with 0 <= overlap < diloco.period={h}")
+  _check(_number(d.alpha) and 0 <= d.alpha <= 1, "diloco.alpha", d.alpha, "a float in [0, 1]")
+  _check(isinstance(d.average_state, bool), "diloco.average_state", d.average_state,
+         "True or False")
+  o = d.outer_optimizer
+  _check(o.name in OUTER_OPTIMIZERS, "diloco.outer_optimizer.name", o.name,
+         f"one of {OUTER_OPTIMIZERS}")
+  _check(_number(o.lr) and o.lr >= 0, "diloco.outer_optimizer.lr", o.lr, "a learning rate >= 0")
+  _check(_number(o.momentum) and 0 <= o.momentum < 1, "diloco.outer_optimizer.momentum",
+         o.momentum, "a value in [0, 1)")
+  _check(isinstance(o.nesterov, bool), "diloco.outer_optimizer.nesterov", o.nesterov,
+         "True or False")
+  _check(not (o.nesterov and o.momentum == 0), "diloco.outer_optimizer.nesterov", o.nesterov,
+         "False with diloco.outer_optimizer.momentum=0 (Nesterov needs momentum)")
+  _check(isinstance(d.outer_format, str), "diloco.outer_format", d.outer_format,
+         "'' or a float format name of at most 8 bits")
+  if d.outer_format:
+    try:
+      ofmt = as_format(d.outer_format)
+    except ValueError:
+      ofmt = None
+    _check(isinstance(ofmt, FloatFormat) and ofmt.bits <= 8 and ofmt.compat is None
+           and ofmt.rounding != "stochastic", "diloco.outer_format", d.outer_format,
+           "'' or a float format of at most 8 bits, without compat, not stochastic "
+           "(e.g. 'e2m1', 'e3m0', 'e4m3')")
+    why = (f"with diloco.outer_format={d.outer_format!r} (the outer gradients cross as its "
+           "codes; the gradient-sync fields set the other outer sync)")
+    _check(fmt is None, "grad_format", config.grad_format, f"float32 (e8m23) {why}")
+    _check(not config.use_aps, "use_aps", config.use_aps, f"False {why}")
+    _check(not config.use_kahan, "use_kahan", config.use_kahan, f"False {why}")
+    _check(config.grad_algorithm == "sequential", "grad_algorithm", config.grad_algorithm,
+           f"'sequential' {why}")
+  on = f"with diloco.period={h} (DiLoCo replaces the data-parallel step)"
+  _check(config.pipeline.schedule == "none", "pipeline.schedule", config.pipeline.schedule,
+         f"'none' {on}")
+  _check(config.compression.name == "none", "compression.name", config.compression.name,
+         f"'none' {on}: its outer sync takes no compressor (the gradient-sync fields and "
+         "diloco.outer_format set how the outer gradients cross)")
+  _check(config.emulate_nodes == 1, "emulate_nodes", config.emulate_nodes,
+         f"1 {on}: its replicas are the devices")
+  _check(not dict(config.bfp.schedule), "bfp.schedule", dict(config.bfp.schedule),
+         f"{{}} {on}: preset switches are not supported (a fixed bfp.preset is)")
+  _check(not config.bfp.controller, "bfp.controller", config.bfp.controller,
+         f"'' {on}: the precision controller reads the data-parallel step's gradients")
+  from jlp.nn import recipes  # pylint: disable=g-import-not-at-top
+  _check(config.quant_recipe not in recipes.STATEFUL, "quant_recipe", config.quant_recipe,
+         f"a recipe without per-step state {on} (its amax histories are updated by the "
+         "data-parallel step)")

@@ -7,7 +7,9 @@ One call runs (or resumes) an experiment config (jlp.train.config) in `workdir`:
      is a ValueError / FileNotFoundError before anything compiles.
   2. Builds the data pipelines, the model (with config.quant_rules, config.quant_recipe and the
      BFPsim preset, when set: jlp.train.loop_common.QuantPlan), the optimizer
-     and the data-parallel step (jlp.train.TrainStep with the config's gradient all-reduce).
+     and the data-parallel step (jlp.train.TrainStep with the config's gradient all-reduce), or
+     with config.diloco.period > 0 the DiLoCo step (jlp.train.diloco_step: every device a
+     replica with its own parameters and optimizer state, the outer parameters evaluated).
   3. Restores the newest checkpoint of `workdir/checkpoints` if there is one (under the BFP
      preset it was written with; a preset switch due at that step follows), then trains to
      `max_steps`: metrics every `log_every` steps (metrics.jsonl + TensorBoard; train_loss and
@@ -20,7 +22,8 @@ One call runs (or resumes) an experiment config (jlp.train.config) in `workdir`:
      checkpoint); running the workdir again then says it is finished.
 
 Resume is bit-exact: the state (parameters, optimizer state, BatchNorm statistics, PRNG key data,
-BFP widths, the compressed sync's per-device state, saved sharded), the BFP controller's state
+BFP widths, the compressed sync's per-device state and DiLoCo's per-replica state with its
+outer parameters and outer optimizer state, saved sharded), the BFP controller's state
 and the current preset are checkpointed; every batch is a pure function of (seed, step)
 (jlp.data.Pipeline) and a compressor's random stream one of (config.seed, step), so a resumed run
 logs, from the checkpoint on, exactly the rows the uninterrupted run logs (`time`,
@@ -51,6 +54,7 @@ from jlp.nn import controller as bfp_controller, rules as nn_rules
 from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
+from jlp.train.diloco_step import DiLoCoStep, init_diloco_state
 from jlp.train.config import validate
 from jlp.train.loop_common import (CompileClock, HostStall, Interrupt, LogWindow, QuantPlan,
                                    check_finite_loss, checkpoint_due, close_run, log_line,
@@ -105,6 +109,7 @@ class Run:
   step_fn: TrainStep | None = None
   eval_fn: Any = None
   graphdef: Any = None
+  diloco: Any = None  # jlp.sync.DiLoCo when config.diloco.period > 0
 
   @property
   def steps_per_epoch(self) -> int:
@@ -118,14 +123,21 @@ class Run:
     self.model.train()
     graphdef = split_model(self.model)[0]
     self.graphdef = graphdef
-    self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, self.sync,
-                             loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
-                             unscale_grads=config.unscale_grads, donate=True,
-                             zse_report=self.report if self.quant.schedule is not None else None)
+    if self.diloco is not None:
+      self.step_fn = DiLoCoStep(graphdef, self.diloco, self.mesh, loss_fn=recipe.loss_fn(config),
+                                loss_scale=float(config.loss_scale),
+                                unscale_grads=config.unscale_grads, donate=True)
+    else:
+      self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, self.sync,
+                               loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
+                               unscale_grads=config.unscale_grads, donate=True,
+                               zse_report=self.report if self.quant.schedule is not None else None)
     task, classes = config.task, self.train_pipe.dataset.num_classes
+    # DiLoCo: the outer params (the global model) with the replicas' mean BatchNorm statistics.
+    view = self.step_fn.global_state if self.diloco is not None else lambda state: state
 
     def eval_step(state, batch):
-      return recipe.eval_sums(merge_model(eval_graphdef, state), batch, task, classes)
+      return recipe.eval_sums(merge_model(eval_graphdef, view(state)), batch, task, classes)
 
     self.eval_fn = jax.jit(eval_step,
                            in_shardings=(self.step_fn.state_shardings, batch_sharding(self.mesh)),
@@ -166,9 +178,11 @@ def setup(config: ml_collections.ConfigDict) -> Run:
   lr = recipe.schedule(config, spe, train_ds.size)
   quant = QuantPlan(config, spe, example=lambda: train_pipe.batch(0)["image"])
   model = recipe.model(config, train_ds)
-  sync = recipe.plan_sync(config, sync, split_model(model)[1], mesh.size)
-  return Run(config, mesh, train_pipe, eval_pipe, model, recipe.optimizer(config, lr), lr, sync,
-             quant)
+  params = split_model(model)[1]
+  sync = recipe.plan_sync(config, sync, params, mesh.size)
+  optimizer = recipe.optimizer(config, lr)
+  return Run(config, mesh, train_pipe, eval_pipe, model, optimizer, lr, sync, quant,
+             diloco=recipe.diloco(config, optimizer, params))
 
 
 def _host(tree: Any) -> Any:
@@ -216,7 +230,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       run.quant.preset_at(0)
   run.report = run.quant.quantize(run.model, run.preset)
   run.model.train()
-  _, state = init_train_state(run.model, run.optimizer, run.mesh, run.sync)  # graphdef: compile_step
+  if run.diloco is not None:  # graphdef: compile_step
+    _, state = init_diloco_state(run.model, run.diloco, run.mesh)
+  else:
+    _, state = init_train_state(run.model, run.optimizer, run.mesh, run.sync)
   if start:
     saved, _ = checkpoints.restore(start, saveable(state))  # its meta is saved_meta
     if saved_meta.get("reached_accuracy"):

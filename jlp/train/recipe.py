@@ -38,7 +38,7 @@ from jlp.compression import secopa
 from jlp.train import optim
 from jlp.train.config import CAST_SINGLE_MODEL, DEVICE_HINT, SECOPA, compressor, grad_format
 from jlp.train.step import cross_entropy_loss
-from jlp.sync import GradSync
+from jlp.sync import DiLoCo, GradSync
 
 SCHEDULES = ("constant", "cosine", "cosine_epochs", "cpd_resnet18", "piecewise_linear",
              "warmup_step", "poly")
@@ -262,6 +262,33 @@ def plan_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any,
   plan = secopa.plan_for_tree(params, num_nodes=num_devices, topology=sync.topology,
                               compressor=sync.compression)
   return dataclasses.replace(sync, plan=plan)
+
+
+def diloco(config: ml_collections.ConfigDict, inner: optax.GradientTransformation,
+           params: Any = None) -> DiLoCo | None:
+  """The run's DiLoCo (config.diloco, None when diloco.period is 0): `inner` (the config's
+  optimizer) per replica, torch-style SGD outer optimizer (diloco.outer_optimizer), fragments,
+  overlap, alpha, outer_format, average_state, and the gradient-sync fields as its outer_sync
+  (None, a float32 mean, at their defaults). With `params`, the fragment count is checked against
+  the parameter leaves (ValueError naming diloco.fragments)."""
+  d = config.get("diloco")
+  if d is None or not d.period:
+    return None
+  o = d.outer_optimizer
+  outer = optim.torch_sgd(float(o.lr), float(o.momentum), nesterov=bool(o.nesterov))
+  sync = grad_sync(config)
+  plain = GradSync()
+  outer_sync = None if (sync.fmt, sync.algorithm, sync.kahan, sync.aps) == (
+      plain.fmt, plain.algorithm, plain.kahan, plain.aps) else sync
+  out = DiLoCo(inner, outer, int(d.period), fragments=int(d.fragments), overlap=int(d.overlap),
+               alpha=float(d.alpha), outer_sync=outer_sync, outer_format=d.outer_format or None,
+               average_state=bool(d.average_state))
+  if params is not None:
+    leaves = len(jax.tree.leaves(params))
+    if d.fragments > leaves:
+      raise _bad("diloco.fragments", d.fragments,
+                 f"at most the model's {leaves} parameter leaves (fragments are whole leaves)")
+  return out
 
 
 # -- loss and evaluation ------------------------------------------------------------------------

@@ -329,6 +329,10 @@ class TrainStep:
       raise ValueError(f"unscale_grads={unscale_grads!r} is not allowed; expected True or False.")
     self.unscale_grads = unscale_grads
     self.num_nodes = self.num_devices * sync.emulate_nodes
+    #: A node's loss is divided by it before differentiation: every node (W*N), so that the
+    #: summed gradient is the mean's; a subclass whose devices keep their own gradients (the
+    #: DiLoCo step, jlp.train.diloco_step) sets the device's nodes.
+    self.grad_nodes = self.num_nodes
     self.zse_report = zse_report
     state_sharding = replicated(mesh)
     #: The TrainState's shardings (replicated, sync_state split over the axis): a pytree prefix.
@@ -398,7 +402,7 @@ class TrainStep:
                         copy=True)
       loss, aux = self.loss_fn(model, micro_batch)
       _, _, new_stats, _, new_state = split_model(model)
-      scaled = loss / self.num_nodes
+      scaled = loss / self.grad_nodes
       if self.loss_scale != 1.0:
         scaled = scaled * self.loss_scale
       return scaled, (loss, aux, new_stats, new_state)

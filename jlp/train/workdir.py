@@ -16,8 +16,10 @@ stops before anything is written (`ConfigChangedError`, exit 2 in `experiments.t
 metrics row after the resume (`config_change`). A resume from step s drops the history entries of
 earlier resumes from s or later (their work after s was lost with the rows after s), so a resume
 that crashed before its first checkpoint leaves no trace but the new one. A changed device count
-cannot resume a run whose state is per device (a compressed sync's error feedback) or per
-pipeline, even when allowed.
+cannot resume a run whose state is per device (a compressed sync's error feedback, DiLoCo's
+replicas) or per pipeline, even when allowed; nor can a change of the layout of DiLoCo's state
+(diloco.period switched between 0 and > 0, diloco.fragments, diloco.outer_optimizer.momentum
+switched between 0 and > 0). The other diloco fields are training changes like any other.
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, meta: dict[str
   if DEVICES in changes:
     per_device = ("the compressed sync's per-device error-feedback state"
                   if config.compression.name != "none" else
+                  "DiLoCo's per-replica parameters and optimizer states"
+                  if _diloco_on(config.get("diloco")) else
                   "the per-pipeline state of a pipelined run"
                   if config.pipeline.schedule != "none" else None)
     if per_device is not None:
@@ -145,6 +149,15 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, meta: dict[str
           f"the run in {workdir} ran on {old} and this one has {new}: {per_device} cannot move "
           "to another device count; expected the same devices (--cpu_devices on a CPU machine, "
           "the same --hosts under the cluster launcher), or a new --workdir.")
+  state_changes = _diloco_state_changes(changes)
+  if state_changes:
+    listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in state_changes.items())
+    raise ConfigChangedError(
+        f"the config changes the shape of the checkpointed state of the run in {workdir}: "
+        f"{listed} (DiLoCo's per-replica state and outer optimizer state are laid out by "
+        "diloco.period > 0, diloco.fragments and diloco.outer_optimizer.momentum > 0); expected "
+        "the checkpoint's values, or a new --workdir (--allow_config_change cannot carry the "
+        "state over).")
   if changes and not allow_change:
     listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     why = ""
@@ -162,6 +175,27 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, meta: dict[str
         "or --allow_config_change to continue this run under the new config (recorded in its "
         "metrics and config_history.json).")
   return changes
+
+
+def _diloco_on(diloco: Any) -> bool:
+  return bool(diloco is not None and diloco.get("period", 0))
+
+
+def _diloco_state_changes(changes: dict[str, tuple]) -> dict[str, tuple]:
+  """The changes among `changes` that change the layout of DiLoCo's checkpointed state: DiLoCo
+  switched on or off, another fragment count, outer momentum switched on or off."""
+  def on(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+  out = {}
+  for key, (old, new) in changes.items():
+    if key in ("diloco.period", "diloco.outer_optimizer.momentum"):
+      absent = {"diloco.period": 0, "diloco.outer_optimizer.momentum": 0.9}[key]
+      old_v = absent if old == "<absent>" else old
+      if on(old_v) != on(new):
+        out[key] = (old, new)
+    elif key == "diloco.fragments":
+      out[key] = (old, new)
+  return out  # (with diloco.period 0 the other diloco fields keep their defaults: validate)
 
 
 def record_config(config: ml_collections.ConfigDict, workdir: str, step: int,
