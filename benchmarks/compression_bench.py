@@ -52,6 +52,17 @@ does, as XLA models it, next to the minimum.
 Compression: 4n / len(to_bytes(payload)) for the last round's payload (sparse: its actual
 count), 4n / wire_bytes(n) (sparse: at capacity), and the theory (`theory`).
 The Pallas path (impl="auto" picks it on GPU) is not timed here: on CPU "auto" is XLA.
+
+PowerSGD (`jlp.compression.PowerSGD`, topology "allreduce"; --powersgd_ranks, "" to skip) has no
+encode / decode pair: its step is `jlp.compression.sync` itself, timed on a one-device mesh (its
+two psums move nothing, so what is timed is the arithmetic: the error feedback M + E, P = MQ and
+Q = M^T P, two orthonormalizations, the approximation P Q^T and the new error M - A) on the
+gradient as one (rows, n / rows) matrix (rows the power of two nearest sqrt(n)), start_iter=0,
+state donated. Beside it, in the same rounds, the float32 all-reduce floor: the reference above
+(x * 2, one read and one write of the gradient: what any all-reduce of float32 values pays on
+each device). "vs floor" = step time / floor time (the median over rounds); "GFLOP/s" counts
+the two matmuls and the approximation (3 * 2 * n * r); "4n/payload" is the compression of the
+two all-reduced payloads, n / (r * (rows + n / rows)).
 """
 
 from __future__ import annotations
@@ -70,6 +81,8 @@ from jlp.compression import DGC, QSGD, TBQ, EFSignSGD, GradDrop, OneBit, TernGra
 _ELEMENTS = flags.DEFINE_integer("elements", 128 * 2 ** 20, "float32 elements of the gradient.")
 _REPEATS = flags.DEFINE_integer("repeats", 9, "timed rounds (reference, encode, decode) each.")
 _ONLY = flags.DEFINE_string("only", "", "comma-separated compressor names: run only these.")
+_POWERSGD_RANKS = flags.DEFINE_list("powersgd_ranks", ["1", "2", "4"],
+                                    "PowerSGD ranks to time against the float32 floor ('' skips).")
 
 HIPRESS = ("onebit", "tbq", "terngrad", "dgc", "graddrop")
 TARGETS = {"onebit": 0.5, "tbq": 0.5, "terngrad": 0.5, "dgc": 0.3, "graddrop": 0.3}
@@ -198,6 +211,44 @@ def run(name: str, x: jax.Array, r: jax.Array, repeats: int):
   return row, r
 
 
+def powersgd_run(rank: int, x: jax.Array, r: jax.Array, repeats: int):
+  """(row, r): PowerSGD's step against the float32 all-reduce floor (module docstring)."""
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  n = x.shape[0]
+  rows = 2 ** round(math.log2(n) / 2)
+  while n % rows:
+    rows //= 2
+  m = x.reshape(rows, n // rows)
+  c = compression.PowerSGD(rank=rank, start_iter=0)
+  mesh = Mesh(jax.devices()[:1], ("data",))
+  state = compression.init_state({"g": m}, c, 1, topology="allreduce", seed=0)
+
+  def body(state, g):
+    summed, state = compression.sync({"g": g}, "data", c, state, topology="allreduce")
+    return state, summed["g"]
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()),
+                               check_vma=False), donate_argnums=0)
+  reference = jax.jit(lambda v: v * 2.0, donate_argnums=0)
+  t0 = time.perf_counter()
+  state, out = jax.block_until_ready(step(state, m))
+  compile_s = time.perf_counter() - t0
+  r = jax.block_until_ready(reference(r))
+  t_ref, t_step = [], []
+  for _ in range(repeats):
+    t, r = timed(reference, r)
+    t_ref.append(t)
+    t, (state, out) = timed(step, state, m)
+    t_step.append(t)
+  k = min(rank, rows, n // rows)
+  row = dict(rank=rank, shape=(rows, n // rows), step_ms=1e3 * statistics.median(t_step),
+             ref_ms=1e3 * statistics.median(t_ref),
+             vs_floor=statistics.median(b / a for a, b in zip(t_ref, t_step)),
+             gflops=3 * 2 * n * k / 1e9 / statistics.median(t_step),
+             payload_ratio=n / (k * (rows + n // rows)), compile_s=compile_s)
+  del state, out
+  return row, r
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -207,9 +258,10 @@ def main(argv):
   codecs = {n for n, c in compression.COMPRESSORS.items() if "ps" in c.topologies}  # not PowerSGD
   names = list(HIPRESS) + sorted(codecs - set(HIPRESS))
   only = [s for s in _ONLY.value.split(",") if s]
-  unknown = sorted(set(only) - set(names))
+  unknown = sorted(set(only) - set(names) - {"powersgd"})
   if unknown:
-    raise app.UsageError(f"--only={_ONLY.value!r}: {unknown} not registered; expected {names}.")
+    raise app.UsageError(f"--only={_ONLY.value!r}: {unknown} not registered; expected "
+                         f"{names + ['powersgd']}.")
   names = [m for m in names if not only or m in only]
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
   r = jnp.ones((n,), jnp.float32)
@@ -233,6 +285,18 @@ def main(argv):
     if not math.isclose(row["capacity_ratio"], row["theory"], rel_tol=1e-3):
       print(f"  ! {name}: 4n/wire_bytes {row['capacity_ratio']:.3f} differs from theory "
             f"{row['theory']:.3f}")
+  ranks = [int(v) for v in _POWERSGD_RANKS.value if v]
+  if ranks and (not only or "powersgd" in only):
+    header = (f"\n{'powersgd':10s} {'matrix':>13s} {'step ms':>8s} {'floor ms':>8s} "
+              f"{'vs floor':>8s} {'GFLOP/s':>8s} {'4n/payload':>10s}")
+    print(header)
+    print("-" * (len(header) - 1))
+    for rank in ranks:
+      row, r = powersgd_run(rank, x, r, _REPEATS.value)
+      shape = f"{row['shape'][0]}x{row['shape'][1]}"
+      print(f"{'rank ' + str(rank):10s} {shape:>13s} {row['step_ms']:8.1f} {row['ref_ms']:8.1f} "
+            f"{row['vs_floor']:7.2f}x {row['gflops']:8.2f} {row['payload_ratio']:10.1f}",
+            flush=True)
 
 
 if __name__ == "__main__":
