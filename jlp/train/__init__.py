@@ -16,10 +16,11 @@ multi-process start-up.
     step = jlp.train.TrainStep(graphdef, optimizer, mesh, sync)   # metrics["wire_bytes"]
 
 Modules: `mesh` (data_mesh, shardings, shard_batch, replicate), `step`
-(TrainState, TrainStep), `optim` (SGD / LARS / schedules / weight-decay masks), `distributed`
+(TrainState, TrainStep), `diloco_step` (DiLoCoStep: every device a jlp.sync.DiLoCo replica), `optim` (SGD / LARS / schedules / weight-decay masks), `distributed`
 (jax.distributed start-up, SLURM).
 """
 
+from jlp.train.diloco_step import DiLoCoStep, init_diloco_state
 from jlp.train.distributed import initialize
 from jlp.train.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
 from jlp.train.optim import (cpd_lars, cpd_resnet18_lr, decay_mask, is_bn_or_bias, lars,
@@ -29,6 +30,7 @@ from jlp.train.step import (TrainState, TrainStep, cross_entropy_loss, init_sync
 from jlp.sync import GradSync
 
 __all__ = [
+    "DiLoCoStep",
     "GradSync",
     "TrainState",
     "TrainStep",
@@ -38,6 +40,7 @@ __all__ = [
     "cross_entropy_loss",
     "data_mesh",
     "decay_mask",
+    "init_diloco_state",
     "init_sync_state",
     "init_train_state",
     "initialize",
