@@ -83,6 +83,7 @@ stage 0 (xs) and the targets (ys) may be any arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,11 +98,13 @@ from jlp._checks import is_int
 from jlp.pipeline import schedules as sched
 from jlp.pipeline.buffers import Layout, make_layout
 from jlp.pipeline.costs import check_sizes
+from jlp.pipeline.flush import FlushProgram, FlushTables, flush_tables
 from jlp.pipeline.fill import (Fill, FillCache, FillModel, encode_snapshot, model_capacity,
                                snapshot_capacity)
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.program import DATA, STAGE, PipelineState, Program
 from jlp.pipeline.run_tables import bucket, make_run_tables
+from jlp.pipeline.schedule_data import FLUSH_SCHEDULES, Schedule, bubble, makespan, peak_inflight
 from jlp.pipeline.simulator import SYNC_MODES, HetPipe, Hetero, PReduce
 from jlp.pipeline.sync_modes import sync_mode
 from jlp.sync import SYNC_REPORT, GradSync
@@ -185,6 +188,59 @@ def pipeline_mesh(num_pipelines: int, num_stages: int,
               axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+def _flush_schedule(schedule: str | Schedule, num_devices: int, num_microbatches: int,
+                    virtual_stages: int | None, shared: Any, num_functions: int, sync: str,
+                    hetero: Hetero) -> tuple[Schedule, FlushTables]:
+  """The checked flush schedule of a `Pipeline` (its name or a Schedule) and its tables; one-line
+  ValueErrors for what does not fit (the peers' constraints come from `Schedule.named`)."""
+  if isinstance(schedule, Schedule):
+    if virtual_stages is not None:
+      raise ValueError(f"virtual_stages={virtual_stages!r} is not allowed with a Schedule; "
+                       "expected None (the schedule places its stages).")
+    if schedule.num_devices != num_devices:
+      raise ValueError(f"a Schedule of {schedule.num_devices} devices is not allowed; expected "
+                       f"the mesh's {num_devices} {STAGE!r} devices.")
+    if schedule.num_microbatches != num_microbatches:
+      raise ValueError(f"num_microbatches={num_microbatches} is not allowed with a Schedule of "
+                       f"{schedule.num_microbatches} micro-batches; expected "
+                       f"{schedule.num_microbatches}.")
+    table = schedule.validate(num_microbatches)
+    name = "the Schedule"
+  else:
+    table = Schedule.named(schedule, num_devices, num_microbatches,
+                           virtual_stages=virtual_stages)
+    name = f"schedule={schedule!r}"
+  if num_functions != table.num_stages:
+    raise ValueError(f"len(stages)={num_functions} is not allowed with {name} on {num_devices} "
+                     f"devices; expected {table.num_stages} ({table.num_stages // num_devices} "
+                     "stage function(s) per device).")
+  if sync not in ("allreduce", "none"):
+    raise ValueError(f"sync={sync!r} is not allowed with {name}; expected 'allreduce' or 'none' "
+                     "(the virtual-time syncs run with 'gpipe' and '1f1b').")
+  pairs = []
+  for pair in shared:
+    ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(is_int(k) for k in pair)
+          and all(0 <= k < table.num_stages for k in pair) and pair[0] != pair[1])
+    if not ok or table.placement[pair[0]] != table.placement[pair[1]]:
+      raise ValueError(f"shared_stages entry {pair!r} is not allowed; expected two different "
+                       f"stages in [0, {table.num_stages}) on one device (placement "
+                       f"{table.placement}).")
+    pairs.append((int(pair[0]), int(pair[1])))
+  stages_in_pairs = [k for pair in pairs for k in pair]
+  if len(set(stages_in_pairs)) != len(stages_in_pairs):
+    raise ValueError(f"shared_stages={shared!r} is not allowed; expected each stage in at most "
+                     "one pair.")
+  _check_flush_hetero(name, hetero)
+  return table, flush_tables(table, pairs)
+
+
+def _check_flush_hetero(name: str, hetero: Hetero) -> None:
+  if isinstance(hetero, Hetero) and (hetero.slowdown is not None or hetero.delay_s):
+    raise ValueError(f"hetero={hetero!r} is not allowed with {name}; expected no slowdown and "
+                     "delay_s=0 (a flush schedule's virtual time counts fwd_s, bwd_s and the "
+                     "all-reduce only).")
+
+
 class Pipeline:
   """N pipelines x S stages trained with a pipeline schedule (module docstring).
 
@@ -197,8 +253,19 @@ class Pipeline:
     optimizer: an optax GradientTransformation; one state per (pipeline, stage), never mixed.
     mesh: a mesh with axes "data" (N pipelines) and "stage" (S == len(stages)); see
       `pipeline_mesh`.
-    schedule: "1f1b" or "gpipe".
-    num_microbatches: GPipe's M (micro-batches per mini-batch); 1 for "1f1b".
+    schedule: "1f1b" or "gpipe" (module docstring); a flush schedule's name ("1f1b_flush",
+      "interleaved_1f1b", "zb_h1", "zbv", "dualpipev": `jlp.pipeline.Schedule.named` on the
+      mesh's D stage devices) or any valid `jlp.pipeline.Schedule` of D devices (a torch CSV:
+      `Schedule.from_torch_csv`), run by `jlp.pipeline.flush`. A flush schedule with v stages per
+      device takes v * D stage functions (`stages[i]` is stage i wherever the schedule places it)
+      and syncs "allreduce" or "none".
+    num_microbatches: M, the micro-batches per mini-batch of GPipe and the flush schedules; 1 for
+      "1f1b".
+    virtual_stages: v of "interleaved_1f1b" (default 2); the other names have their own (ZB-V and
+      DualPipeV 2, the rest 1).
+    shared_stages: pairs (i, j) of stages on one device that are one stage used twice (tied
+      weights): both start from the same weights, their gradients are summed and both take the
+      same step (flush schedules only).
     sync: "allreduce", "none", "preduce", "adpsgd" or "hetpipe".
     stateful: stages take and return a state (see above).
     grad_sync: how sync="allreduce" sums (a jlp.sync.GradSync over axis "data"; default float32
@@ -215,8 +282,10 @@ class Pipeline:
                optimizer: optax.GradientTransformation,
                mesh: Mesh,
                *,
-               schedule: str = "1f1b",
+               schedule: str | Schedule = "1f1b",
                num_microbatches: int = 1,
+               virtual_stages: int | None = None,
+               shared_stages: Sequence[tuple[int, int]] = (),
                sync: str = "allreduce",
                stateful: bool = False,
                grad_sync: GradSync | None = None,
@@ -231,14 +300,31 @@ class Pipeline:
     stages = list(stages) if isinstance(stages, (list, tuple)) else stages
     if not isinstance(stages, list) or not stages or not all(callable(f) for f in stages):
       raise ValueError(f"stages={stages!r} is not allowed; expected a non-empty list of callables.")
-    if len(stages) != mesh.shape[STAGE]:
-      raise ValueError(f"len(stages)={len(stages)} is not allowed; expected the mesh's "
-                       f"{STAGE!r} axis size {mesh.shape[STAGE]}.")
-    if schedule not in sched.SCHEDULES:
-      raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {sched.SCHEDULES}.")
+    names = sched.SCHEDULES + tuple(n for n in FLUSH_SCHEDULES if n not in sched.SCHEDULES)
+    if not (isinstance(schedule, Schedule) or (isinstance(schedule, str) and schedule in names)):
+      raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {names} or a "
+                       "jlp.pipeline.Schedule.")
     if not is_int(num_microbatches) or num_microbatches < 1:
       raise ValueError(f"num_microbatches={num_microbatches!r} is not allowed; expected an "
                        "integer >= 1.")
+    #: the flush schedule run by jlp.pipeline.flush (None: "gpipe" or "1f1b" by the program).
+    self.schedule_data: Schedule | None = None
+    self._tables: FlushTables | None = None
+    if isinstance(schedule, Schedule) or schedule not in sched.SCHEDULES:
+      self.schedule_data, self._tables = _flush_schedule(
+          schedule, mesh.shape[STAGE], int(num_microbatches), virtual_stages, shared_stages,
+          len(stages), sync, hetero)
+      schedule = schedule if isinstance(schedule, str) else "custom"
+    else:
+      if virtual_stages not in (None, 1):
+        raise ValueError(f"virtual_stages={virtual_stages!r} is not allowed with schedule="
+                         f"{schedule!r}; expected None (one stage per device).")
+      if tuple(shared_stages):
+        raise ValueError(f"shared_stages={shared_stages!r} is not allowed with schedule="
+                         f"{schedule!r}; expected () (shared stages run in the flush schedules).")
+      if len(stages) != mesh.shape[STAGE]:
+        raise ValueError(f"len(stages)={len(stages)} is not allowed; expected the mesh's "
+                         f"{STAGE!r} axis size {mesh.shape[STAGE]}.")
     if schedule == "1f1b" and num_microbatches != 1:
       raise ValueError(f"num_microbatches={num_microbatches} is not allowed with schedule='1f1b'; "
                        "expected 1 (every mini-batch is its own update, docs/sdpipe.md#schedules).")
@@ -281,6 +367,11 @@ class Pipeline:
     self.donate = donate
     self.num_pipelines = mesh.shape[DATA]
     self.num_stages = len(stages)
+    self.shared_stages = tuple(tuple(pair) for pair in shared_stages)
+    # The state's rows: device d's chunks, d * v + c, hold stage _row_stage[d * v + c].
+    self._row_stage = (self._tables.row_stage if self._tables is not None
+                       else tuple(range(self.num_stages)))
+    self._row_of = {s: r for r, s in enumerate(self._row_stage)}
     self._packers: tuple[Packer, Packer, Packer] | None = None
     self._sync_packer: Packer | None = None
     self._metric_names: tuple[str, ...] | None = None
@@ -335,13 +426,19 @@ class Pipeline:
     param_packer, opt_packer, state_packer = packers
 
     def stacked(packer: Packer, trees: Sequence[Any]) -> dict[str, jax.Array]:
-      rows = [packer.pack(s, jax.device_get(t), xp=np) for s, t in enumerate(trees)]
+      rows = [packer.pack(s, jax.device_get(trees[s]), xp=np) for s in self._row_stage]
       out = {}
       for d in packer.sizes:
         full = np.broadcast_to(np.stack([r[d] for r in rows]), (N, S, packer.sizes[d]))
         out[d] = jax.make_array_from_callback(full.shape, self.sharding, lambda i, f=full: f[i])
       return out
 
+    for i, j in self.shared_stages:
+      same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+                          stage_params[i], stage_params[j])
+      if not all(jax.tree.leaves(same)):
+        raise ValueError(f"stage_params[{i}] and stage_params[{j}] differ; expected the same "
+                         f"weights for the shared stages ({i}, {j}).")
     params = stacked(param_packer, stage_params)
     sync_state = None
     if self.grad_sync.compression is not None:
@@ -359,7 +456,7 @@ class Pipeline:
         sync_state=sync_state,
         virtual_time=_put(np.zeros((N, S, 2), np.float32), replicated),
         fill_start=_put(np.zeros((), np.int32), replicated),
-        inflight={} if self.schedule == "1f1b" else self._fill_record(
+        inflight={} if self.schedule == "1f1b" or self._tables else self._fill_record(
             np.zeros((N, S, 2), np.float32), None))
     if batch is not None and self.schedule == "1f1b":
       if not (isinstance(batch, tuple) and len(batch) == 2):
@@ -388,14 +485,14 @@ class Pipeline:
     """The latest weights: S pytrees (host numpy), each leaf with a leading [N] pipeline axis."""
     packer = self._require_init()[0]
     host = {d: _host(v) for d, v in state.params.items()}
-    return [packer.unpack(s, {d: v[:, s] for d, v in host.items()})
+    return [packer.unpack(s, {d: v[:, self._row_of[s]] for d, v in host.items()})
             for s in range(self.num_stages)]
 
   def stage_state(self, state: PipelineState) -> list[Any]:
     """The stateful stages' state: S pytrees (host numpy) with a leading [N] pipeline axis."""
     packer = self._require_init()[2]
     host = {d: _host(v) for d, v in state.model_state.items()}
-    return [packer.unpack(s, {d: v[:, s] for d, v in host.items()})
+    return [packer.unpack(s, {d: v[:, self._row_of[s]] for d, v in host.items()})
             for s in range(self.num_stages)]
 
   def stage_sync_state(self, state: PipelineState) -> list[Any] | None:
@@ -405,7 +502,7 @@ class Pipeline:
       return None
     self._require_init()
     host = {d: _host(v) for d, v in state.sync_state.items()}
-    return [self._sync_packer.unpack(s, {d: v[:, s] for d, v in host.items()})
+    return [self._sync_packer.unpack(s, {d: v[:, self._row_of[s]] for d, v in host.items()})
             for s in range(self.num_stages)]
 
   @staticmethod
@@ -490,6 +587,9 @@ class Pipeline:
     act = Packer([jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), b)
                   for b in boundaries] or [{}])
     act_dtypes = tuple(tuple(a.dtype for a in jax.tree.leaves(b)) for b in boundaries)
+    if self._tables is not None:
+      t = self._tables
+      return Layout(B, None, act, act_dtypes, t.x_slots, t.w_slots, t.g_slots, metric_names)
     return make_layout(self.schedule, S, B, M, act, act_dtypes, metric_names)
 
   def _loss_metrics(self, y: Any, target: Any) -> dict[str, jax.Array]:
@@ -585,8 +685,14 @@ class Pipeline:
         inflight.update(fed_start=state.inflight["fed_start"], pending=state.inflight["pending"])
         state = state._replace(inflight=inflight)
     hetero = self._check_hetero(hetero)
-    self._check_model(state, self._model(hetero, plan), "run")
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
+    if self._tables is not None:
+      if plan is not None:
+        raise ValueError(f"plan={plan!r} is not allowed with schedule={self.schedule!r}; expected "
+                         "None (a flush schedule's pipelines run in lockstep).")
+      xs, ys = (jax.tree.map(lambda a: _put(a, batch_sharding), t) for t in (xs, ys))
+      return self._execute_flush(state, layout, xs, ys, hetero)
+    self._check_model(state, self._model(hetero, plan), "run")
     if self.schedule == "1f1b":
       return self._execute_1f1b(state, layout, xs, ys, plan, hetero)
     xs = jax.tree.map(lambda a: _put(a, batch_sharding), xs)
@@ -623,6 +729,8 @@ class Pipeline:
     if not isinstance(hetero, Hetero):
       raise ValueError(f"hetero={hetero!r} is not allowed; expected a jlp.pipeline.Hetero.")
     check_sizes(self.sync, hetero, self.preduce, self.num_pipelines, self.num_stages)
+    if self._tables is not None:
+      _check_flush_hetero(f"schedule={self.schedule!r}", hetero)
     return hetero
 
   def model_changed(self, state: PipelineState, *, hetero: Hetero | None = None,
@@ -676,6 +784,7 @@ class Pipeline:
     return dict(out, batch=np.zeros((0,), np.int64), virtual_time=np.zeros((0,)),
                 updates=np.zeros((self.num_pipelines,), np.int64),
                 group_sizes=np.zeros((0,), np.int32), bubble_fraction=float("nan"),
+                bubble=float("nan"),
                 idle_fraction=float("nan"), virtual_span=0.0, idle_slot_fraction=float("nan"),
                 ticks=0)
 
@@ -752,6 +861,101 @@ class Pipeline:
                    idle_fraction=_idle_share(busy, span, N, S), virtual_span=span,
                    idle_slot_fraction=1.0 - computed / (N * S * ticks) if ticks else float("nan"),
                    ticks=ticks)
+    return new_state, metrics
+
+  # -- flush schedules (jlp.pipeline.flush) -----------------------------------------------------
+  @property
+  def bubble(self) -> float:
+    """The idle share of the schedule's timeline with F, I and W of a stage one unit each (B two,
+    a chunk of a v-stages-per-device schedule 1/v): GPipe and the flush schedules
+    (`jlp.pipeline.schedule_data.bubble`); nan for "1f1b", which never drains."""
+    table = self.schedule_table
+    return float("nan") if table is None else bubble(table)
+
+  @property
+  def peak_inflight(self) -> tuple[float, ...]:
+    """Per device of a pipeline, the most micro-batch activations held at once, in stage units
+    (`jlp.pipeline.schedule_data.peak_inflight`); "1f1b": stage s holds S - s mini-batches."""
+    table = self.schedule_table
+    if table is None:
+      return tuple(float(self.num_stages - s) for s in range(self.num_stages))
+    return peak_inflight(table)
+
+  @functools.cached_property
+  def schedule_table(self) -> Schedule | None:
+    """The schedule as data (GPipe: `Schedule.named("gpipe", S, M)`); None for "1f1b"."""
+    if self.schedule_data is not None:
+      return self.schedule_data
+    if self.schedule == "gpipe":
+      return Schedule.named("gpipe", self.num_stages, self.num_microbatches)
+    return None
+
+  def _flush_program(self, layout: Layout) -> FlushProgram:
+    mode = sync_mode(self.sync, num_pipelines=self.num_pipelines, grad_sync=self.grad_sync,
+                     lengths=tuple(self._stage_grads(s)["stage"].shape[0]
+                                   for s in range(self.num_stages)),
+                     state_packer=self._sync_packer)
+    return FlushProgram(self._apply, self._loss_metrics, self.optimizer, self._require_init(),
+                        mode, self._tables, self.num_pipelines, layout.num_batches, layout.act,
+                        layout.act_dtypes, layout.metric_names)
+
+  def _flush_compiled(self, layout: Layout, xs: Any, ys: Any):
+    shapes = lambda tree: (jax.tree.structure(tree), tuple(
+        (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
+    key = ("flush", shapes((xs, ys)), layout.num_batches)
+    if key not in self._compiled:
+      per = P(DATA, STAGE)
+      state_spec = PipelineState(P(), per, per, per, per, per, P(), P(), {})
+      mapped = jax.shard_map(self._flush_program(layout), mesh=self.mesh,
+                             in_specs=(state_spec, P(None, DATA), P(None, DATA)),
+                             out_specs=(state_spec, P()), check_vma=False)
+      self._compiled[key] = jax.jit(mapped, donate_argnums=(0,) if self.donate else ())
+    return self._compiled[key]
+
+  def lower(self, state: PipelineState, xs: Any, ys: Any) -> jax.stages.Lowered:
+    """The jitted program of `run(state, xs, ys)` lowered (flush schedules): `.compile()
+    .memory_analysis()` gives its buffers' sizes."""
+    if self._tables is None:
+      raise ValueError(f"lower with schedule={self.schedule!r} is not allowed; expected a flush "
+                       "schedule (GPipe's and 1F1B's programs take tables the run builds).")
+    self.check_state(state)
+    layout = self._layout(xs, ys)
+    program_state = state._replace(virtual_time=None, inflight={})
+    return self._flush_compiled(layout, xs, ys).lower(program_state, xs, ys)
+
+  def _execute_flush(self, state: PipelineState, layout: Layout, xs: Any, ys: Any,
+                     hetero: Hetero) -> tuple[PipelineState, dict[str, Any]]:
+    """A flush schedule: the compiled program on the B mini-batches, all pipelines in lockstep,
+    each mini-batch one update per stage. Virtual time: each mini-batch lasts the schedule's
+    makespan under `hetero`'s fwd_s and bwd_s (a micro-batch's share, split halves equal), plus
+    one all-reduce (allreduce_alpha_s + allreduce_beta_s (N - 1)) with sync="allreduce"."""
+    B, N, D = layout.num_batches, self.num_pipelines, self._tables.num_devices
+    step = int(np.asarray(state.step))
+    program_state = state._replace(virtual_time=None, inflight={})
+    new_state, means = self._flush_compiled(layout, xs, ys)(program_state, xs, ys)
+    computed = int(np.asarray(means.pop("computed_slots")))
+    metrics = {name: np.asarray(v) for name, v in means.items()}
+    M = self.num_microbatches
+    span, busy = makespan(self.schedule_data, hetero.fwd_s / M, hetero.bwd_s / M)
+    if self.sync == "allreduce" and N > 1:
+      span += hetero.allreduce_alpha_s + hetero.allreduce_beta_s * (N - 1)
+    clocks = self.virtual_clocks(state)
+    start = float(clocks.max())
+    times = start + span * np.arange(1, B + 1, dtype=np.float64)
+    clocks = np.full_like(clocks, times[-1])
+    whole = np.floor(clocks)
+    new_state = new_state._replace(
+        virtual_time=_put(np.stack([whole, clocks - whole], -1).astype(np.float32),
+                          NamedSharding(self.mesh, P())),
+        inflight=state.inflight)
+    ticks = self._tables.num_ticks * B
+    idle = float(np.mean(self._tables.kind[:, :, 0] == 0))
+    metrics.update(batch=np.arange(step, step + B, dtype=np.int64), virtual_time=times,
+                   group_sizes=np.zeros((0,), np.int32), updates=np.full((N,), B, np.int64),
+                   bubble_fraction=idle, bubble=self.bubble,
+                   idle_fraction=1.0 - busy / (D * span) if span > 0 else float("nan"),
+                   virtual_span=span * B,
+                   idle_slot_fraction=1.0 - computed / (N * D * ticks), ticks=ticks)
     return new_state, metrics
 
   # -- 1F1B: every pipeline by its own clock -------------------------------------------------

@@ -1,8 +1,7 @@
 """Flush pipeline schedules as data: per device, a tuple of ticks, each an action or idle.
 
-This module only describes schedules; the executor (`jlp.pipeline.Pipeline`) does not run them yet
-(it runs GPipe and SD-PIPE's 1F1B from `jlp.pipeline.schedules`). docs/sdpipe.md, "Flush schedules
-as data".
+`jlp.pipeline.Pipeline` runs any valid one (`jlp.pipeline.flush`); docs/sdpipe.md, "Flush
+schedules as data".
 
 Actions (written as torch.distributed.pipelining writes them in its compute-only CSV):
 
@@ -43,7 +42,8 @@ import io
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Action", "FLUSH_SCHEDULES", "Overlap", "Schedule", "bubble", "peak_inflight"]
+__all__ = ["Action", "FLUSH_SCHEDULES", "Overlap", "Schedule", "bubble", "makespan",
+           "peak_inflight"]
 
 FLUSH_SCHEDULES = ("gpipe", "1f1b_flush", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 KINDS = ("F", "I", "W", "B")
@@ -582,11 +582,14 @@ def _dualpipev(r: int, d_count: int, m_count: int) -> list[Action | Overlap]:
 
 
 @functools.lru_cache(maxsize=64)
-def _simulate(schedule: Schedule) -> tuple[tuple[tuple[float, float], ...], ...]:
+def _simulate(schedule: Schedule, costs: tuple[tuple[str, float], ...] = tuple(_COST.items())
+              ) -> tuple[tuple[tuple[float, float], ...], ...]:
   """Per device, (start, end) of each action of its order, each at its earliest start given the
-  unit costs of the module docstring, the device's order and what it needs."""
+  costs of a stage's action (default: the unit costs of the module docstring; a chunk of a
+  v-stages-per-device schedule costs 1/v), the device's order and what it needs."""
   orders = schedule.orders()
   scale = 1 / schedule.stages_per_device
+  cost = dict(costs)
   num_stages = schedule.num_stages
   finish: dict[tuple[str, int, int], float] = {}
   times: list[list[tuple[float, float]]] = [[] for _ in orders]
@@ -600,7 +603,7 @@ def _simulate(schedule: Schedule) -> tuple[tuple[tuple[float, float], ...], ...]
         if not all(k in finish for k in needs):
           break
         start = max([free[d]] + [finish[k] for k in needs])
-        end = start + scale * sum(_COST[a.kind] for a in item.leaves)
+        end = start + scale * sum(cost[a.kind] for a in item.leaves)
         times[d].append((start, end))
         free[d] = end
         for a in item.leaves:
@@ -622,6 +625,16 @@ def bubble(schedule: Schedule) -> float:
   makespan = max((t[-1][1] for t in times if t), default=0.0)
   busy = sum(end - start for t in times for start, end in t)
   return 1.0 - busy / (schedule.num_devices * makespan)
+
+
+def makespan(schedule: Schedule, forward: float, backward: float) -> tuple[float, float]:
+  """(makespan, busy device-time) of one mini-batch when a stage's forward costs `forward`, its
+  full backward `backward` and each half of a split one backward / 2 (a chunk of a v-stages-per-
+  device schedule 1/v of these), every action at its earliest start (as `bubble`)."""
+  times = _simulate(schedule, (("F", forward), ("I", backward / 2), ("W", backward / 2),
+                               ("B", backward)))
+  span = max((t[-1][1] for t in times if t), default=0.0)
+  return span, sum(end - start for t in times for start, end in t)
 
 
 def peak_inflight(schedule: Schedule) -> tuple[float, ...]:

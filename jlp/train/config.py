@@ -171,14 +171,28 @@ Fields (see `base_config` for defaults):
                                 their defaults and the run is the data-parallel step above.
   pipeline.schedule             "none" | "gpipe" (M micro-batches per mini-batch, one synchronous
                                 update per mini-batch) | "1f1b" (SD-PIPE's PipeDream 1F1B with
-                                weight stashing: every mini-batch its own update, docs/sdpipe.md).
-  pipeline.stages               S, stages per pipeline (the model split by jlp.pipeline's stage
-                                rules; small_cnn, resnet18/50, vgg19, bert_small).
+                                weight stashing: every mini-batch its own update, docs/sdpipe.md)
+                                | a flush schedule, each GPipe's update: "1f1b_flush"
+                                (PipeDream-Flush), "interleaved_1f1b" (v chunks per device),
+                                "zb_h1", "zbv", "dualpipev" (two chunks per device in a V) |
+                                "csv" (the torch compute-only CSV file pipeline.schedule_csv).
+                                The flush schedules sync "allreduce" or "none", without hetero
+                                or slowdown.
+  pipeline.stages               S, the devices of a pipeline (the model split by jlp.pipeline's
+                                stage rules into v * S parts; small_cnn, resnet18/50, vgg19,
+                                bert_small).
+  pipeline.virtual_stages       v, stages per device: 0 (default) = the schedule's own
+                                (interleaved_1f1b 2, zbv and dualpipev 2, the rest 1); any v >= 1
+                                with "interleaved_1f1b".
+  pipeline.schedule_csv         with schedule "csv": the path of a torch.distributed.pipelining
+                                compute-only CSV (one row per device of a pipeline; its stages
+                                over devices give v), run with its per-device orders.
   pipeline.pipelines            N; 0 (default): every device, N = devices / S (S must divide the
                                 device count); else N pipelines on the first N*S devices.
                                 batch_size stays global: pipeline i trains on rows [i*b, (i+1)*b)
                                 of each batch, b = batch_size / N.
-  pipeline.microbatches         GPipe's M (batch_size must divide by N*M); 1 for "1f1b".
+  pipeline.microbatches         M of GPipe and the flush schedules (batch_size must divide by
+                                N*M); 1 for "1f1b".
   pipeline.sync                 across the pipelines, per stage: "allreduce" (mean gradient, with
                                 the gradient-sync fields above: format, APS, Kahan, compression) |
                                 "none" | "preduce" (SD-PIPE's partial reduce) | "adpsgd"
@@ -234,7 +248,10 @@ APS_MODES = ("exact", "cpd")
 CAST_SINGLE_MODEL = "resnet50"
 #: config.compression.plan value: plan with SeCoPa's seed cost model for the model being trained.
 SECOPA = "secopa"
-PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b", "1f1b_flush", "interleaved_1f1b", "zb_h1", "zbv",
+                      "dualpipev", "csv")
+#: The flush schedules the pipelined runner runs with jlp.pipeline.flush (all but GPipe and 1F1B).
+FLUSH_PIPELINE_SCHEDULES = PIPELINE_SCHEDULES[3:]
 #: Defaults of the optimizer fields that only one optimizer reads (`validate` refuses another
 #: value with the other optimizer).
 SGD_MOMENTUM = 0.9
@@ -246,6 +263,7 @@ PIPELINE_DEFAULTS = {
     "schedule": "none", "stages": 1, "pipelines": 0, "microbatches": 1, "sync": "allreduce",
     "hetero": 0.0, "hetero_probability": 0.1, "slowdown": (), "boundaries": (), "max_group": 0,
     "connect_every": 10, "pull_every": 10, "barrier": False, "batches_per_call": 10,
+    "virtual_stages": 0, "schedule_csv": "",
 }
 
 
@@ -621,9 +639,27 @@ def _check_pipeline(config: ml_collections.ConfigDict, fmt: FloatFormat | None) 
          "an int >= 0 (0: every device, devices / pipeline.stages pipelines)")
   _check(_int(p.microbatches) and p.microbatches >= 1, "pipeline.microbatches", p.microbatches,
          "an int >= 1")
-  _check(p.schedule == "gpipe" or p.microbatches == 1, "pipeline.microbatches", p.microbatches,
+  _check(p.schedule != "1f1b" or p.microbatches == 1, "pipeline.microbatches", p.microbatches,
          "1 with pipeline.schedule='1f1b' (every mini-batch is its own update, docs/sdpipe.md)")
   _check(p.sync in PIPELINE_SYNCS, "pipeline.sync", p.sync, f"one of {PIPELINE_SYNCS}")
+  _check(_int(p.virtual_stages) and p.virtual_stages >= 0, "pipeline.virtual_stages",
+         p.virtual_stages, "an int >= 0 (0: the schedule's own)")
+  _check(p.virtual_stages in (0, 1) or p.schedule == "interleaved_1f1b",
+         "pipeline.virtual_stages", p.virtual_stages,
+         f"0 with pipeline.schedule={p.schedule!r} (the schedule has its own; any v with "
+         "'interleaved_1f1b')")
+  _check(isinstance(p.schedule_csv, str) and bool(p.schedule_csv) == (p.schedule == "csv"),
+         "pipeline.schedule_csv", p.schedule_csv,
+         "the path of a torch compute-only CSV file with pipeline.schedule='csv', else ''")
+  if p.schedule == "csv":
+    _check(os.path.isfile(p.schedule_csv), "pipeline.schedule_csv", p.schedule_csv,
+           "the path of an existing torch compute-only CSV file")
+  if p.schedule in FLUSH_PIPELINE_SCHEDULES:
+    flush = f"with pipeline.schedule={p.schedule!r} (the flush schedules run in lockstep)"
+    _check(p.sync in ("allreduce", "none"), "pipeline.sync", p.sync,
+           f"'allreduce' or 'none' {flush}")
+    _check(p.hetero == 0, "pipeline.hetero", p.hetero, f"0 {flush}")
+    _check(not tuple(p.slowdown), "pipeline.slowdown", p.slowdown, f"() {flush}")
   _check(_number(p.hetero) and p.hetero >= 0, "pipeline.hetero", p.hetero,
          "virtual seconds >= 0 (the seed's --hetero)")
   _check(_number(p.hetero_probability) and 0 <= p.hetero_probability <= 1,
@@ -635,10 +671,12 @@ def _check_pipeline(config: ml_collections.ConfigDict, fmt: FloatFormat | None) 
   _check(ok, "pipeline.slowdown", rows,
          f"() or [N][S] factors > 0 (one row of pipeline.stages={p.stages} per pipeline)")
   b = p.boundaries
+  parts = pipeline_parts(config)
   ok = isinstance(b, (tuple, list)) and (
-      len(b) == 0 or (len(b) == p.stages and all(_int(v) and v >= 1 for v in b)))
+      len(b) == 0 or (len(b) == parts and all(_int(v) and v >= 1 for v in b)))
   _check(ok, "pipeline.boundaries", b,
-         f"() (the stage rule's default) or pipeline.stages={p.stages} unit counts >= 1")
+         f"() (the stage rule's default) or {parts} unit counts >= 1 (one per part the model is "
+         "split into: pipeline.stages x the stages per device)")
   for field, least in (("max_group", 0), ("connect_every", 1), ("pull_every", 1),
                        ("batches_per_call", 1)):
     _check(_int(p[field]) and p[field] >= least, f"pipeline.{field}", p[field],
@@ -674,6 +712,35 @@ def _check_pipeline(config: ml_collections.ConfigDict, fmt: FloatFormat | None) 
            f"'sequential' {why}")
     _check(config.compression.name == "none", "compression.name", config.compression.name,
            f"'none' {why}")
+
+
+def pipeline_schedule(config: ml_collections.ConfigDict) -> Any:
+  """What `jlp.pipeline.Pipeline(schedule=...)` takes for config.pipeline: the name, or the
+  `jlp.pipeline.Schedule` of pipeline.schedule_csv (its per-device orders placed at ticks)."""
+  p = config.pipeline
+  if p.schedule != "csv":
+    return p.schedule
+  from jlp.pipeline import Schedule  # pylint: disable=g-import-not-at-top
+  with open(p.schedule_csv) as f:
+    text = f.read()
+  try:
+    table = Schedule.from_torch_csv(text)
+    return Schedule.from_orders(table.orders()).validate()
+  except ValueError as e:
+    raise ValueError(f"config.pipeline.schedule_csv={p.schedule_csv!r} is not allowed: {e}") from e
+
+
+def pipeline_parts(config: ml_collections.ConfigDict) -> int:
+  """How many parts the model is split into: pipeline.stages devices x v stages per device."""
+  p = config.pipeline
+  if p.schedule == "csv":
+    table = pipeline_schedule(config)
+    _check(table.num_devices == p.stages, "pipeline.stages", p.stages,
+           f"{table.num_devices}, the devices of pipeline.schedule_csv={p.schedule_csv!r}")
+    return table.num_stages
+  if p.schedule == "interleaved_1f1b":
+    return p.stages * (p.virtual_stages or 2)
+  return p.stages * (2 if p.schedule in ("zbv", "dualpipev") else 1)
 
 
 def pipeline_size(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:

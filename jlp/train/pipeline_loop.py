@@ -1,11 +1,14 @@
 """The pipelined training loop (SD-PIPE, docs/sdpipe.md): `train_and_evaluate` when
-config.pipeline.schedule is "gpipe" or "1f1b" (`jlp.train.loop.train_and_evaluate` picks it).
+config.pipeline.schedule is not "none" (`jlp.train.loop.train_and_evaluate` picks it): GPipe,
+SD-PIPE's 1F1B, or a flush schedule (1F1B-flush, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV, a torch
+CSV; `jlp.pipeline.flush`).
 
 One call runs (or resumes) the config in `workdir`:
   1. Checks the config (`jlp.train.config.validate`, then `pipeline_size` against the devices):
      N = pipeline.pipelines (0: devices / S) pipelines of S = pipeline.stages stages.
   2. Builds the data pipelines, the model (config.quant_rules, config.quant_recipe and a fixed
-     bfp.preset applied), splits it into S stages (`jlp.pipeline.stages.split_model`,
+     bfp.preset applied), splits it into v * S stages (v stages per device: 1, or the flush
+     schedule's; `jlp.pipeline.stages.split_model`,
      pipeline.boundaries or the stage rule's default) and builds `jlp.pipeline.Pipeline` on the
      first N*S devices with the config's optimizer (one state per pipeline and stage), sync
      (pipeline.sync; "allreduce" sums with the config's gradient sync, `recipe.grad_sync`, over
@@ -28,7 +31,9 @@ pipelines and over the mini-batches completed since the previous row), learning_
 (examples fed per wall-clock second over the call, compilation left out), compile_seconds and
 save_seconds (spent compiling and writing checkpoints since the previous row), epoch, virtual_time
 (virtual seconds at which the mini-batch's update finished), virtual_throughput (examples fed per
-virtual second over the call), bubble_fraction (the idle share of the call's tick table),
+virtual second over the call), bubble_fraction (the idle share of the call's tick table), bubble
+(GPipe and the flush schedules: the schedule's idle share with unit-cost F, I and W,
+`Pipeline.bubble`; not with 1F1B),
 idle_fraction (the devices' idle share of the call's virtual time), idle_slot_fraction (the device
 slots of the call in which no stage ran, counted by the program), and with pipeline.sync="allreduce"
 the gradient sync's wire_bytes, payload_bytes (per device, averaged over all devices) and nonfinite.
@@ -74,7 +79,7 @@ from jlp.pipeline import (HetPipe, Hetero, Pipeline, PipelineState, PReduce, Sta
 from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
-from jlp.train.config import pipeline_size, validate
+from jlp.train.config import pipeline_parts, pipeline_schedule, pipeline_size, validate
 from jlp.train.loop_common import (CompileClock, Interrupt, LogWindow, QuantPlan,
                                    check_finite_loss, checkpoint_due, close_run, log_line,
                                    progress as progress_bar, record_start,
@@ -180,12 +185,15 @@ def setup(config: ml_collections.ConfigDict) -> PipelineRun:
   quant = QuantPlan(config, spe, example=lambda: train_pipe.batch(0)["image"])
   model = recipe.model(config, train_ds)
   quant.quantize(model, quant.preset_at(0))
-  split = split_model(model, num_stages, boundaries=tuple(p.boundaries) or None)
+  # v parts per device with the flush schedules that hold several stages per device.
+  split = split_model(model, pipeline_parts(config), boundaries=tuple(p.boundaries) or None)
   hetero = Hetero(delay_s=float(p.hetero), probability=float(p.hetero_probability),
                   slowdown=tuple(tuple(float(v) for v in row) for row in p.slowdown) or None)
   pipe = Pipeline(split.stages, last_stage_loss, recipe.optimizer(config, lr),
-                  pipeline_mesh(num_pipelines, num_stages), schedule=p.schedule,
-                  num_microbatches=p.microbatches, sync=p.sync, stateful=True,
+                  pipeline_mesh(num_pipelines, num_stages), schedule=pipeline_schedule(config),
+                  num_microbatches=p.microbatches,
+                  virtual_stages=(p.virtual_stages or None) if p.schedule == "interleaved_1f1b"
+                  else None, sync=p.sync, stateful=True,
                   grad_sync=grad_sync, hetero=hetero,
                   preduce=PReduce(max_group=p.max_group or None, connect_every=p.connect_every),
                   hetpipe=HetPipe(pull_every=p.pull_every, barrier=p.barrier),
@@ -279,6 +287,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  "bubble_fraction": float(metrics["bubble_fraction"]),
                  "idle_fraction": float(metrics["idle_fraction"]),
                  "idle_slot_fraction": float(metrics["idle_slot_fraction"])}
+          if not np.isnan(run.pipe.bubble):  # GPipe and the flush schedules
+            row["bubble"] = run.pipe.bubble
           for name in SYNC_REPORT:  # sync="allreduce" only
             if name in metrics:
               row[name] = metrics[name][k].item()

@@ -241,9 +241,61 @@ def test_a_resume_under_another_cost_model_drains_the_fill_first(tmp_path, fast_
     assert (r["train_loss"], r["virtual_time"]) == (ref["train_loss"], ref["virtual_time"])
 
 
+def flush_config(schedule, **pipeline):
+  c = pipelined_config(schedule=schedule, stages=2, microbatches=4, batches_per_call=4,
+                       **pipeline)
+  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 10, 3, 8, 4
+  return c
+
+
+def test_a_flush_schedule_resumes_bit_exact_and_a_torch_csv_runs_as_its_name(tmp_path,
+                                                                            fast_compile):
+  """ZB-V (4 pipelines x 2 devices, the model in 4 parts, 4 micro-batches): the rows carry the
+  schedule's counted bubble; a run that lost its last checkpoint resumes at 8 and writes the
+  uninterrupted run's rows and final state bit for bit. The same schedule written as torch's CSV
+  (pipeline.schedule='csv') trains to the same rows and state bit for bit."""
+  from jlp.pipeline import Schedule, bubble
+  ref_dir, workdir = str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")
+  loop.train_and_evaluate(flush_config("zbv"), ref_dir, progress=False)
+  rows = read_metrics(ref_dir)
+  assert [r["step"] for r in rows] == [3, 6, 8, 9, 10]
+  assert rows[0]["bubble"] == pytest.approx(bubble(Schedule.named("zbv", 2, 4)))
+  assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+  shutil.copytree(ref_dir, workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "10"))
+  loop.train_and_evaluate(flush_config("zbv"), workdir, progress=False)
+  assert stable(read_metrics(workdir)) == stable(rows)
+  ref_step, ref_state = final_checkpoint(ref_dir)
+  step, state = final_checkpoint(workdir)
+  assert step == ref_step == 10 and state.keys() == ref_state.keys()
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+  csv = tmp_path / "zbv.csv"
+  csv.write_text(Schedule.named("zbv", 2, 4).to_torch_csv())
+  csv_dir = str(tmp_path / "csv")
+  loop.train_and_evaluate(flush_config("csv", schedule_csv=str(csv)), csv_dir, progress=False)
+  assert stable(read_metrics(csv_dir)) == stable(rows)
+  _, csv_state = final_checkpoint(csv_dir)
+  for k in ref_state:
+    np.testing.assert_array_equal(csv_state[k], ref_state[k], err_msg=k)
+
+
 @pytest.mark.parametrize("pipeline, top, message", [
     ({"schedule": "pipedream"}, {}, r"config.pipeline.schedule='pipedream' is not allowed; "
-     r"expected one of \('none', 'gpipe', '1f1b'\)"),
+     r"expected one of \('none', 'gpipe', '1f1b', '1f1b_flush'"),
+    ({"schedule": "zbv", "sync": "preduce"}, {}, r"config.pipeline.sync='preduce' is not allowed; "
+     r"expected 'allreduce' or 'none' with pipeline.schedule='zbv'"),
+    ({"schedule": "zb_h1", "hetero": 0.1}, {}, r"config.pipeline.hetero=0.1 is not allowed; "
+     r"expected 0 with pipeline.schedule='zb_h1'"),
+    ({"schedule": "zb_h1", "virtual_stages": 2}, {}, r"config.pipeline.virtual_stages=2 is not "
+     r"allowed; expected 0 with pipeline.schedule='zb_h1'"),
+    ({"schedule": "csv"}, {}, r"config.pipeline.schedule_csv='' is not allowed; expected the path "
+     r"of a torch compute-only CSV file with pipeline.schedule='csv'"),
+    ({"schedule": "csv", "schedule_csv": "/nonexistent.csv"}, {}, r"schedule_csv='/nonexistent"
+     r".csv' is not allowed; expected the path of an existing"),
+    ({"schedule": "zbv", "boundaries": (1, 1)}, {}, r"config.pipeline.boundaries=\(1, 1\) is not "
+     r"allowed; expected \(\) \(the stage rule's default\) or 8 unit counts"),
     ({"schedule": "none"}, {}, r"config.pipeline.stages=4 is not allowed; expected 1 with "
      r"pipeline.schedule='none'"),
     ({"stages": 3}, {}, r"config.pipeline.stages=3 is not allowed; expected a divisor of the 8 "

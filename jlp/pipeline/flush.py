@@ -1,0 +1,428 @@
+"""Flush schedules run as one SPMD program: any valid `jlp.pipeline.Schedule` (1F1B-flush,
+interleaved 1F1B, ZB-H1, ZB-V, DualPipeV, a torch CSV) on the devices of the "stage" mesh axis,
+inside one `jax.shard_map` (docs/sdpipe.md, "Flush schedules").
+
+`FlushTables` lowers a schedule to static integer tables, one row per tick and one column per device:
+the action each device runs (kind, local chunk, micro-batch; a second column for the backward of an
+overlapped F+B pair), where its output goes (a channel: a fixed shift along the stage axis, or the
+device itself for the turn of a V), and the ring slot it lands in. Ring sizes come from the
+schedule: the smallest K per buffer under which no two values that live at once on a chunk share
+index m mod K (a value lives from the tick it arrives to the last action that reads it). So
+1F1B-flush holds about D inputs per device whatever M, GPipe M.
+
+`FlushProgram` is what every device (pipeline i, device d) runs for B mini-batches: a `lax.scan`
+over the mini-batches, each a `lax.scan` over the schedule's ticks, then one optimizer step per
+chunk. At a tick the device runs its action with a `lax.switch` over (stage, kind):
+
+  F  the stage's forward on its input (stage 0: micro-batch m of xs; else the received activation),
+     with the chunk's state, which it then replaces (BatchNorm statistics, RNG counters) after
+     stashing the state it ran with; the last stage also evaluates loss_fn on micro-batch m's
+     targets (the mini-batch's metrics are the means over its micro-batches);
+  B  the full backward: recomputes the forward from the kept input and stashed state (`jax.vjp`),
+     and returns the input gradient and the weight gradient, which is added to the chunk's sum;
+  I  the input-gradient half of B (the weight gradient is not computed);
+  W  the weight-gradient half, at a later tick, from what I kept: the input, the stashed state and
+     the received output gradient. I + W is B.
+
+The last stage's backward differentiates loss / M (the loss is scaled, never the gradients), so the
+sum over micro-batches is the gradient of the mini-batch's mean loss. After the ticks, the two
+chunks of a shared stage pair (`shared`) add their sums, every chunk's sum goes through the sync
+mode (`jlp.pipeline.sync_modes`: "allreduce" with the pipeline's GradSync, or "none") and the
+optimizer steps. Weights do not change within a mini-batch, so nothing is stashed but the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jlp.pipeline.buffers import write_slot
+from jlp.pipeline.packing import Packer
+from jlp.pipeline.program import DATA, STAGE, PipelineState
+from jlp.pipeline.schedule_data import Overlap, Schedule
+from jlp.pipeline.sync_modes import SyncMode
+from jlp.sync import SYNC_REPORT
+
+__all__ = ["FlushProgram", "FlushTables", "flush_tables"]
+
+IDLE, F, B, I, W = 0, 1, 2, 3, 4
+_KIND = {"F": F, "B": B, "I": I, "W": W}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlushTables:
+  """A schedule lowered for the program (module docstring). Arrays are int32 [T, D]:
+  kind / chunk / micro of the tick's action (column 0) and of an overlapped pair's backward
+  (column 1); act_channel / grad_channel: the index in `act_shifts` / `grad_shifts` of the channel
+  the tick's activation / input gradient leaves on (-1: none); act_slot / grad_slot: the flat ring
+  slot (chunk * K + m % K) it lands in at its receiver."""
+  num_devices: int
+  num_stages: int
+  num_microbatches: int
+  stages_per_device: int
+  stage_of: np.ndarray  # [D, v]: the stage that chunk c of device d holds
+  row_stage: tuple[int, ...]  # the stage held at state row d * v + c
+  kind: np.ndarray  # [T, D, 2]
+  chunk: np.ndarray
+  micro: np.ndarray
+  act_channel: np.ndarray  # [T, D]
+  act_slot: np.ndarray
+  grad_channel: np.ndarray
+  grad_slot: np.ndarray
+  act_shifts: tuple[int, ...]  # device d sends to (d + shift) mod D; 0: to itself
+  grad_shifts: tuple[int, ...]
+  x_slots: int
+  g_slots: int
+  w_slots: int
+  overlaps: bool  # whether any tick runs an overlapped pair (the second column is used)
+  partner: np.ndarray  # [D, v]: the chunk sharing chunk c's weights, -1: none
+
+  @property
+  def num_ticks(self) -> int:
+    return self.kind.shape[0]
+
+
+def _ring(items: list[tuple[int, int, int, int, int]]) -> int:
+  """The smallest K such that no two items (device, chunk, m, first tick, last tick) alive at once
+  on one (device, chunk) share m mod K."""
+  by_key: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+  for d, c, m, start, end in items:
+    by_key.setdefault((d, c), []).append((m, start, end))
+
+  def fits(k: int) -> bool:
+    return not any(a[0] % k == b[0] % k and a[1] <= b[2] and b[1] <= a[2]
+                   for group in by_key.values() for n, a in enumerate(group) for b in group[n + 1:])
+
+  k = 1
+  while not fits(k):
+    k += 1
+  return k
+
+
+def flush_tables(schedule: Schedule, shared: Sequence[tuple[int, int]] = ()) -> FlushTables:
+  """The program's tables of a validated schedule (module docstring); ValueError unless every
+  device holds the same number of stages."""
+  D, S, M = schedule.num_devices, schedule.num_stages, schedule.num_microbatches
+  if S % D:
+    raise ValueError(f"a schedule of {S} stages on {D} devices is not allowed; expected the same "
+                     "number of stages on every device.")
+  v = S // D
+  held = [[s for s in range(S) if schedule.placement[s] == d] for d in range(D)]
+  for d, stages in enumerate(held):
+    if len(stages) != v:
+      raise ValueError(f"device {d} holds stages {stages}; expected {v} stages on every device "
+                       f"({S} stages on {D} devices).")
+  stage_of = np.array(held, np.int32)
+  chunk_of = {s: c for row in held for c, s in enumerate(row)}
+  place = schedule.placement
+  T = schedule.num_ticks
+  kind = np.zeros((T, D, 2), np.int32)
+  chunk = np.zeros((T, D, 2), np.int32)
+  micro = np.zeros((T, D, 2), np.int32)
+  tick_of: dict[tuple[str, int, int], int] = {}
+  for d, row in enumerate(schedule.ticks):
+    for t, item in enumerate(row):
+      if item is None:
+        continue
+      for col, a in enumerate(item.leaves):
+        kind[t, d, col] = _KIND[a.kind]
+        chunk[t, d, col] = chunk_of[a.stage]
+        micro[t, d, col] = a.microbatch
+        tick_of[(a.kind, a.stage, a.microbatch)] = t
+
+  def last_read(s: int, m: int) -> int:
+    return max(tick_of.get((k, s, m), -1) for k in "FBIW")
+
+  def grad_tick(s: int, m: int) -> int:
+    return tick_of[("B", s, m)] if ("B", s, m) in tick_of else tick_of[("I", s, m)]
+
+  x_items, g_items, w_items = [], [], []
+  for s in range(S):
+    d, c = place[s], chunk_of[s]
+    for m in range(M):
+      end = last_read(s, m)
+      w_items.append((d, c, m, tick_of[("F", s, m)], end))
+      if s > 0:
+        x_items.append((d, c, m, tick_of[("F", s - 1, m)], end))
+      if s < S - 1:
+        g_items.append((d, c, m, grad_tick(s + 1, m), end))
+  x_slots, g_slots, w_slots = _ring(x_items), _ring(g_items), _ring(w_items)
+
+  act_shifts = tuple(sorted({(place[s + 1] - place[s]) % D for s in range(S - 1)}))
+  grad_shifts = tuple(sorted({(place[s - 1] - place[s]) % D for s in range(1, S)}))
+  act_channel = np.full((T, D), -1, np.int32)
+  grad_channel = np.full((T, D), -1, np.int32)
+  act_slot = np.zeros((T, D), np.int32)
+  grad_slot = np.zeros((T, D), np.int32)
+  for d, row in enumerate(schedule.ticks):
+    for t, item in enumerate(row):
+      for a in () if item is None else item.leaves:
+        s, m = a.stage, a.microbatch
+        if a.kind == "F" and s < S - 1:
+          act_channel[t, d] = act_shifts.index((place[s + 1] - d) % D)
+          act_slot[t, d] = chunk_of[s + 1] * x_slots + m % x_slots
+        elif a.kind in "BI" and s > 0:
+          grad_channel[t, d] = grad_shifts.index((place[s - 1] - d) % D)
+          grad_slot[t, d] = chunk_of[s - 1] * g_slots + m % g_slots
+  partner = np.full((D, v), -1, np.int32)
+  for i, j in shared:
+    partner[place[i], chunk_of[i]] = chunk_of[j]
+    partner[place[j], chunk_of[j]] = chunk_of[i]
+  return FlushTables(
+      num_devices=D, num_stages=S, num_microbatches=M, stages_per_device=v, stage_of=stage_of,
+      row_stage=tuple(int(s) for s in stage_of.reshape(-1)), kind=kind, chunk=chunk, micro=micro,
+      act_channel=act_channel, act_slot=act_slot, grad_channel=grad_channel, grad_slot=grad_slot,
+      act_shifts=act_shifts, grad_shifts=grad_shifts, x_slots=x_slots, g_slots=g_slots,
+      w_slots=w_slots, overlaps=any(isinstance(item, Overlap) for row in schedule.ticks
+                                    for item in row), partner=partner)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlushProgram:
+  """One run's per-device program for a flush schedule (module docstring).
+
+  apply: apply(s, params_s, x, state_s) -> (y, new_state_s), stage s's call.
+  loss_metrics: (y_last, target) -> {"loss", **aux}, float32 scalars.
+  packers: the (params, optimizer states, stage states) Packers, one entry per stage.
+  act: the S - 1 inter-stage values as float32 structs; act_dtypes: their leaves' dtypes.
+  """
+  apply: Callable[[int, Any, Any, Any], tuple[Any, Any]]
+  loss_metrics: Callable[[Any, Any], dict[str, jax.Array]]
+  optimizer: optax.GradientTransformation
+  packers: tuple[Packer, Packer, Packer]
+  mode: SyncMode
+  tables: FlushTables
+  num_pipelines: int
+  num_batches: int
+  act: Packer
+  act_dtypes: tuple
+  metric_names: tuple[str, ...]
+
+  def __call__(self, state: PipelineState, xs: Any, ys: Any
+               ) -> tuple[PipelineState, dict[str, jax.Array]]:
+    """xs, ys: [B, rows, ...] (this pipeline's rows of each mini-batch). Returns the new state and
+    per mini-batch the metrics (means over the pipelines; sync reports per device, averaged over
+    the devices) and "computed_slots" (the (tick, device) slots that ran an action, summed)."""
+    squeeze = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    device = lax.axis_index(STAGE)
+    carry = dict(params=squeeze(state.params), opt=squeeze(state.opt_state),
+                 model_state=squeeze(state.model_state), sync_state=squeeze(state.sync_state),
+                 computed=jnp.int32(0),
+                 metrics={name: jnp.zeros((self.num_batches,), jnp.float32)
+                          for name in self.metric_names},
+                 sync_report={name: jnp.zeros((self.num_batches,), dtype)
+                              for name, dtype in SYNC_REPORT.items()} if self.mode.reports else {})
+    tab = self.tables
+    rows = {name: jnp.asarray(getattr(tab, name)) for name in ("kind", "chunk", "micro", "act_channel", "act_slot", "grad_channel",
+                         "grad_slot")}
+
+    def minibatch(carry, b):
+      x_b = jax.tree.map(lambda a: a[b], xs)
+      y_b = jax.tree.map(lambda a: a[b], ys)
+      carry = self._minibatch(carry, device, rows, x_b, y_b, b, state.step + b)
+      return carry, None
+
+    carry, _ = lax.scan(minibatch, carry, jnp.arange(self.num_batches))
+    N, D = self.num_pipelines, tab.num_devices
+    out = {name: lax.psum(lax.psum(v, STAGE), DATA) / N for name, v in carry["metrics"].items()}
+    for name, v in carry["sync_report"].items():
+      total = lax.psum(lax.psum(v, STAGE), DATA)
+      out[name] = total // N if name == "nonfinite" else total / (N * D)
+    out["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
+    expand = lambda tree: jax.tree.map(lambda x: x[None], tree)
+    new_state = state._replace(
+        step=state.step + self.num_batches, params=expand(carry["params"]),
+        opt_state=expand(carry["opt"]), model_state=expand(carry["model_state"]),
+        sync_state=expand(carry["sync_state"]))
+    return new_state, out
+
+  # -- one mini-batch ----------------------------------------------------------------------------
+  def _minibatch(self, carry, device, rows, x_b, y_b, b, global_batch):
+    tab, state_packer = self.tables, self.packers[2]
+    v, M = tab.stages_per_device, tab.num_microbatches
+    micro_rows = jax.tree.leaves(x_b)[0].shape[0] // M
+    act_len = self.act.sizes.get("float32", 0)
+    bufs = dict(recv_x=jnp.zeros((v * tab.x_slots, act_len), jnp.float32),
+                recv_g=jnp.zeros((v * tab.g_slots, act_len), jnp.float32),
+                stash=state_packer.zeros((v * tab.w_slots,), xp=jnp),
+                grads=jax.tree.map(jnp.zeros_like, carry["params"]),
+                sums={name: jnp.float32(0) for name in self.metric_names})
+    stage_of = jnp.asarray(tab.stage_of)[device]
+
+    def tick(state, row):
+      carry, bufs = state
+      own = jax.tree.map(lambda a: a[device], row)
+      act_out = grad_out = jnp.zeros((act_len,), jnp.float32)
+      for col in range(2 if tab.overlaps else 1):
+        kind, c, m = own["kind"][col], own["chunk"][col], own["micro"][col]
+        take = lambda a: lax.dynamic_slice_in_dim(a, m * micro_rows, micro_rows)
+        a_out, g_out, carry, bufs = self._action(carry, bufs, stage_of[c], kind, c, m,
+                                                 jax.tree.map(take, x_b),
+                                                 jax.tree.map(take, y_b))
+        act_out = jnp.where(kind == F, a_out, act_out)
+        grad_out = jnp.where((kind == B) | (kind == I), g_out, grad_out)
+      busy = own["kind"][0] != IDLE
+      carry = dict(carry, computed=carry["computed"] + busy.astype(jnp.int32))
+      bufs = self._exchange(bufs, own, act_out, grad_out)
+      return (carry, bufs), None
+
+    (carry, bufs), _ = lax.scan(tick, (carry, bufs), rows)
+    carry = dict(carry, metrics={name: value.at[b].set(bufs["sums"][name])
+                                 for name, value in carry["metrics"].items()})
+    grads = bufs["grads"]["float32"]  # [v, L]
+    partner = jnp.asarray(tab.partner)[device]
+    if (tab.partner >= 0).any():  # a shared stage: both chunks step with the summed gradient
+      grads = jnp.stack([jnp.where(partner[c] >= 0, grads[c] + grads[jnp.maximum(partner[c], 0)],
+                                   grads[c]) for c in range(v)])
+    for c in range(v):
+      carry = self._update(carry, stage_of[c], c, grads[c], b, global_batch)
+    return carry
+
+  def _action(self, carry, bufs, stage, kind, c, m, x_in, y_in):
+    """Runs (kind, chunk c, micro-batch m) of this device: (activation out, input gradient out,
+    carry, bufs)."""
+    tab = self.tables
+    param_packer, _, state_packer = self.packers
+    S, M = tab.num_stages, tab.num_microbatches
+    act_len = self.act.sizes.get("float32", 0)
+    zeros_act = jnp.zeros((act_len,), jnp.float32)
+    params = jax.tree.map(lambda a: a[c], carry["params"])
+    model_state = jax.tree.map(lambda a: a[c], carry["model_state"])
+    stashed = jax.tree.map(lambda a: a[c * tab.w_slots + m % tab.w_slots], bufs["stash"])
+    recv_x = bufs["recv_x"][c * tab.x_slots + m % tab.x_slots]
+    recv_g = bufs["recv_g"][c * tab.g_slots + m % tab.g_slots]
+    zero_grad = jax.tree.map(jnp.zeros_like, params)
+    no_metrics = {name: jnp.float32(0) for name in self.metric_names}
+    scale = np.float32(1.0 / M)
+
+    def idle():
+      return zeros_act, zeros_act, zero_grad, model_state, no_metrics
+
+    def stage_input(s):
+      return x_in if s == 0 else self._unpack_act(s - 1, recv_x)
+
+    def forward(s):
+      def op():
+        y, new_state = self.apply(s, param_packer.unpack(s, params), stage_input(s),
+                                  state_packer.unpack(s, model_state))
+        if s < S - 1:
+          return self._pack_act(s, y), zeros_act, zero_grad, state_packer.pack(s, new_state), \
+              no_metrics
+        metrics = {name: value * scale for name, value in self.loss_metrics(y, y_in).items()}
+        return zeros_act, zeros_act, zero_grad, state_packer.pack(s, new_state), metrics
+      return op
+
+    def backward(s, want_w: bool, want_x: bool):
+      def op():
+        w = param_packer.unpack(s, params)
+        st = state_packer.unpack(s, stashed)
+        x = stage_input(s)
+        if s == S - 1:
+          def f(w, x):
+            y, _ = self.apply(s, w, x, st)
+            return self.loss_metrics(y, y_in)["loss"] * scale
+        else:
+          ct = self._unpack_act(s, recv_g)
+          f = lambda w, x: self.apply(s, w, x, st)[0]
+        argnums = tuple(k for k, want in ((0, want_w), (1, want_x and s > 0)) if want)
+        if not argnums:  # the input-gradient half of stage 0: there is no input gradient
+          return zeros_act, zeros_act, zero_grad, model_state, no_metrics
+        if s == S - 1:
+          got = jax.grad(f, argnums=argnums)(w, x)
+        elif argnums == (0,):
+          got = jax.vjp(lambda w: f(w, x), w)[1](ct)
+        elif argnums == (1,):
+          got = jax.vjp(lambda x: f(w, x), x)[1](ct)
+        else:
+          got = jax.vjp(f, w, x)[1](ct)
+        got = dict(zip(argnums, got, strict=True))
+        gw = param_packer.pack(s, got[0]) if 0 in got else zero_grad
+        gx = self._pack_act(s - 1, got[1]) if 1 in got else zeros_act
+        return zeros_act, gx, gw, model_state, no_metrics
+      return op
+
+    branches = [idle]
+    for s in range(S):
+      branches += [forward(s), backward(s, True, True), backward(s, False, True),
+                   backward(s, True, False)]
+    index = jnp.where(kind == IDLE, 0, 1 + stage * 4 + kind - 1)
+    act_out, grad_out, gw, new_state, metrics = lax.switch(index, branches)
+    write = lambda tree, value: jax.tree.map(lambda a, u: a.at[c].set(u), tree, value)
+    is_f = kind == F
+    bufs = dict(bufs)
+    bufs["stash"] = write_slot(bufs["stash"], c * tab.w_slots + m % tab.w_slots, model_state,
+                               is_f)
+    carry = dict(carry, model_state=write(carry["model_state"], jax.tree.map(
+        lambda new, old: jnp.where(is_f, new, old), new_state, model_state)))
+    has_w = (kind == B) | (kind == W)
+    bufs["grads"] = jax.tree.map(
+        lambda acc, g: acc.at[c].set(jnp.where(has_w, acc[c] + g, acc[c])), bufs["grads"], gw)
+    bufs["sums"] = {name: bufs["sums"][name] + metrics[name] for name in self.metric_names}
+    return act_out, grad_out, carry, bufs
+
+  def _exchange(self, bufs, own, act_out, grad_out):
+    """Sends the tick's activation and input gradient on their channels (a `lax.ppermute` over
+    "stage" per shift; shift 0 stays on the device) and stores what arrives in its ring slot. Every
+    device issues the same collectives; the tables say which sends carry a value."""
+    D = self.tables.num_devices
+    bufs = dict(bufs)
+    for name, value, channel_key, slot_key, shifts in (
+        ("recv_x", act_out, "act_channel", "act_slot", self.tables.act_shifts),
+        ("recv_g", grad_out, "grad_channel", "grad_slot", self.tables.grad_shifts)):
+      for k, shift in enumerate(shifts):
+        tag = jnp.where(own[channel_key] == k, own[slot_key] + 1, 0).astype(jnp.int32)
+        if shift == 0:
+          got, got_tag = value, tag
+        else:
+          perm = [(d, (d + shift) % D) for d in range(D)]
+          got, got_tag = lax.ppermute((value, tag), STAGE, perm)
+        bufs[name] = write_slot(bufs[name], jnp.maximum(got_tag - 1, 0), got, got_tag > 0)
+    return bufs
+
+  def _update(self, carry, stage, c, grads, b, global_batch):
+    """Chunk c's (stage `stage`'s) sync and optimizer step with its summed gradient [L]."""
+    param_packer, opt_packer, _ = self.packers
+    # The chunk's own sync state, and a report of its own: the device reports its chunks' sum.
+    view = dict(carry, sync_state=None if carry["sync_state"] is None else jax.tree.map(
+        lambda a: a[c], carry["sync_state"]),
+        sync_report=jax.tree.map(jnp.zeros_like, carry["sync_report"]))
+    summed, view = self.mode.gradients(view, stage, grads, jnp.bool_(True), b, global_batch)
+    carry = dict(carry, sync_report=jax.tree.map(jnp.add, carry["sync_report"],
+                                                 view["sync_report"]))
+    if carry["sync_state"] is not None:
+      carry["sync_state"] = jax.tree.map(lambda a, u: a.at[c].set(u), carry["sync_state"],
+                                         view["sync_state"])
+    params = jax.tree.map(lambda a: a[c], carry["params"])
+    opt = jax.tree.map(lambda a: a[c], carry["opt"])
+
+    def step(s):
+      def op():
+        p = param_packer.unpack(s, params)
+        g = param_packer.unpack(s, {"float32": summed})
+        o = opt_packer.unpack(s, opt)
+        updates, o = self.optimizer.update(g, o, p)
+        return param_packer.pack(s, optax.apply_updates(p, updates)), opt_packer.pack(s, o)
+      return op
+
+    new_params, new_opt = lax.switch(stage, [step(s) for s in range(self.tables.num_stages)])
+    write = lambda tree, value: jax.tree.map(lambda a, u: a.at[c].set(u), tree, value)
+    return dict(carry, params=write(carry["params"], new_params),
+                opt=write(carry["opt"], new_opt))
+
+  def _pack_act(self, boundary: int, tree: Any) -> jax.Array:
+    tree = jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+    return self.act.pack(boundary, tree)["float32"]
+
+  def _unpack_act(self, boundary: int, flat: jax.Array) -> Any:
+    tree = self.act.unpack(boundary, {"float32": flat})
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [x.astype(d) for x, d in zip(leaves, self.act_dtypes[boundary], strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
+
