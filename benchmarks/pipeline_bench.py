@@ -1,9 +1,11 @@
 """Pipelined data parallelism (`jlp.pipeline`) on 8 emulated CPU devices: bubbles, step time,
 compile time (issue 12 "Performance"; docs/sdpipe.md#schedules, #virtual-time).
 
-Run: python -m benchmarks.pipeline_bench [--sections=bubble,step,compile,host] [--width=1024]
-       [--host_batches=1200]
+Run: python -m benchmarks.pipeline_bench [--sections=bubble,step,compile,host,schedules]
+       [--width=1024] [--host_batches=1200]
        [--batch=2048] [--microbatches=4,8,16] [--steps=5]
+       [--schedule_microbatches=8,16] [--schedule_width=256] [--schedule_batch=2048]
+       [--schedule_rounds=5]
 
 bubble   The idle share of GPipe (S in {2, 4, 8} x M in {1, 4, 8, 16}) and of 1F1B over B
          mini-batches (the same grid with B for M), against (S - 1) / (M + S - 1): on the static
@@ -38,6 +40,27 @@ host     A long 1F1B fill on the host: a linear probe (2 pipelines x 2 stages, x
          restore (the pipeline's kept fill forgotten) against a normal run (target: <= 3x): from
          the state's snapshot, and the baseline of the same run replaying the fill from its start
          (the snapshot zeroed).
+schedules
+         The flush schedules (issue 34) on D = 4 devices x N = 2 pipelines (all 8 devices,
+         sync="allreduce"), M of --schedule_microbatches, one model for all: an MLP of 8 equal
+         blocks (Linear(w, w) + ReLU, w = --schedule_width, the classifier with the last), split
+         into 4 stage functions of 2 blocks (one stage per device: gpipe, 1f1b_flush, zb_h1) or 8
+         of 1 block (two chunks per device: interleaved_1f1b with v = 2, zbv, dualpipev), the
+         same global batch of --schedule_batch rows at every M. Per schedule: the bubble it
+         counts (`Pipeline.bubble`, F = I = W = 1 unit) against its closed form ((D-1)/(M+D-1)
+         GPipe and 1F1B-flush, (D-1)/(3M+D-1) ZB-H1, (D-1)/(2M+D-1) interleaved v = 2; none
+         given for ZB-V and DualPipeV), the max over devices of `Pipeline.peak_inflight`
+         (micro-batch activations, stage units), XLA's temporary memory of the compiled run
+         (`Pipeline.lower(...).compile().memory_analysis().temp_size_in_bytes`; flush executor
+         only, so GPipe's is that of `Schedule.named("gpipe", D, M)` run by the flush executor),
+         and seconds per mini-batch: the cases alternated, --schedule_rounds rounds after a
+         compile + warm-up run each, the median, and the median of the per-round ratios against
+         `schedule="gpipe"` (GPipe's own program, the baseline). "gpipe (flush executor)" is the
+         same GPipe order as a Schedule on the flush executor. 1F1B-flush's memory is also
+         lowered at M = 4 (the target's reference). The flush executor recomputes a stage's
+         forward inside its B, I and W (it keeps the stage's input, not its residuals), so the
+         split schedules do more arithmetic than GPipe; and the 8 emulated devices share the
+         machine's cores, so idle ticks of one device are not free time for another.
 """
 
 from __future__ import annotations
@@ -66,13 +89,19 @@ from flax import nnx  # noqa: E402
 import jlp.pipeline as jp  # noqa: E402
 import jlp.train as jt  # noqa: E402
 
-SECTIONS = ("bubble", "step", "compile", "host")
+SECTIONS = ("bubble", "step", "compile", "host", "schedules")
 _SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"which of {SECTIONS} to run.")
 _WIDTH = flags.DEFINE_integer("width", 1024, "MLP width of the step section (4 blocks).")
 _HOST_BATCHES = flags.DEFINE_integer("host_batches", 1200, "the host section's fill length.")
 _BATCH = flags.DEFINE_integer("batch", 2048, "global batch of the step section.")
 _MICRO = flags.DEFINE_list("microbatches", ["4", "8", "16"], "GPipe's M in the step section.")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed rounds of the step section.")
+_SCHED_MICRO = flags.DEFINE_list("schedule_microbatches", ["8", "16"],
+                                 "M of the schedules section.")
+_SCHED_WIDTH = flags.DEFINE_integer("schedule_width", 256, "MLP width of the schedules section.")
+_SCHED_BATCH = flags.DEFINE_integer("schedule_batch", 2048,
+                                    "global batch (both pipelines) of the schedules section.")
+_SCHED_ROUNDS = flags.DEFINE_integer("schedule_rounds", 5, "timed rounds of the schedules section.")
 
 NUM_CLASSES = 10
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
@@ -377,6 +406,139 @@ def host_section() -> None:
         f"{replayed * 1e3:.1f} ms ({replayed / normal:.1f}x)")
 
 
+# -- (d) flush schedules (issue 34) ---------------------------------------------------------------
+SCHEDULE_BLOCKS = 8  # the schedules section's MLP: 8 equal blocks
+
+
+def chunk_stage(params: dict[str, jax.Array], x: jax.Array, *, last: bool) -> jax.Array:
+  """Consecutive blocks of `BlockMLP` (params stacked on a leading axis) as one stage function,
+  the last one with the classifier."""
+  for k in range(params["kernel"].shape[0]):
+    x = jax.nn.relu(x @ params["kernel"][k] + params["bias"][k])
+  return x @ params["head_kernel"] + params["head_bias"] if last else x
+
+
+def chunk_split(model: BlockMLP, num_parts: int
+                ) -> tuple[list[Callable], list[dict[str, np.ndarray]]]:
+  """(stage functions, stage params) of `model` in `num_parts` equal parts of consecutive blocks."""
+  per = len(model.blocks) // num_parts
+  params = []
+  for s in range(num_parts):
+    blocks = model.blocks[s * per:(s + 1) * per]
+    p = {"kernel": np.stack([np.asarray(b.kernel[...]) for b in blocks]),
+         "bias": np.stack([np.asarray(b.bias[...]) for b in blocks])}
+    if s == num_parts - 1:
+      p.update(head_kernel=np.asarray(model.head.kernel[...]),
+               head_bias=np.asarray(model.head.bias[...]))
+    params.append(p)
+  return [functools.partial(chunk_stage, last=s == num_parts - 1) for s in range(num_parts)], params
+
+
+def closed_form(name: str, d: int, m: int) -> float | None:
+  """The bubble's closed form of the named schedule (F = I = W = 1 unit), None where none."""
+  return {"gpipe": (d - 1) / (m + d - 1), "gpipe (flush executor)": (d - 1) / (m + d - 1),
+          "1f1b_flush": (d - 1) / (m + d - 1), "zb_h1": (d - 1) / (3 * m + d - 1),
+          "interleaved_1f1b": (d - 1) / (2 * m + d - 1)}.get(name)
+
+
+def temp_bytes(pipe: jp.Pipeline, state, xs: np.ndarray, ys: np.ndarray) -> int:
+  return pipe.lower(state, xs, ys).compile().memory_analysis().temp_size_in_bytes
+
+
+def schedule_pipeline(model: BlockMLP, name: str, d: int, n: int, m: int) -> jp.Pipeline:
+  """The Pipeline of the row `name` (a schedule name, or "gpipe (flush executor)")."""
+  v = 2 if name in ("interleaved_1f1b", "zbv", "dualpipev") else 1
+  stages, _ = chunk_split(model, v * d)
+  schedule: str | jp.Schedule = name
+  if name == "gpipe (flush executor)":
+    schedule = jp.Schedule.named("gpipe", d, m)
+  return jp.Pipeline(stages, cross_entropy, optax.sgd(0.01), jp.pipeline_mesh(n, d),
+                     schedule=schedule, num_microbatches=m,
+                     virtual_stages=2 if name == "interleaved_1f1b" else None, donate=True)
+
+
+def schedules_section(width: int, batch: int, microbatches: Sequence[int], rounds: int) -> None:
+  d, n = 4, 2
+  names = ("gpipe", "gpipe (flush executor)", "1f1b_flush", "interleaved_1f1b", "zb_h1", "zbv",
+           "dualpipev")
+  for m in microbatches:
+    if m < 1 or batch % (n * m):
+      raise app.UsageError(f"--schedule_batch={batch} with M={m} is not allowed; expected M >= 1 "
+                           f"and a batch that is a multiple of N * M = {n * m}.")
+  model = BlockMLP(SCHEDULE_BLOCKS, width, NUM_CLASSES, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  xs = rng.standard_normal((1, batch, width)).astype(np.float32)
+  ys = rng.integers(0, NUM_CLASSES, (1, batch)).astype(np.int32)
+  params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  print(f"\nflush schedules: MLP of {SCHEDULE_BLOCKS} blocks of width {width} "
+        f"({params / 1e6:.2f}M params), N = {n} pipelines x D = {d} devices, global batch {batch}, "
+        f"SGD, sync allreduce; v = 1 schedules: {d} stage functions of {SCHEDULE_BLOCKS // d} "
+        f"blocks, v = 2 (interleaved_1f1b, zbv, dualpipev): {2 * d} of "
+        f"{SCHEDULE_BLOCKS // (2 * d)}; {rounds} rounds, cases alternated")
+  results: dict[tuple[str, int], dict] = {}
+  for m in microbatches:
+    cases, pipes = [], {}
+    for name in names:
+      pipe = schedule_pipeline(model, name, d, n, m)
+      v = 2 if name in ("interleaved_1f1b", "zbv", "dualpipev") else 1
+      state = pipe.init(chunk_split(model, v * d)[1])
+      mem = None if name == "gpipe" else temp_bytes(pipe, state, xs, ys)
+      holder = {"state": state}
+
+      def run(pipe=pipe, holder=holder):
+        holder["state"], metrics = pipe.run(holder["state"], xs, ys)
+        jax.block_until_ready(holder["state"].params)
+        assert np.all(np.isfinite(metrics["loss"]))
+
+      cases.append(Case(name, run))
+      pipes[name] = pipe
+      results[name, m] = {"bubble": pipe.bubble, "peak": max(pipe.peak_inflight), "temp": mem}
+    for case in cases:
+      case.warm_up()
+      print(f"  M={m} {case.name}: compile + first run {case.first:.1f} s", flush=True)
+    for _ in range(rounds):
+      for case in cases:
+        case.run()
+    for case in cases:
+      results[case.name, m].update(
+          seconds=statistics.median(case.times),
+          ratio=statistics.median(a / b for a, b in zip(case.times, cases[0].times)))
+    head = (f"{'M':>3s} {'schedule':24s} {'bubble':>7s} {'formula':>8s} {'peak act':>8s} "
+            f"{'temp MiB':>9s} {'s/mini-batch':>12s} {'vs gpipe':>9s}")
+    print("\n" + head + "\n" + "-" * len(head))
+    for name in names:
+      r, form = results[name, m], closed_form(name, d, m)
+      temp = "-" if r["temp"] is None else f"{r['temp'] / 2 ** 20:.2f}"
+      print(f"{m:3d} {name:24s} {r['bubble']:7.4f} "
+            f"{'-' if form is None else f'{form:.4f}':>8s} {r['peak']:8.2f} {temp:>9s} "
+            f"{r['seconds']:12.3f} {r['ratio']:8.2f}x", flush=True)
+  # the memory target's reference: 1F1B-flush (and GPipe's order on the flush executor) at M = 4
+  for name in ("1f1b_flush", "gpipe (flush executor)"):
+    pipe = schedule_pipeline(model, name, d, n, 4)
+    results[name, 4] = {"temp": temp_bytes(pipe, pipe.init(chunk_split(model, d)[1]), xs, ys),
+                        "peak": max(pipe.peak_inflight)}
+    print(f"  M=4 {name}: temp {results[name, 4]['temp'] / 2 ** 20:.2f} MiB, peak activations "
+          f"{results[name, 4]['peak']:.2f}")
+
+  def get(name, m, key):
+    return results[name, m][key] if (name, m) in results else float("nan")
+
+  print("\ntargets (issue 34):")
+  print(f"  ZB-H1 bubble at D=4, M=8 <= 0.12: {get('zb_h1', 8, 'bubble'):.4f} "
+        f"(1F1B-flush {get('1f1b_flush', 8, 'bubble'):.4f}; target text: 0.27)")
+  print(f"  interleaved v=2 bubble at M=8 <= 0.16: {get('interleaved_1f1b', 8, 'bubble'):.4f}")
+  for m in microbatches:
+    print(f"  M={m}: s/mini-batch vs gpipe <= 0.9x: ZB-H1 {get('zb_h1', m, 'ratio'):.2f}x, "
+          f"interleaved {get('interleaved_1f1b', m, 'ratio'):.2f}x")
+  print(f"  1F1B-flush peak at M=16 = GPipe's / 4: {get('1f1b_flush', 16, 'peak'):.2f} vs "
+        f"{get('gpipe', 16, 'peak'):.2f} / 4 = {get('gpipe', 16, 'peak') / 4:.2f}")
+  print(f"  1F1B-flush temp at M=16 <= 1.5x M=4: {get('1f1b_flush', 16, 'temp') / 2 ** 20:.2f} "
+        f"MiB vs {get('1f1b_flush', 4, 'temp') / 2 ** 20:.2f} MiB "
+        f"({get('1f1b_flush', 16, 'temp') / get('1f1b_flush', 4, 'temp'):.2f}x); GPipe order on "
+        f"the flush executor: {get('gpipe (flush executor)', 16, 'temp') / 2 ** 20:.2f} vs "
+        f"{get('gpipe (flush executor)', 4, 'temp') / 2 ** 20:.2f} MiB")
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -397,6 +559,9 @@ def main(argv: Sequence[str]) -> None:
     compile_section()
   if "host" in _SECTIONS.value:
     host_section()
+  if "schedules" in _SECTIONS.value:
+    schedules_section(_SCHED_WIDTH.value, _SCHED_BATCH.value,
+                      [int(m) for m in _SCHED_MICRO.value], _SCHED_ROUNDS.value)
 
 
 if __name__ == "__main__":
