@@ -20,7 +20,11 @@ the hosts share localhost and only `none` runs.
 Then it trains `configs/digits_wide.py` (a 4.8M-parameter MLP on digits) on the same cluster
 with `experiments.train`, and reads each run's metrics (`jlp.train.run_timing`):
   * pipelines (every bandwidth): wall seconds per mini-batch of data parallelism (the float32
-    ring, which moves psum's bytes; the default sequential all-reduce gathers W - 1 copies), GPipe and 1F1B with --stages stages spanning the hosts (stage s on host
+    ring, which moves psum's bytes; the default sequential all-reduce gathers W - 1 copies), GPipe and 1F1B,
+    and the flush schedules of issue 34 (1F1B-flush, ZB-H1 on the same model; interleaved 1F1B
+    v = 2 and ZB-V, two chunks per device, on a deeper MLP of 2 * stages - 1 hidden layers of
+    1536 so it splits into 2 * stages parts, beside GPipe on that model), 4 micro-batches each,
+    with --stages stages spanning the hosts (stage s on host
     s // (stages / hosts), each stage's all-reduce across the pipelines inside one host), over
     --train_steps steps; writes WORKDIR/step_time.md;
   * time to accuracy (--accuracy_bandwidths, default 100mbit): the float32 ring, onebit (PS) and CPD's
@@ -231,6 +235,27 @@ def _step_times(bandwidth: str) -> dict[str, dict]:
           "GPipe (4 micro-batches)": (["--config.pipeline.schedule=gpipe",
                                        "--config.pipeline.microbatches=4", *pipelined], 5),
           "1F1B": (["--config.pipeline.schedule=1f1b", *pipelined], 5)}
+  flush = ["--config.pipeline.microbatches=4", *pipelined]
+  runs.update({
+      "1F1B-flush (4 micro-batches)": (["--config.pipeline.schedule=1f1b_flush", *flush], 5),
+      "ZB-H1 (4 micro-batches)": (["--config.pipeline.schedule=zb_h1", *flush], 5)})
+  # v = 2 schedules need 2 * stages parts; digits_wide's MLP has 4 units (3 hidden + head), so
+  # these rows train a deeper MLP (2 * stages - 1 hidden layers of 1536), GPipe on it the baseline;
+  # a --train_override of the hidden layers (applied last) would replace it: then they are left out
+  deep = 2 * _STAGES.value - 1
+  deeper = [f"--config.model.kwargs.hidden=({'1536,' * deep})", *flush]
+  if any("model.kwargs.hidden" in o for o in _TRAIN_OVERRIDES.value):
+    print("the v = 2 rows (interleaved 1F1B, ZB-V) are left out: --train_override sets "
+          "model.kwargs.hidden, which replaces their deeper MLP", flush=True)
+  else:
+    runs.update({
+        f"GPipe (4 micro-batches; MLP {deep}x1536)": (["--config.pipeline.schedule=gpipe",
+                                                        *deeper], 5),
+        f"interleaved 1F1B v=2 (4 micro-batches; MLP {deep}x1536)": (
+            ["--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.virtual_stages=2",
+             *deeper], 5),
+        f"ZB-V (4 micro-batches; MLP {deep}x1536)": (["--config.pipeline.schedule=zbv",
+                                                      *deeper], 5)})
   out = {}
   for name, (args, warmup) in runs.items():
     rows, config = _train(bandwidth, name, common + args)
