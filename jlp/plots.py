@@ -7,7 +7,9 @@ docs/sdpipe.md#virtual-time);
 `plot_quantization_error` draws the relative error of `jlp.quantize` over a log-spaced range of
 values for several formats (the notebook's formats explorer); `plot_accuracy_vs_bytes` draws the compression study's rows
 (jlp.studies.compression_study): test accuracy against bytes sent per step. Each returns the
-matplotlib Figure and optionally saves it.
+matplotlib Figure and optionally saves it. `plot_schedule` draws a pipeline schedule's table
+(`jlp.pipeline.Schedule`: devices x ticks, cells coloured by F / I / W / B) into an Axes and
+returns the Axes.
 """
 
 from __future__ import annotations
@@ -133,3 +135,65 @@ def plot_accuracy_vs_bytes(rows: Sequence[dict], out: str | None = None):
   if out:
     fig.savefig(out, dpi=120)
   return fig
+
+
+#: Face colour of a schedule cell by action kind (`plot_schedule`).
+SCHEDULE_COLOURS = {"F": "#4c72b0", "B": "#c44e52", "I": "#dd8452", "W": "#55a868"}
+SCHEDULE_KINDS = {"F": "forward (F)", "B": "full backward (B)", "I": "input gradient (I)",
+                  "W": "weight gradient (W)"}
+
+
+def plot_schedule(schedule, ax=None, title: str | None = None):
+  """Draws `schedule` (a `jlp.pipeline.Schedule`) as a table: ticks along x, devices along y
+  (device 0 on top), one unit cell per tick, coloured by the action's kind (SCHEDULE_COLOURS: F
+  blue, B red, I orange, W green; idle white) with its micro-batch number written in it. A device
+  holding several stages (v > 1) marks its later chunks' cells with hatching (stage i's chunk:
+  its rank among the device's stages). An overlapped F+B pair (torch's OVERLAP_F_B) fills the
+  cell's upper half with its F and the lower half with its B, framed in black. Every cell's
+  patch carries the action as its label (`str(action)`, e.g. "0F3", "7W0"). Returns the Axes
+  (a new figure where `ax` is None)."""
+  from matplotlib.patches import Patch, Rectangle  # pylint: disable=g-import-not-at-top
+  if ax is None:
+    _, ax = plt.subplots(figsize=(max(6.0, 0.28 * schedule.num_ticks + 1.5),
+                                  0.5 * schedule.num_devices + 1.2))
+  chunk = {}
+  for d in range(schedule.num_devices):
+    mine = [s for s, dev in enumerate(schedule.placement) if dev == d]
+    chunk.update({s: i for i, s in enumerate(mine)})
+  kinds = set()
+
+  def cell(action, t, y, height):
+    kinds.add(action.kind)
+    ax.add_patch(Rectangle((t, y), 1, height, facecolor=SCHEDULE_COLOURS[action.kind],
+                           edgecolor="white", linewidth=0.5, label=str(action),
+                           hatch="//" if chunk[action.stage] else None))
+    ax.text(t + 0.5, y + height / 2, str(action.microbatch), ha="center", va="center",
+            color="white", fontsize=7 if height == 1 else 5)
+
+  for d, row in enumerate(schedule.ticks):
+    for t, item in enumerate(row):
+      if item is None:
+        continue
+      if len(item.leaves) == 1:
+        cell(item, t, d, 1.0)
+      else:  # an Overlap: F on top, B below, one frame
+        cell(item.forward, t, d, 0.5)
+        cell(item.backward, t, d + 0.5, 0.5)
+        ax.add_patch(Rectangle((t, d), 1, 1, fill=False, edgecolor="black", linewidth=1.2,
+                               label=str(item)))
+  ax.set_xlim(0, schedule.num_ticks)
+  ax.set_ylim(schedule.num_devices, 0)
+  ax.set_yticks(np.arange(schedule.num_devices) + 0.5,
+                [f"device {d}" for d in range(schedule.num_devices)])
+  ax.set_xlabel("tick")
+  handles = [Patch(facecolor=SCHEDULE_COLOURS[k], label=SCHEDULE_KINDS[k])
+             for k in "FBIW" if k in kinds]
+  if any(chunk.values()):
+    handles.append(Patch(facecolor="grey", hatch="//", label="later chunk"))
+  if any(item is not None and len(item.leaves) == 2 for row in schedule.ticks for item in row):
+    handles.append(Patch(facecolor="none", edgecolor="black", label="overlapped F+B"))
+  ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="x-small",
+            frameon=False)
+  if title is not None:
+    ax.set_title(title)
+  return ax

@@ -125,3 +125,48 @@ def test_plot_accuracy_vs_bytes_draws_one_point_per_row(tmp_path):
   assert [t.get_text() for t in ax.get_legend().get_texts()] == [
       "float32 / ring", "onebit / ps", "tbq(threshold=0.001) / ring"]
   assert Image.open(out).size[0] > 0
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b_flush", "zb_h1", "interleaved_1f1b", "zbv",
+                                  "dualpipev"])
+def test_plot_schedule_draws_every_action_in_its_cell(name):
+  """plot_schedule: one patch per action at (tick, device), coloured by its kind, its micro-batch
+  written in the cell; an overlapped F+B pair split in halves and framed; idle ticks empty."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.colors import to_rgba  # pylint: disable=g-import-not-at-top
+  from jlp.pipeline import Schedule  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  schedule = Schedule.named(name, 4, 8)
+  ax = plots.plot_schedule(schedule, title=name)
+  assert ax.get_title() == name and ax.get_xlim() == (0, schedule.num_ticks)
+  cells = {}
+  for patch in ax.patches:
+    if patch.get_fill():
+      x, y = patch.get_xy()
+      cells[int(x), float(y)] = (patch.get_label(), patch.get_facecolor(), patch.get_height())
+  frames = {(int(p.get_x()), int(p.get_y())): p.get_label() for p in ax.patches
+            if not p.get_fill()}
+  texts = {(t.get_position()[0], t.get_position()[1]): t.get_text() for t in ax.texts}
+  expected_cells, expected_frames, expected_texts = {}, {}, {}
+  overlaps = 0
+  for d, row in enumerate(schedule.ticks):
+    for t, item in enumerate(row):
+      if item is None:
+        continue
+      halves = item.leaves
+      if len(halves) == 2:
+        overlaps += 1
+        expected_frames[t, d] = str(item)
+      for k, action in enumerate(halves):
+        height = 1.0 / len(halves)
+        y = d + k * height
+        expected_cells[t, y] = (str(action), to_rgba(plots.SCHEDULE_COLOURS[action.kind]), height)
+        expected_texts[t + 0.5, y + height / 2] = str(action.microbatch)
+  assert cells == expected_cells
+  assert frames == expected_frames and (overlaps > 0) == (name == "dualpipev")
+  assert texts == expected_texts
+  kinds = {a.kind for row in schedule.ticks for item in row if item for a in item.leaves}
+  assert kinds == ({"F", "B"} if name in ("gpipe", "1f1b_flush", "interleaved_1f1b") else
+                   {"F", "I", "W"} if name in ("zb_h1", "zbv") else {"F", "B", "I", "W"})
+  plt.close(ax.figure)
