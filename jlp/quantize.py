@@ -21,74 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlp.formats import (BFPFormat, BlockScaledFormat, Format, FloatFormat, NVFP4Format,
-                         as_format)
-from jlp.numerics import bfp as bfp_numerics
-from jlp.numerics import float_cast as float_numerics
-from jlp.numerics import mx as mx_numerics
+from jlp.formats import Format, FloatFormat, as_format
 from jlp.numerics import random_bits as rb
+# The undifferentiated cast lives below this module and jlp.gemm (both use it); re-exported here.
+from jlp.numerics.quantize_core import _use_pallas, is_stochastic, quantize_f32, random_bits
 
 IMPLS = ("auto", "xla", "pallas")
 _NATIVE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def is_stochastic(fmt: Format | None) -> bool:
-  return fmt is not None and fmt.rounding == "stochastic"
-
-
-def random_bits(key: jax.Array, shape: tuple[int, ...], *, index_offset=0,
-                rng: str = "pairs") -> jax.Array:
-  """The uint32 draws of stochastic rounding, one per element: a counter-based hash of `key` and
-  the element's global flat index (`jlp.numerics.random_bits`)."""
-  return rb.random_bits(key, shape, index_offset=index_offset, rng=rng)
-
-
-def _use_pallas(impl: str) -> bool:
-  return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
-
-
-def quantize_f32(x: jax.Array, fmt: Format, key: jax.Array | None = None,
-                 impl: str = "xla", *, index_offset=0, rng: str = "pairs") -> jax.Array:
-  """float32 x rounded to `fmt` (no custom_vjp, no validation): the shared core.
-
-  A FloatFormat generates its draws inside the cast (XLA fusion or kernel tile); the block
-  formats take them as an array from `random_bits`. impl="auto" runs NVFP4Format and
-  BlockScaledFormat on the XLA path everywhere: on a GPU it is faster than their kernels (it
-  uses the hardware's float operations where they give the same bits; BENCHMARKS.md).
-  """
-  pallas = _use_pallas(impl) and not (impl == "auto"
-                                      and isinstance(fmt, (NVFP4Format, BlockScaledFormat)))
-  interpret = jax.default_backend() != "gpu"
-  if isinstance(fmt, FloatFormat):
-    if pallas:
-      from pallas_kernels import float_cast as kernel  # pylint: disable=g-import-not-at-top
-      return kernel.float_cast(x, fmt, key=key, index_offset=index_offset, rng=rng,
-                               interpret=interpret)
-    return float_numerics.float_cast(x, fmt, key=key, index_offset=index_offset, rng=rng)
-  rbits = None
-  if is_stochastic(fmt):
-    rbits = random_bits(key, x.shape, index_offset=index_offset, rng=rng)
-  if isinstance(fmt, BFPFormat):
-    if pallas:
-      from pallas_kernels import bfp as kernel  # pylint: disable=g-import-not-at-top
-      return kernel.bfp_quantize(x, fmt, rbits, interpret=interpret)
-    return bfp_numerics.bfp_quantize(x, fmt, rbits)
-  if isinstance(fmt, NVFP4Format):
-    if pallas:
-      from pallas_kernels import nvfp4 as kernel  # pylint: disable=g-import-not-at-top
-      return kernel.nvfp4_quantize(x, fmt, rbits, interpret=interpret)
-    from jlp.numerics import nvfp4  # pylint: disable=g-import-not-at-top
-    return nvfp4.nvfp4_quantize(x, fmt, rbits)
-  if isinstance(fmt, BlockScaledFormat):
-    if pallas:
-      from pallas_kernels import block_scaled as kernel  # pylint: disable=g-import-not-at-top
-      return kernel.block_scaled_quantize(x, fmt, interpret=interpret)
-    from jlp.numerics import block_scaled  # pylint: disable=g-import-not-at-top
-    return block_scaled.block_scaled_quantize(x, fmt)
-  if pallas:
-    from pallas_kernels import mx as kernel  # pylint: disable=g-import-not-at-top
-    return kernel.mx_quantize(x, fmt, rbits, interpret=interpret)
-  return mx_numerics.mx_quantize(x, fmt, rbits)
 
 
 def _apply(x: jax.Array, fmt: Format, key: jax.Array | None, impl: str, index_offset,

@@ -61,11 +61,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jlp.formats import FloatFormat
-from jlp.gemm.accum import accumulate, check_accum, check_operands, check_promote_every
+from jlp.gemm.accum_step import accumulate, check_accum, check_operands, check_promote_every
 from jlp.numerics.ieee_f32 import ieee_add
 from jlp.numerics.opaque import opaque_zero, rounded_product
 from jlp.numerics.float_cast import float_cast
-from pallas_kernels.tiling import is_power_of_two, next_power_of_two, num_warps
+# The module, not its names: jlp.gemm.accum imports this module at its top, so a fresh
+# `import pallas_kernels.tiling` (which imports jlp) reaches here while tiling is half-initialised.
+from pallas_kernels import tiling
 
 # 32 x 32 accumulators (s, and c with Kahan, and the chunk's partial sum) per program, in
 # registers (num_warps from tiling: 8).
@@ -186,7 +188,7 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
     raise ValueError(f"chunk={chunk!r} is not allowed; expected an int >= 1.")
   promote_every = check_promote_every(promote_every, kahan=kahan, chunk=chunk)
   for name, t in (("tile_m", tile_m), ("tile_n", tile_n), ("tile_k", tile_k)):
-    if not is_power_of_two(t):
+    if not tiling.is_power_of_two(t):
       raise ValueError(f"{name}={t!r} is not allowed; expected a power of two >= 1.")
   a, b = check_operands(a, b)
   m, k = a.shape
@@ -195,9 +197,9 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
     return jnp.zeros((m, n), jnp.float32)
   chunk = min(chunk, k)
   promote = None if promote_every is None else min(promote_every, k)
-  tm = min(tile_m, next_power_of_two(m))
-  tn = min(tile_n, next_power_of_two(n))
-  tk = min(tile_k, next_power_of_two(k))
+  tm = min(tile_m, tiling.next_power_of_two(m))
+  tn = min(tile_n, tiling.next_power_of_two(n))
+  tk = min(tile_k, tiling.next_power_of_two(k))
   mp, np_, kp = -(-m // tm) * tm, -(-n // tn) * tn, -(-k // tk) * tk
   a_p = jnp.pad(a, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else a
   b_p = jnp.pad(b, ((0, kp - k), (0, np_ - n))) if (kp, np_) != (k, n) else b
@@ -213,7 +215,7 @@ def accum_matmul(a: jax.Array, b: jax.Array, fmt: FloatFormat, *, kahan: bool = 
                 pl.BlockSpec((kp, tn), lambda i, j: (0, j))],
       out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
       interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps(tm * tn * 4)),
+      compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps(tm * tn * 4)),
       name=f"accum_matmul_{fmt.name}" + ("_kahan" if kahan else "") + f"_chunk{chunk}"
       + (f"_promote{promote}" if promote else ""),
   )(zero, a_p, b_p)

@@ -17,7 +17,7 @@ rule, without re-running the forward) of the underlying lax op at the
 substituted operands, so every dimension_numbers, stride,
 padding, dilation and feature grouping works. The GEMMs run in float32 with precision=HIGHEST.
 
-Quantization uses `jlp.quantize.quantize_f32` (no second custom_vjp; impl
+Quantization uses `jlp.numerics.quantize_core.quantize_f32` (no second custom_vjp; impl
 "auto"). A stochastic role r draws its bits from `fold_in(key, ROLES.index(r))`
 (ROLES = x, w, y, wgrad_dy, wgrad_x, wgrad_out, dgrad_dy, dgrad_w, dgrad_out),
 so every role has its own stream.
@@ -87,9 +87,10 @@ from jax import lax
 
 from jlp.formats import BFPFormat, FloatFormat, Format
 from jlp.gemm import accum as accum_lib
+from jlp.gemm import fp8_delayed
 from jlp.gemm.config import GemmQuant, ROLES, matrix_shape
 from jlp.numerics import bfp as bfp_numerics
-from jlp.quantize import is_stochastic, quantize_f32, random_bits
+from jlp.numerics.quantize_core import is_stochastic, quantize_f32, random_bits
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -494,8 +495,7 @@ def _check_probe(cfg: GemmQuant, probe: Any, lhs_ndim: int, op: str):
 
 
 def _check_not_delayed(cfg: Any, op: str) -> None:
-  from jlp.gemm.fp8_delayed import DelayedScaling  # pylint: disable=g-import-not-at-top (cycle)
-  if isinstance(cfg, DelayedScaling):
+  if isinstance(cfg, fp8_delayed.DelayedScaling):
     raise ValueError(f"{op}: cfg={cfg!r} is not allowed: DelayedScaling keeps per-layer amax "
                      "histories and scales; expected a stateless GemmQuant (quantize a model with "
                      "jlp.nn.quantize_model to use DelayedScaling).")

@@ -20,9 +20,8 @@ from jax import lax
 import numpy as np
 
 from jlp.formats import FloatFormat
-from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, float_bits,
-                                     from_bits, to_bits, u32)
-
+from jlp.numerics.f32_bits import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, float_bits, from_bits,
+                                   to_bits, u32)
 
 
 def _cpd_round(m: jax.Array, s: int) -> jax.Array:

@@ -29,31 +29,11 @@ import numpy as np
 from jax import lax
 
 from jlp.formats import FloatFormat
+from jlp.numerics import compat
 from jlp.numerics import random_bits as rb
-
-SIGN = np.uint32(0x80000000)
-ABS = np.uint32(0x7FFFFFFF)
-INF = np.uint32(0x7F800000)
-QNAN = np.uint32(0x7FC00000)
-FRAC = np.uint32(0x007FFFFF)
-HIDDEN = np.uint32(0x00800000)
-
-
-def u32(v) -> np.uint32:
-  return np.uint32(v)
-
-
-def float_bits(v: float) -> np.uint32:
-  """The float32 bit pattern of a Python float (exact for float32 values)."""
-  return np.array(v, np.float32).view(np.uint32)[()]
-
-
-def to_bits(x: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(x, jnp.uint32)
-
-
-def from_bits(u: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(u, jnp.float32)
+# The bit helpers live below this module and `compat` (both use them); re-exported here.
+from jlp.numerics.f32_bits import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, float_bits, from_bits,
+                                   to_bits, u32)
 
 
 def round_up_decision(rem: jax.Array, half: jax.Array, lsb: jax.Array, rounding: str,
@@ -187,7 +167,6 @@ def cast_bits(u: jax.Array, fmt: FloatFormat, rbits: jax.Array | None = None) ->
   """float32 bits -> bits of the value in `fmt`, for every compat mode."""
   if fmt.compat is None:
     return ieee_cast_bits(u, fmt, rbits)
-  from jlp.numerics import compat  # pylint: disable=g-import-not-at-top
   if fmt.compat == "cpd":
     return compat.cpd_cast_bits(u, fmt)
   return compat.qtorch_cast_bits(u, fmt, rbits)
