@@ -52,7 +52,8 @@ schedules
          given for ZB-V and DualPipeV), the max over devices of `Pipeline.peak_inflight`
          (micro-batch activations, stage units), XLA's temporary memory of the compiled run
          (`Pipeline.lower(...).compile().memory_analysis().temp_size_in_bytes`; flush executor
-         only, so GPipe's is that of `Schedule.named("gpipe", D, M)` run by the flush executor),
+         only, so GPipe's is that of `Schedule.named("gpipe", D, M)` run by the flush executor; at
+         M = 4 too, and at every M with the micro-batch fixed at the largest M's rows),
          and seconds per mini-batch: the cases alternated, --schedule_rounds rounds after a
          compile + warm-up run each, the median, and the median of the per-round ratios against
          `schedule="gpipe"` (GPipe's own program, the baseline). "gpipe (flush executor)" is the
@@ -512,13 +513,26 @@ def schedules_section(width: int, batch: int, microbatches: Sequence[int], round
       print(f"{m:3d} {name:24s} {r['bubble']:7.4f} "
             f"{'-' if form is None else f'{form:.4f}':>8s} {r['peak']:8.2f} {temp:>9s} "
             f"{r['seconds']:12.3f} {r['ratio']:8.2f}x", flush=True)
-  # the memory target's reference: 1F1B-flush (and GPipe's order on the flush executor) at M = 4
+  # the memory target's reference: 1F1B-flush (and GPipe's order on the flush executor) at M = 4,
+  # with the same global batch (bigger micro-batches) and with the same micro-batch rows as the
+  # largest M (the mini-batch grows with M: what the executor's buffers hold, against M)
+  micro_rows = batch // (n * max(microbatches))
+  fixed: dict[tuple[str, int], int] = {}
   for name in ("1f1b_flush", "gpipe (flush executor)"):
     pipe = schedule_pipeline(model, name, d, n, 4)
     results[name, 4] = {"temp": temp_bytes(pipe, pipe.init(chunk_split(model, d)[1]), xs, ys),
                         "peak": max(pipe.peak_inflight)}
-    print(f"  M=4 {name}: temp {results[name, 4]['temp'] / 2 ** 20:.2f} MiB, peak activations "
-          f"{results[name, 4]['peak']:.2f}")
+    print(f"  M=4 {name}: temp {results[name, 4]['temp'] / 2 ** 20:.2f} MiB (global batch "
+          f"{batch}), peak activations {results[name, 4]['peak']:.2f}")
+    for m in sorted({4, *microbatches}):
+      pipe = schedule_pipeline(model, name, d, n, m)
+      rows = n * micro_rows * m
+      fixed[name, m] = temp_bytes(pipe, pipe.init(chunk_split(model, d)[1]), xs[:, :rows] if
+                                  rows <= batch else np.resize(xs, (1, rows, width)),
+                                  np.resize(ys, (1, rows)))
+    print(f"  {name}, {micro_rows} rows per micro-batch per pipeline (global batch "
+          f"{n} x {micro_rows} x M): temp MiB " +
+          ", ".join(f"M={m} {fixed[name, m] / 2 ** 20:.2f}" for m in sorted({4, *microbatches})))
 
   def get(name, m, key):
     return results[name, m][key] if (name, m) in results else float("nan")
@@ -532,11 +546,18 @@ def schedules_section(width: int, batch: int, microbatches: Sequence[int], round
           f"interleaved {get('interleaved_1f1b', m, 'ratio'):.2f}x")
   print(f"  1F1B-flush peak at M=16 = GPipe's / 4: {get('1f1b_flush', 16, 'peak'):.2f} vs "
         f"{get('gpipe', 16, 'peak'):.2f} / 4 = {get('gpipe', 16, 'peak') / 4:.2f}")
-  print(f"  1F1B-flush temp at M=16 <= 1.5x M=4: {get('1f1b_flush', 16, 'temp') / 2 ** 20:.2f} "
-        f"MiB vs {get('1f1b_flush', 4, 'temp') / 2 ** 20:.2f} MiB "
-        f"({get('1f1b_flush', 16, 'temp') / get('1f1b_flush', 4, 'temp'):.2f}x); GPipe order on "
-        f"the flush executor: {get('gpipe (flush executor)', 16, 'temp') / 2 ** 20:.2f} vs "
-        f"{get('gpipe (flush executor)', 4, 'temp') / 2 ** 20:.2f} MiB")
+  print(f"  1F1B-flush temp at M=16 <= 1.5x M=4, same global batch: "
+        f"{get('1f1b_flush', 16, 'temp') / 2 ** 20:.2f} MiB vs "
+        f"{get('1f1b_flush', 4, 'temp') / 2 ** 20:.2f} MiB "
+        f"({get('1f1b_flush', 16, 'temp') / get('1f1b_flush', 4, 'temp'):.2f}x; GPipe order on "
+        f"the flush executor {get('gpipe (flush executor)', 16, 'temp') / 2 ** 20:.2f} vs "
+        f"{get('gpipe (flush executor)', 4, 'temp') / 2 ** 20:.2f} MiB)")
+  if ("1f1b_flush", 16) in fixed:
+    f16, f4 = fixed["1f1b_flush", 16], fixed["1f1b_flush", 4]
+    g16, g4 = fixed["gpipe (flush executor)", 16], fixed["gpipe (flush executor)", 4]
+    print(f"  1F1B-flush temp at M=16 <= 1.5x M=4, same micro-batch ({micro_rows} rows): "
+          f"{f16 / 2 ** 20:.2f} MiB vs {f4 / 2 ** 20:.2f} MiB ({f16 / f4:.2f}x; GPipe order on the "
+          f"flush executor {g16 / 2 ** 20:.2f} vs {g4 / 2 ** 20:.2f} MiB, {g16 / g4:.2f}x)")
 
 
 def main(argv: Sequence[str]) -> None:
