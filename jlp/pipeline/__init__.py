@@ -14,7 +14,8 @@ jitted per-device program: ticks, exchanges, updates), `buffers` (the ring buffe
 `sync_modes` (one strategy per sync across pipelines), `schedules` (GPipe / 1F1B tick tables, the
 never-ending 1F1B table cut into runs, bubble fraction), `schedule_data` (flush schedules as data:
 `Schedule`, torch's compute-only CSV, the rules, the named generators, `bubble` and
-`peak_inflight`; the executor does not run them yet), `timeline` (a pipeline's virtual time,
+`peak_inflight`), `flush` (the program that runs any flush schedule: 1F1B-flush, interleaved
+1F1B, ZB-H1, ZB-V, DualPipeV, a torch CSV), `timeline` (a pipeline's virtual time,
 decided as its runs need it), `simulator` (the event model of a whole run: `simulate`,
 `preduce_schedule`, AD-PSGD matchings; it re-exports the public names of the next three),
 `costs` (the configuration and cost model: `Hetero`, `PReduce`, `HetPipe`, op durations),

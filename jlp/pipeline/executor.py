@@ -1,6 +1,6 @@
-"""Pipelined data-parallel training: N pipelines of S stages on a ("data", "stage") mesh, GPipe or
-PipeDream-1F1B with weight stashing inside one `jax.shard_map`, synchronised across pipelines by
-all-reduce, SD-PIPE's partial reduce, AD-PSGD or HetPipe (docs/sdpipe.md).
+"""Pipelined data-parallel training: N pipelines of S stages on a ("data", "stage") mesh, GPipe,
+PipeDream-1F1B with weight stashing or a flush schedule inside one `jax.shard_map`, synchronised
+across pipelines by all-reduce, SD-PIPE's partial reduce, AD-PSGD or HetPipe (docs/sdpipe.md).
 
     mesh = jlp.pipeline.pipeline_mesh(num_pipelines=2, num_stages=4)
     pipe = jlp.pipeline.Pipeline(stages, loss_fn, optax.sgd(0.1), mesh, schedule="1f1b")
@@ -31,6 +31,11 @@ Schedules:
            the runs). Weight stashing: the forward of mini-batch b (1-based) at stage s (0-based)
            uses the weights after b - (S - s) updates of that stage (v = max(0, b - (S - s))); its
            backward uses the same stashed version, and its update is applied to the latest weights.
+
+  flush    "1f1b_flush", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev" or any
+           `jlp.pipeline.Schedule` (`jlp.pipeline.flush`, docs/sdpipe.md "Running a flush
+           schedule"): every mini-batch of M micro-batches flushed, the update GPipe's; v stages per
+           device take v * S stage functions; syncs "allreduce" and "none".
 
 Synchronisation across the N pipelines, per stage, at every update (`jlp.pipeline.sync_modes`):
   "allreduce"  the update uses the sum over pipelines of gradient / N, summed by

@@ -2,8 +2,8 @@
 interleaved 1F1B, ZB-H1, ZB-V, DualPipeV, a torch CSV) on the devices of the "stage" mesh axis,
 inside one `jax.shard_map` (docs/sdpipe.md, "Flush schedules").
 
-`FlushTables` lowers a schedule to static integer tables, one row per tick and one column per device:
-the action each device runs (kind, local chunk, micro-batch; a second column for the backward of an
+`FlushTables` lowers a schedule to static integer tables, one row per tick and one column per
+device: the action each device runs (kind, local chunk, micro-batch; a second column for the backward of an
 overlapped F+B pair), where its output goes (a channel: a fixed shift along the stage axis, or the
 device itself for the turn of a V), and the ring slot it lands in. Ring sizes come from the
 schedule: the smallest K per buffer under which no two values that live at once on a chunk share
@@ -220,7 +220,8 @@ class FlushProgram:
                  sync_report={name: jnp.zeros((self.num_batches,), dtype)
                               for name, dtype in SYNC_REPORT.items()} if self.mode.reports else {})
     tab = self.tables
-    rows = {name: jnp.asarray(getattr(tab, name)) for name in ("kind", "chunk", "micro", "act_channel", "act_slot", "grad_channel",
+    rows = {name: jnp.asarray(getattr(tab, name))
+            for name in ("kind", "chunk", "micro", "act_channel", "act_slot", "grad_channel",
                          "grad_slot")}
 
     def minibatch(carry, b):

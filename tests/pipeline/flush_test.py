@@ -156,8 +156,8 @@ def test_w_is_a_real_split_and_i_plus_w_is_the_full_backward(mesh):
     pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=M)
     state, _ = pipe.run(pipe.init(params), xs, ys)
     runs[name] = pipe.stage_params(state)
-    if name == "late_w":
-      assert pipe._tables.g_slots == M  # every output gradient kept until its W  # pylint: disable=protected-access
+    if name == "late_w":  # every output gradient kept until its W
+      assert pipe._tables.g_slots == M  # pylint: disable=protected-access
   expected, _ = _reference(stages, params, xs, ys, optimizer, "allreduce")
   for name, got in runs.items():
     for s in range(D):
