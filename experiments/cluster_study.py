@@ -52,6 +52,10 @@ _BANDWIDTHS = flags.DEFINE_list("bandwidths", ["100mbit", "1gbit", "none"],
 _SIZE = flags.DEFINE_string("size", "4M", "Gradient elements per device (K/M suffixes).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per sync (median).")
 _HOST_OUT = flags.DEFINE_string("host_out", None, "Internal: run as a host, write rows here.")
+_LINK = flags.DEFINE_string("link", "none", "Internal: the hosts' link, named in their sync fits.")
+_SYNC_FITS = flags.DEFINE_string(
+    "sync_fits", None, "Where the whole-sync fits are kept and reused (one JSON per link and "
+    "compressor; default WORKDIR/sync_fits).")
 _SECTIONS = flags.DEFINE_multi_enum("sections", ["sync", "pipelines", "accuracy"],
                                     ["sync", "pipelines", "accuracy"], "Parts of the study to run.")
 _ACCURACY_BANDWIDTHS = flags.DEFINE_list("accuracy_bandwidths", ["100mbit"],
@@ -138,17 +142,68 @@ def planned_sync(size: int, num_devices: int, codec: str, model: Any) -> tuple[A
   return sync, predicted, label
 
 
+#: The whole-sync fit's gradient sizes (elements per device).
+SYNC_FIT_SIZES = (1 << 16, 1 << 18, 1 << 20)
+
+
+def _sync_fits(num_devices: int) -> dict[str, Any]:
+  """Per compressor, the fit from whole syncs (`jlp.sync_tuning.fit_sync_costs`; K in {1, W/2,
+  W}), read back from --sync_fits (one JSON per compressor) when one was made on this cluster
+  and link, else timed now and saved there by host 0."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jlp import sync_tuning  # pylint: disable=g-import-not-at-top
+  fits = {}
+  cluster = f"{sync_tuning.cluster_key()} at {_LINK.value}"
+  for codec in ("onebit", "tbq", "dgc"):
+    path = os.path.join(_SYNC_FITS.value, f"{_LINK.value}_{codec}.json")
+    fit = sync_tuning.SyncFit.load(path, cluster=cluster, compressor=codec,
+                                   num_nodes=num_devices)
+    if fit is None:
+      fit = sync_tuning.fit_sync_costs(codec, sizes=SYNC_FIT_SIZES, repeats=3, cluster=cluster)
+      if jax.process_index() == 0:
+        os.makedirs(_SYNC_FITS.value, exist_ok=True)
+        fit.save(path)
+    fits[codec] = fit
+  return fits
+
+
+def _fit_prediction(fits: dict[str, Any], case: str, size: int, num_devices: int
+                    ) -> float | None:
+  """The whole-sync fit's ms for a fixed row of `sync_timing.CASES` (None: no formula)."""
+  if case in ("float32 psum", "float32 ring"):
+    return fits["onebit"].float32(size)
+  codec, _, topology = case.partition(" ")
+  if codec in fits and topology in ("PS", "ring"):
+    return fits[codec].predict(f"{topology.lower()}, K={num_devices}", size)
+  return None
+
+
 def _host(size: int) -> None:
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax import ShapeDtypeStruct  # pylint: disable=g-import-not-at-top
+  from jlp import sync_tuning  # pylint: disable=g-import-not-at-top
+  from jlp.compression import base  # pylint: disable=g-import-not-at-top
   from jlp.train import distributed, sync_timing  # pylint: disable=g-import-not-at-top
   info = distributed.initialize()
+  devices = info["global_devices"]
   rows = sync_timing.time_syncs(size, _REPEATS.value)
-  predicted, models = _fit_and_predict(size, info["global_devices"])
+  predicted, models = _fit_and_predict(size, devices)
+  fits = _sync_fits(devices)
   for row in rows:
     row["secopa_ms"] = predicted.get(row["case"])
+    row["fit_ms"] = _fit_prediction(fits, row["case"], size, devices)
   for codec, model in models.items():
-    sync, ms, plan = planned_sync(size, info["global_devices"], codec, model)
+    sync, ms, plan = planned_sync(size, devices, codec, model)
     row, = sync_timing.time_syncs(size, _REPEATS.value, [(f"{codec} SeCoPa plan", sync)])
     rows.append(dict(row, secopa_ms=ms, plan=plan))
+  for codec, fit in fits.items():
+    chosen = sync_tuning.plan_sync({"g": ShapeDtypeStruct((size,), jnp.float32)}, codec, fit)
+    sync = chosen.grad_sync(base.get(codec))
+    label = chosen.label if chosen.topology in (None, "allreduce") else \
+        f"{chosen.label}, K={dict(chosen.leaf_plan)["['g']"][1]}"
+    row, = sync_timing.time_syncs(size, _REPEATS.value, [(f"{codec} plan (whole-sync fit)",
+                                                           sync)])
+    rows.append(dict(row, fit_ms=chosen.predicted_ms, plan=label))
   if info["process_index"] == 0:
     with open(_HOST_OUT.value, "w") as f:
       json.dump({"devices": info["global_devices"], "size": size, "rows": rows}, f, indent=1)
@@ -157,10 +212,11 @@ def _host(size: int) -> None:
 def _table(results: dict[str, dict]) -> str:
   bandwidths = list(results)
   cases = [r["case"] for r in next(iter(results.values()))["rows"]]
-  head = "| sync | " + " | ".join(f"{b}: ms (vs psum) / SeCoPa" for b in bandwidths) + \
+  head = "| sync | " + " | ".join(f"{b}: ms (vs psum) / SeCoPa / fit" for b in bandwidths) + \
       " | wire bytes / device |"
   lines = [head, "| --- " * (len(bandwidths) + 2) + "|"]
   within = total = 0
+  fit_within = fit_total = 0
   for case in cases:
     cells = []
     for b in bandwidths:
@@ -171,16 +227,44 @@ def _table(results: dict[str, dict]) -> str:
       cell = f"{row['ms']:.1f} ({ratio:.2f}×)"
       if row.get("plan"):
         cell += f" [{row['plan']}]"
+      cell += " / " + ("–" if predicted is None else f"{predicted:.1f}")
       if predicted is not None:
-        cell += f" / {predicted:.1f}"
         total += 1
         within += abs(predicted - row["ms"]) <= 0.3 * row["ms"]
+      fitted = row.get("fit_ms")
+      cell += " / " + ("–" if fitted is None else f"{fitted:.1f}")
+      if fitted is not None:
+        fit_total += 1
+        fit_within += abs(fitted - row["ms"]) <= 0.3 * row["ms"]
       cells.append(cell)
     wire = {r["case"]: r for r in results[bandwidths[0]]["rows"]}[case]["wire_bytes"]
     lines.append(f"| {case} | " + " | ".join(cells) + f" | {wire / 1e6:.2f} MB |")
   if total:
-    lines.append(f"\nSeCoPa's prediction within ±30 % of the measured time: {within} of {total} "
-                 f"cells ({100 * within / total:.0f} %; target: at least 80 %).")
+    lines.append(f"\nPredictions within ±30 % of the measured time (target: at least 80 %): "
+                 f"SeCoPa with the seed's per-operation fit {within} of {total} cells "
+                 f"({100 * within / total:.0f} %); with the whole-sync fit {fit_within} of "
+                 f"{fit_total} ({100 * fit_within / max(fit_total, 1):.0f} %).")
+  lines += ["", _plan_table(results)]
+  return "\n".join(lines)
+
+
+def _plan_table(results: dict[str, dict]) -> str:
+  """Per compressor and bandwidth: each plan's choice and time against the fastest fixed sync
+  of that compressor (its PS and ring rows, the float32 psum and ring)."""
+  lines = ["| compressor | bandwidth | plan, whole-sync fit: ms | SeCoPa plan, per-operation fit: "
+           "ms | fastest fixed sync: ms | plan / fastest |", "| --- | --- | --- | --- | --- | --- |"]
+  for b, result in results.items():
+    rows = {r["case"]: r for r in result["rows"]}
+    for codec in ("onebit", "tbq", "dgc"):
+      fixed = [rows[c] for c in ("float32 psum", "float32 ring", f"{codec} PS", f"{codec} ring")
+               if c in rows]
+      best = min(fixed, key=lambda r: r["ms"])
+      plan = rows.get(f"{codec} plan (whole-sync fit)")
+      seed = rows.get(f"{codec} SeCoPa plan")
+      cell = lambda r: "–" if r is None else f"[{r['plan']}] {r['ms']:.1f}"
+      ratio = "–" if plan is None else f"{plan['ms'] / best['ms']:.2f}×"
+      lines.append(f"| {codec} | {b} | {cell(plan)} | {cell(seed)} | {best['case']}: "
+                   f"{best['ms']:.1f} | {ratio} |")
   return "\n".join(lines)
 
 
@@ -333,8 +417,10 @@ def _sync_section(size: int) -> None:
   results = {}
   for bandwidth in _BANDWIDTHS.value:
     out = os.path.abspath(os.path.join(_WORKDIR.value, f"{bandwidth}.json"))
+    fits = os.path.abspath(_SYNC_FITS.value or os.path.join(_WORKDIR.value, "sync_fits"))
     cluster.launch("experiments.cluster_study",
-                   [f"--host_out={out}", f"--size={_SIZE.value}", f"--repeats={_REPEATS.value}"],
+                   [f"--host_out={out}", f"--size={_SIZE.value}", f"--repeats={_REPEATS.value}",
+                    f"--link={bandwidth}", f"--sync_fits={fits}"],
                    hosts=_HOSTS.value, devices_per_host=_DEVICES.value, bandwidth=bandwidth,
                    workdir=os.path.join(_WORKDIR.value, f"hosts_{bandwidth}"))
     with open(out) as f:

@@ -95,7 +95,17 @@ Fields (see `base_config` for defaults):
                                 (jlp.compression.secopa.read_plan: `name,size,y|n,K` lines, name
                                 = jax.tree_util.keystr of the gradient's path, e.g.
                                 "['conv1']['kernel'].value"), or "secopa": SeCoPa's plan for this
-                                model with HiPress's seed cost model (4, 8 or 16 devices).
+                                model with HiPress's seed cost model (4, 8 or 16 devices), or
+                                "autotune": before the first step, the plans this compressor can
+                                run (every topology it supports, K = devices; and no compression:
+                                the float32 ring) are timed on the live devices on gradient-shaped
+                                data and the fastest is kept (jlp.sync_tuning.autotune; with a
+                                whole-sync fit at compression.sync_fit, only the 4 it ranks
+                                highest, each leaf in its best K); the choice and its timings are
+                                printed and written to WORKDIR/sync_plan.json, which a resume
+                                reuses.
+  compression.sync_fit          "" or the path of a jlp.sync_tuning.SyncFit JSON (fitted from
+                                whole syncs on this cluster) that ranks autotune's candidates.
   Every step logs wire_bytes: the bytes one device sends for the gradient sync (jlp.train.step).
   diloco.period                 H > 0: DiLoCo (Douillard et al. 2023; jlp.sync.DiLoCo,
                                 docs/baselines.md): every device is a replica that runs H inner
@@ -248,6 +258,8 @@ APS_MODES = ("exact", "cpd")
 CAST_SINGLE_MODEL = "resnet50"
 #: config.compression.plan value: plan with SeCoPa's seed cost model for the model being trained.
 SECOPA = "secopa"
+#: config.compression.plan value: time the best ranked plans on the live devices, keep the fastest.
+AUTOTUNE = "autotune"
 PIPELINE_SCHEDULES = ("none", "gpipe", "1f1b", "1f1b_flush", "interleaved_1f1b", "zb_h1", "zbv",
                       "dualpipev", "csv")
 #: The flush schedules the pipelined runner runs with jlp.pipeline.flush (all but GPipe and 1F1B).
@@ -309,7 +321,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.unscale_grads = True
   c.compression = ml_collections.ConfigDict({
       "name": "none", "topology": "ps", "min_size": DEFAULT_MIN_SIZE,
-      "kwargs": ml_collections.ConfigDict(), "plan": ""})
+      "kwargs": ml_collections.ConfigDict(), "plan": "", "sync_fit": ""})
 
   c.quant_rules = ()
   c.quant_recipe = "none"
@@ -782,16 +794,21 @@ def _check_compression(config: ml_collections.ConfigDict, fmt: FloatFormat | Non
            f"one of {type(codec).topologies} with compression.name={c.name!r}")
   _check(_int(c.min_size) and c.min_size >= 0, "compression.min_size", c.min_size,
          "an int >= 0 (elements; 0 compresses every gradient)")
-  plans = f"'', {SECOPA!r} or the path of an existing SeCoPa plan file"
+  plans = f"'', {SECOPA!r}, {AUTOTUNE!r} or the path of an existing SeCoPa plan file"
   _check(isinstance(c.plan, str), "compression.plan", c.plan, plans)
   if codec is None:
     off = "with compression.name='none' (no compressor: the CPD all-reduce sums every gradient)"
     for field, value, default in (("topology", c.topology, "ps"),
                                   ("min_size", c.min_size, DEFAULT_MIN_SIZE),
-                                  ("kwargs", dict(c.kwargs), {}), ("plan", c.plan, "")):
+                                  ("kwargs", dict(c.kwargs), {}), ("plan", c.plan, ""),
+                                  ("sync_fit", c.sync_fit, "")):
       _check(value == default, f"compression.{field}", value, f"{default!r} (the default) {off}")
     return
-  _check(c.plan in ("", SECOPA) or os.path.isfile(c.plan), "compression.plan", c.plan, plans)
+  _check(c.plan in ("", SECOPA, AUTOTUNE) or os.path.isfile(c.plan), "compression.plan", c.plan,
+         plans)
+  _check(isinstance(c.sync_fit, str) and (c.sync_fit == "" or (
+      c.plan == AUTOTUNE and os.path.isfile(c.sync_fit))), "compression.sync_fit", c.sync_fit,
+         f"'' or, with compression.plan={AUTOTUNE!r}, the path of an existing sync fit (JSON)")
   why = f"with config.compression.name={c.name!r} (the compressed sync sums float32 gradients)"
   _check(fmt is None, "grad_format", config.grad_format, f"float32 (grad_exp=8, grad_man=23) {why}")
   _check(not config.use_aps, "use_aps", config.use_aps, f"False {why}")

@@ -216,6 +216,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   run = setup(config)
   manifests = {"train": run.train_pipe.dataset.manifest(), "eval": run.eval_pipe.dataset.manifest()}
   os.makedirs(workdir, exist_ok=True)
+  # compression.plan="autotune": the sync (and so the compression state's layout) is chosen here,
+  # or read back on a resume, before the state is made.
+  run.sync = recipe.autotune_sync(config, run.sync, split_model(run.model)[1], run.mesh, workdir)
   checkpoints = Checkpointer(workdir)
   start = checkpoints.latest_step() or 0
   data_changes = check_data(workdir, manifests, resuming=bool(start),

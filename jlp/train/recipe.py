@@ -20,6 +20,7 @@ E = steps per epoch of the training pipeline:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -36,7 +37,10 @@ from jlp import data as jdata
 from jlp import models
 from jlp.compression import secopa
 from jlp.train import optim
-from jlp.train.config import CAST_SINGLE_MODEL, DEVICE_HINT, SECOPA, compressor, grad_format
+from jlp import sync_tuning
+from jlp.train.config import (AUTOTUNE, CAST_SINGLE_MODEL, DEVICE_HINT, SECOPA, compressor,
+                              grad_format)
+from jlp.train.metrics import replace_file
 from jlp.train.step import cross_entropy_loss
 from jlp.sync import DiLoCo, GradSync
 
@@ -239,7 +243,7 @@ def grad_sync(config: ml_collections.ConfigDict, num_devices: int | None = None)
         raise _bad("compression.plan", c.plan, f"a plan file, or 'secopa' on "
                    f"{secopa.SEED_COEFFICIENTS.nodes} devices (the seed cost model's node counts; "
                    f"this run has {num_devices})")
-    elif c.plan:
+    elif c.plan and c.plan != AUTOTUNE:  # autotune_sync chooses once the workdir is known
       plan = {e.name: (e.compress, e.partitions) for e in secopa.read_plan(c.plan)}
     compressed = dict(compression=codec, topology=c.topology, min_size=int(c.min_size),
                       plan=plan, seed=int(config.seed))
@@ -262,6 +266,50 @@ def plan_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any,
   plan = secopa.plan_for_tree(params, num_nodes=num_devices, topology=sync.topology,
                               compressor=sync.compression)
   return dataclasses.replace(sync, plan=plan)
+
+
+#: Where an autotuned run keeps its choice (compression.plan="autotune").
+SYNC_PLAN_FILE = "sync_plan.json"
+
+
+def autotune_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any, mesh: Any,
+                  workdir: str) -> GradSync:
+  """With compression.plan="autotune", the sync `jlp.sync_tuning.autotune` finds fastest for
+  gradients shaped like `params` on `mesh` (ranked by compression.sync_fit when given), written
+  with its timings to WORKDIR/sync_plan.json; a later start of the run (a resume) reuses that
+  choice without timing again when it was made for the same compressor, devices and gradient
+  shapes. `sync` itself otherwise. Prints one line."""
+  if sync.compression is None or config.compression.plan != AUTOTUNE:
+    return sync
+  path = os.path.join(workdir, SYNC_PLAN_FILE)
+  key = {"compressor": config.compression.name, "devices": int(mesh.size),
+         "cluster": sync_tuning.cluster_key(list(mesh.devices.flat)),
+         "gradients": sync_tuning.tree_digest(params)}
+  chosen = None
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+    if saved.get("key") == key:
+      chosen = sync_tuning.Autotuned.from_dict(saved["choice"])
+      how = f"reused from {path}"
+  if chosen is None:
+    fit = None
+    if config.compression.sync_fit:
+      fit = sync_tuning.SyncFit.load(config.compression.sync_fit,
+                                     compressor=config.compression.name, num_nodes=int(mesh.size))
+      if fit is None:
+        raise _bad("compression.sync_fit", config.compression.sync_fit,
+                   f"a fit made for compressor {config.compression.name!r} on {mesh.size} devices")
+    chosen = sync_tuning.autotune(params, sync.compression, fit=fit, mesh=mesh,
+                                  axis=mesh.axis_names[0], seed=sync.seed)
+    how = "timed now"
+    if jax.process_index() == 0:
+      replace_file(path, lambda f: json.dump({"key": key, "choice": chosen.to_dict()}, f,
+                                             indent=1))
+  timings = ", ".join(f"{label} {ms:.1f} ms" for label, ms in chosen.measured_ms.items())
+  if jax.process_index() == 0:
+    print(f"autotune: {chosen.plan.label} ({timings}; {how})", flush=True)
+  return chosen.plan.grad_sync(sync.compression, seed=sync.seed)
 
 
 def diloco(config: ml_collections.ConfigDict, inner: optax.GradientTransformation,

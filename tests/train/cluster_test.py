@@ -243,8 +243,10 @@ def test_the_cluster_study_writes_its_table(tmp_path):
   assert "| float32 psum | " in table and "| dgc ring | " in table and "1gbit" in table
   assert (tmp_path / "sync_time.png").stat().st_size > 0
   rows = json.load(open(tmp_path / "1gbit.json"))["rows"]
-  assert len(rows) == 13 and rows[0]["case"] == "float32 psum"
-  for row in rows[10:]:  # the syncs SeCoPa plans with each compressor's fitted cost model
+  assert len(rows) == 16 and rows[0]["case"] == "float32 psum"
+  for row in rows[13:]:  # the syncs planned with each compressor's whole-sync fit
+    assert row["case"].endswith("plan (whole-sync fit)") and row["ms"] > 0
+  for row in rows[10:13]:  # the syncs SeCoPa plans with each compressor's fitted cost model
     assert row["case"].endswith("SeCoPa plan") and row["secopa_ms"] > 0 and row["ms"] > 0
     assert row["plan"].split(",")[0] in ("PS", "ring") and ", K=" in row["plan"]
   assert "| onebit SeCoPa plan | " in table

@@ -205,6 +205,42 @@ def test_compressed_run_resumes_bit_exactly(tmp_path):
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
 
 
+def test_autotune_chooses_records_and_a_resume_reuses_the_choice(tmp_path, capsys,
+                                                                  monkeypatch):
+  """compression.plan="autotune": the plans are timed once, the fastest runs (its wire bytes are
+  the chosen sync's), the choice and timings are printed and kept in WORKDIR/sync_plan.json; a
+  resume reads it back without timing (autotune would fail) and ends bit for bit where the
+  uninterrupted run ended."""
+  import json
+  from jlp import sync_tuning
+  c = compressed_config()
+  c.compression.plan = "autotune"
+  ref_dir, workdir = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  loop.train_and_evaluate(c, ref_dir, progress=False)
+  out = capsys.readouterr().out
+  saved = json.load(open(os.path.join(ref_dir, "sync_plan.json")))
+  label = saved["choice"]["label"]
+  assert set(saved["choice"]["measured_ms"]) == {"float32", "ps", "ring"}
+  assert f"autotune: {label} (" in out and "timed now" in out
+  chosen = sync_tuning.Autotuned.from_dict(saved["choice"]).plan.grad_sync(jc.get("onebit"))
+  run = data_parallel_loop.setup(c)
+  params = jt.split_model(run.model)[1]
+  sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+  want = chosen.allreduce_wire_bytes(sizes, W) if chosen.compression is None else None
+  rows = read_metrics(ref_dir)
+  if want is not None:
+    assert all(r["wire_bytes"] == pytest.approx(want) for r in rows)
+  shutil.copytree(ref_dir, workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  monkeypatch.setattr(sync_tuning, "autotune", lambda *a, **k: pytest.fail("timed again"))
+  loop.train_and_evaluate(c, workdir, progress=False)
+  assert "reused from" in capsys.readouterr().out
+  assert stable(read_metrics(workdir)) == stable(rows)
+  (_, ref_state), (_, state) = final_checkpoint(ref_dir), final_checkpoint(workdir)
+  for k in ref_state:
+    np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
 def test_compressed_config_builds_the_sync(tmp_path):
   sync = recipe.grad_sync(compressed_config(seed=5))
   assert sync.compression == jc.get("onebit") and sync.min_size == 0 and sync.seed == 5
@@ -243,6 +279,8 @@ def test_compressed_config_builds_the_sync(tmp_path):
      r"OneBit.scale_mode='median' is not allowed; expected one of"),
     ({"plan": "/no/such/plan.txt"}, {}, r"config.compression.plan='/no/such/plan.txt' is not "
      r"allowed"),
+    ({"sync_fit": "/no/fit.json"}, {}, r"config.compression.sync_fit='/no/fit.json' is not "
+     r"allowed; expected '' or, with compression.plan='autotune', the path"),
     ({}, {"grad_exp": 4, "grad_man": 3}, r"config.grad_format='e4m3' is not allowed; expected "
      r"float32 .* with config.compression.name='onebit'"),
     ({}, {"use_kahan": True}, r"config.use_kahan=True is not allowed"),

@@ -322,7 +322,7 @@ def test_a_flush_schedule_resumes_bit_exact_and_a_torch_csv_runs_as_its_name(tmp
     ({"batches_per_call": 7}, {}, r"config.eval_every=60 is not allowed; expected a multiple of "
      r"pipeline.batches_per_call=7"),
     ({"sync": "preduce"}, {"compression": {"name": "onebit", "topology": "ps", "min_size": 0,
-                                            "kwargs": {}, "plan": ""}},
+                                            "kwargs": {}, "plan": "", "sync_fit": ""}},
      r"config.compression.name='onebit' is not allowed; expected 'none' with "
      r"pipeline.sync='preduce'"),
     ({"sync": "none"}, {"grad_format": "e4m3"}, r"config.grad_format='e4m3' .* with "
@@ -330,7 +330,7 @@ def test_a_flush_schedule_resumes_bit_exact_and_a_torch_csv_runs_as_its_name(tmp
     ({}, {"emulate_nodes": 2}, r"config.emulate_nodes=2 is not allowed; expected 1 with "
      r"pipeline.schedule='gpipe'"),
     ({}, {"compression": {"name": "onebit", "topology": "ps", "min_size": 0, "kwargs": {},
-                          "plan": "secopa"}}, r"config.compression.plan='secopa'"),
+                          "plan": "secopa", "sync_fit": ""}}, r"config.compression.plan='secopa'"),
     ({}, {"loss_scale": 128.0}, r"config.loss_scale=128.0 is not allowed"),
     ({}, {"bfp": {"preset": "", "schedule": {"0": "default_FB12"}, "controller": "",
                   "window": 0}}, r"config.bfp.schedule=.* preset switches are not supported"),

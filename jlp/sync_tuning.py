@@ -1,0 +1,452 @@
+"""Sync plans that hold on the cluster they are made for: SeCoPa fitted from whole syncs, a planner
+over every topology and the uncompressed sum, and autotuning (docs/hipress.md, "Planning on a live
+cluster"). Above `jlp.sync` and `jlp.compression`, whose GradSync and syncs it times.
+
+HiPress's SeCoPa prices a sync from its primitives (encode, decode, one send, ...) timed alone on an
+idle device (`jlp.compression.profile.fit_cost_model`, the seed's "per-operation" fit). A real ring
+runs 2(W - 1) dependent hops of encode, send and decode with every host's threads sharing the
+cores, so on a real cluster those prices are off by 1.3-9x (BENCHMARKS.md). Here:
+
+  * `fit_sync_costs` times whole syncs on the live devices, for each topology the compressor
+    supports, at a few sizes and partition counts, and fits the planner's coefficients to them
+    by non-negative least squares: per topology a `CostModel` whose formulas (SeCoPa's,
+    `jlp.compression.secopa`) reproduce those timings; a line for the uncompressed float32 ring
+    all-reduce (what CaSync sends its uncompressed leaves with, all of them packed into one); and,
+    for topology "allreduce" (PowerSGD), a line in the synced elements. A `SyncFit` is saved as
+    JSON and reused on the same cluster (`SyncFit.load(path, cluster=...)`: None when it was made
+    on another one), like NCCL's tuning or Horovod's autotune cache.
+  * `rank_plans` prices, for a gradient pytree, every plan the compressor can run: per topology
+    (each leaf compressed into its best K, or left to the float32 ring when that is cheaper), and
+    "don't compress" (every leaf on the float32 ring). Cheapest first.
+  * `autotune` times the highest ranked plans (at most `limit`) on the live devices, with
+    gradient-shaped data, and keeps the fastest; every process takes process 0's choice.
+
+Per-leaf costs add up (HiPress's assumption; jlp sends the uncompressed leaves as one all-reduce,
+priced by the float32 line of their total size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from scipy import optimize
+
+from jlp.compression import base
+from jlp.compression.base import invalid
+from jlp.compression.secopa import CostModel, LinearCost
+from jlp.sync import GradSync, reduce_gradients
+
+__all__ = ["FLOAT32", "Plan", "SyncFit", "autotune", "cluster_key", "fit_sync_costs",
+           "plan_sync", "rank_plans"]
+
+#: The plan that compresses nothing: every leaf summed by the float32 ring all-reduce.
+FLOAT32 = "float32"
+
+
+def cluster_key(devices: Sequence[Any] | None = None) -> str:
+  """What identifies "the same cluster" for a saved fit: the processes, devices per process and
+  device kind (e.g. "2 processes x 4 cpu")."""
+  devices = jax.devices() if devices is None else list(devices)
+  processes = sorted({d.process_index for d in devices})
+  kinds = sorted({d.device_kind for d in devices})
+  return f"{len(processes)} processes x {len(devices) // max(1, len(processes))} {','.join(kinds)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncFit:
+  """Sync costs fitted from whole syncs (module docstring).
+
+  models: {topology: CostModel} for "ps" / "ring" (SeCoPa's formulas, coefficients fitted to
+    whole compressed syncs on `num_nodes` devices).
+  float32: the float32 ring all-reduce of x elements, ms.
+  allreduce: topology "allreduce" (PowerSGD): its sync of x elements, ms; None if not fitted.
+  samples: (label, elements, measured ms) the fit was made from.
+  """
+  compressor: str
+  num_nodes: int
+  cluster: str
+  models: tuple[tuple[str, CostModel], ...]
+  float32: LinearCost
+  allreduce: LinearCost | None = None
+  samples: tuple[tuple[str, int, float], ...] = ()
+
+  def model(self, topology: str) -> CostModel:
+    return dict(self.models)[topology]
+
+  @property
+  def topologies(self) -> tuple[str, ...]:
+    return tuple(t for t, _ in self.models) + (("allreduce",) if self.allreduce else ())
+
+  def predict(self, label: str, size: int, codec: base.Compressor | None = None) -> float:
+    """ms of one sync of `size` elements as the sample `label` ("float32", "allreduce",
+    "ps, K=4", "ring, K=8") runs it."""
+    if label == FLOAT32:
+      return self.float32(size)
+    if label == "allreduce":
+      return self.allreduce(size)
+    topology, k = _parse(label)
+    codec = base.get(self.compressor) if codec is None else codec
+    return _compressed_cost(self.model(topology), topology, size, k, self.num_nodes, codec)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"compressor": self.compressor, "num_nodes": self.num_nodes, "cluster": self.cluster,
+            "models": {t: m.to_dict() for t, m in self.models},
+            "float32": self.float32.to_dict(),
+            "allreduce": None if self.allreduce is None else self.allreduce.to_dict(),
+            "samples": [list(s) for s in self.samples]}
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> SyncFit:
+    try:
+      return cls(compressor=data["compressor"], num_nodes=int(data["num_nodes"]),
+                 cluster=data["cluster"],
+                 models=tuple((t, CostModel.from_dict(m)) for t, m in data["models"].items()),
+                 float32=LinearCost(**data["float32"]),
+                 allreduce=None if data["allreduce"] is None else LinearCost(**data["allreduce"]),
+                 samples=tuple((str(a), int(b), float(c)) for a, b, c in data["samples"]))
+    except (KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"a sync fit of {sorted(data) if isinstance(data, Mapping) else data!r} "
+                       f"is not allowed: {e!r}; expected SyncFit.to_dict()'s keys.") from None
+
+  def save(self, path: str | os.PathLike) -> None:
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(self.to_dict(), f, indent=1)
+      f.write("\n")
+    os.replace(tmp, path)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike, *, cluster: str | None = None,
+           compressor: str | None = None, num_nodes: int | None = None) -> SyncFit | None:
+    """The fit saved at `path`, or None when there is none or it was made for another cluster,
+    compressor or node count than those given."""
+    if not os.path.exists(path):
+      return None
+    with open(path, encoding="utf-8") as f:
+      try:
+        fit = cls.from_dict(json.load(f))
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{os.fspath(path)} is not a JSON sync fit: {e}") from None
+    for name, want in (("cluster", cluster), ("compressor", compressor),
+                       ("num_nodes", num_nodes)):
+      if want is not None and getattr(fit, name) != want:
+        return None
+    return fit
+
+
+def _parse(label: str) -> tuple[str, int]:
+  topology, k = label.split(", K=")
+  return topology, int(k)
+
+
+def _label(topology: str, k: int) -> str:
+  return f"{topology}, K={k}"
+
+
+def _payload(codec: base.Compressor, size: int, k: int) -> float:
+  return codec.wire_bytes(-(-size // k)) / 4
+
+
+def _features(topology: str, size: int, k: int, n: int, codec: base.Compressor
+              ) -> dict[str, float]:
+  """The coefficients of SeCoPa's compressed formula (jlp.compression.secopa) for one sync, as
+  {coefficient: its factor}: the formula is linear in (w, b) of each primitive."""
+  part, small = size / k, _payload(codec, size, k)
+  if topology == "ps":
+    encodes, decodes = min(k + 1, n), min(n - 1 + k, 2 * (n - 1))
+    return {"gather.w": small, "gather.b": 1.0, "encode.w": encodes * part,
+            "encode.b": encodes, "decode.w": decodes * small, "decode.b": decodes,
+            "aggregate.w": (n - 1) * part}
+  return {"ring_send.w": 2 * (n - 1) * small, "ring_send.b": 2 * (n - 1),
+          "encode.w": n * part, "encode.b": n, "decode.w": n * small, "decode.b": n,
+          "aggregate.w": (n - 1) * part}
+
+
+def _compressed_cost(model: CostModel, topology: str, size: int, k: int, n: int,
+                     codec: base.Compressor) -> float:
+  values = _coefficients(model, topology, n)
+  return sum(values[name] * factor for name, factor in _features(topology, size, k, n,
+                                                                 codec).items())
+
+
+def _coefficients(model: CostModel, topology: str, n: int) -> dict[str, float]:
+  gather = model.gather_at(n) if topology == "ps" else LinearCost(0, 0, 0)
+  return {"gather.w": gather.w, "gather.b": gather.b, "encode.w": model.encode.w,
+          "encode.b": model.encode.b, "decode.w": model.decode.w, "decode.b": model.decode.b,
+          "aggregate.w": model.aggregate.w, "ring_send.w": model.ring_send.w,
+          "ring_send.b": model.ring_send.b}
+
+
+def fit_from_samples(samples: Sequence[tuple[str, int, float]], *, compressor: str,
+                     num_nodes: int, cluster: str) -> SyncFit:
+  """A `SyncFit` from (label, elements, ms) samples of whole syncs: "float32" and "allreduce"
+  samples get a line each (least squares, slope and intercept >= 0); "ps, K=k" / "ring, K=k"
+  samples, per topology, SeCoPa's coefficients by non-negative least squares."""
+  codec = base.get(compressor)
+  by_kind: dict[str, list[tuple[int, int, float]]] = {}
+  for label, size, ms in samples:
+    if label in (FLOAT32, "allreduce"):
+      by_kind.setdefault(label, []).append((0, size, ms))
+    else:
+      topology, k = _parse(label)
+      by_kind.setdefault(topology, []).append((k, size, ms))
+  if FLOAT32 not in by_kind:
+    raise invalid("samples", [s[0] for s in samples], "some 'float32' samples")
+
+  def line(points: list[tuple[int, int, float]]) -> LinearCost:
+    a = np.array([[size, 1.0] for _, size, _ in points])
+    (w, b), _ = optimize.nnls(a, np.array([ms for _, _, ms in points]))
+    return LinearCost(float(w), float(b), 0.0)
+
+  models = []
+  for topology in ("ps", "ring"):
+    points = by_kind.get(topology)
+    if not points:
+      continue
+    rows = [_features(topology, size, k, num_nodes, codec) for k, size, _ in points]
+    names = sorted({name for row in rows for name in row})
+    # Columns in ms per unit, scaled to comparable magnitudes for the solver.
+    matrix = np.array([[row.get(name, 0.0) for name in names] for row in rows])
+    scale = np.maximum(np.abs(matrix).max(axis=0), 1e-30)
+    solution, _ = optimize.nnls(matrix / scale, np.array([ms for _, _, ms in points]))
+    got = dict(zip(names, (solution / scale).tolist()))
+    lc = lambda key: LinearCost(got.get(f"{key}.w", 0.0), got.get(f"{key}.b", 0.0), 0.0)
+    gather = lc("gather")
+    models.append((topology, CostModel(
+        encode=lc("encode"), decode=lc("decode"), aggregate=lc("aggregate"),
+        ring_send=lc("ring_send"), gather={num_nodes: gather},
+        broadcast={num_nodes: LinearCost(0, 0, 0)}, ratio=min(1.0, codec.wire_bytes(1 << 20) / (
+            4 << 20)), source=f"fitted from whole {topology} syncs on {cluster}")))
+  return SyncFit(compressor=compressor, num_nodes=num_nodes, cluster=cluster,
+                 models=tuple(models), float32=line(by_kind[FLOAT32]),
+                 allreduce=line(by_kind["allreduce"]) if "allreduce" in by_kind else None,
+                 samples=tuple((str(a), int(b), float(c)) for a, b, c in samples))
+
+
+# -- plans ----------------------------------------------------------------------------------------
+class Plan(NamedTuple):
+  """One way to sync a gradient pytree: `label` ("float32", "ps", "ring", "allreduce"), the
+  GradSync fields that run it, and its predicted ms (nan: not priced)."""
+  label: str
+  topology: str | None  # None: float32 (no compression)
+  leaf_plan: tuple[tuple[str, tuple[bool, int]], ...]  # CaSync's {keystr(path): (compress, K)}
+  predicted_ms: float
+
+  def grad_sync(self, compressor: base.Compressor, seed: int = 0) -> GradSync:
+    """The `jlp.sync.GradSync` that runs this plan."""
+    if self.topology is None:
+      return GradSync(algorithm="ring")
+    if self.topology == "allreduce":
+      return GradSync(compression=compressor, topology="allreduce", min_size=0, seed=seed)
+    return GradSync(compression=compressor, topology=self.topology, min_size=0,
+                    plan=dict(self.leaf_plan), seed=seed)
+
+
+def _leaves(tree: Any) -> list[tuple[str, int]]:
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    shape = getattr(leaf, "shape", None)
+    if shape is None:
+      raise invalid(f"tree{jax.tree_util.keystr(path)}", leaf, "an array or ShapeDtypeStruct")
+    out.append((jax.tree_util.keystr(path), math.prod(shape)))
+  return out
+
+
+def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None = None, *,
+               num_nodes: int | None = None) -> list[Plan]:
+  """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", and per
+  topology the compressor runs ("ps", "ring": each leaf in its best K, or on the float32 ring
+  when cheaper; "allreduce": the compressor's own routing). Without a fit, the CaSync plans
+  compress every non-empty leaf into K = min(N, size) partitions and nothing is priced."""
+  codec = base.get(compressor) if isinstance(compressor, str) else compressor
+  leaves = _leaves(tree)
+  n = fit.num_nodes if fit is not None else num_nodes
+  if n is None:
+    raise invalid("num_nodes", num_nodes, "the device count when no fit is given")
+  total = sum(size for _, size in leaves)
+  nan = float("nan")
+  plans = [Plan(FLOAT32, None, (), fit.float32(total) if fit else nan)]
+  for topology in codec.topologies:
+    if topology == "allreduce":
+      priced = fit is not None and fit.allreduce is not None
+      plans.append(Plan("allreduce", "allreduce", (), fit.allreduce(total) if priced else nan))
+      continue
+    entries, cost, dense = [], 0.0, 0
+    for name, size in leaves:
+      if size == 0:
+        entries.append((name, (False, 1)))
+        continue
+      ks = range(1, min(n, size) + 1)
+      if fit is None or topology not in fit.topologies:
+        entries.append((name, (True, min(n, size))))
+        continue
+      costs = [_compressed_cost(fit.model(topology), topology, size, k, n, codec) for k in ks]
+      best = min(costs)
+      if best < fit.float32.w * size:
+        entries.append((name, (True, costs.index(best) + 1)))
+        cost += best
+      else:
+        entries.append((name, (False, 1)))
+        dense += size
+    if fit is None or topology not in fit.topologies:
+      cost = nan
+    elif dense:
+      cost += fit.float32(dense)
+    plans.append(Plan(topology, topology, tuple(entries), cost))
+  return sorted(plans, key=lambda p: (math.isnan(p.predicted_ms), p.predicted_ms))
+
+
+def plan_sync(tree: Any, compressor: base.Compressor | str, fit: SyncFit) -> Plan:
+  """The plan `fit` predicts fastest for `tree` (`rank_plans`' first)."""
+  return rank_plans(tree, compressor, fit)[0]
+
+
+# -- timing ---------------------------------------------------------------------------------------
+def _sync_program(sync: Any, tree: Any, mesh: Mesh, axis: str) -> Callable[[Any], Any]:
+  num_devices = mesh.devices.size
+
+  def body(grads):
+    state = sync.init_state(grads, num_devices) if sync.compression is not None else None
+    summed, _, _ = reduce_gradients(grads, sync, state, jnp.int32(0))
+    return summed
+  specs = jax.tree.map(lambda _: P(axis), tree)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                               check_vma=False))
+
+
+def _device_tree(tree: Any, mesh: Mesh, axis: str, seed: int = 0) -> Any:
+  """`tree`'s shapes, standard-normal float32 values, one copy per device along `axis`."""
+  rng = np.random.default_rng(seed)
+  sharding = NamedSharding(mesh, P(axis))
+  w = mesh.devices.size
+
+  def make(leaf):
+    shape = (w * int(leaf.shape[0]),) + tuple(leaf.shape[1:]) if leaf.shape else (w,)
+    host = rng.standard_normal(shape).astype(np.float32)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.tree.map(make, tree)
+
+
+def time_sync_ms(sync: Any, tree: Any, *, mesh: Mesh | None = None, axis: str = "data",
+                 repeats: int = 3) -> float:
+  """Median wall ms of `sync` on a pytree shaped like `tree` (one copy per device: leaves of shape
+  [n, ...] become [W * n, ...] sharded along `axis`), after a compiling call."""
+  mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
+  flat = jax.tree.map(lambda a: jax.ShapeDtypeStruct((math.prod(a.shape),), jnp.float32), tree)
+  fn = _sync_program(sync, flat, mesh, axis)
+  data = _device_tree(flat, mesh, axis)
+  jax.block_until_ready(fn(data))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(data))
+    times.append(1000 * (time.perf_counter() - start))
+  return statistics.median(times)
+
+
+def fit_sync_costs(compressor: base.Compressor | str, *, sizes: Sequence[int] = (
+    1 << 14, 1 << 16, 1 << 18), partitions: Sequence[int] | None = None,
+                   mesh: Mesh | None = None, axis: str = "data", repeats: int = 3,
+                   cluster: str | None = None,
+                   timer: Callable[[Any, Any], float] | None = None) -> SyncFit:
+  """Times whole syncs of one gradient of each size in `sizes` on the live devices and fits a
+  `SyncFit` (module docstring): the float32 ring, and for each topology the compressor supports
+  ("ps" / "ring" at each K in `partitions`, default 1, N/2 and N; "allreduce" once per size).
+  With several processes every one fits process 0's timings (so all plan alike). `cluster`
+  names the cluster in the fit (default `cluster_key()`; add what the devices do not tell, such
+  as the link's shaping). `timer(sync, tree) -> ms` replaces the timing (tests)."""
+  codec = base.get(compressor) if isinstance(compressor, str) else compressor
+  if not isinstance(codec, base.Compressor):
+    raise invalid("compressor", compressor, "a jlp.compression Compressor or a registered name")
+  mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
+  n = mesh.devices.size
+  if n < 2:
+    raise invalid("devices", n, "at least 2")
+  sizes = tuple(sizes)
+  if len(set(sizes)) < 2 or not all(isinstance(s, int) and s >= 1 for s in sizes):
+    raise invalid("sizes", sizes, "at least two distinct positive ints")
+  ks = tuple(sorted({1, max(1, n // 2), n})) if partitions is None else tuple(partitions)
+  if not ks or not all(isinstance(k, int) and 1 <= k <= n for k in ks):
+    raise invalid("partitions", partitions, f"ints in [1, {n}]")
+  timer = timer or (lambda sync, tree: time_sync_ms(sync, tree, mesh=mesh, axis=axis,
+                                                    repeats=repeats))
+  samples = []
+  for size in sizes:
+    tree = {"g": jax.ShapeDtypeStruct((size,), jnp.float32)}
+    samples.append((FLOAT32, size, timer(GradSync(algorithm="ring"), tree)))
+    for topology in codec.topologies:
+      if topology == "allreduce":
+        sync = GradSync(compression=codec, topology="allreduce", min_size=0)
+        samples.append(("allreduce", size, timer(sync, tree)))
+        continue
+      for k in ks:
+        if k > size:
+          continue
+        sync = GradSync(compression=codec, topology=topology, min_size=0,
+                        plan={"['g']": (True, k)})
+        samples.append((_label(topology, k), size, timer(sync, tree)))
+  if jax.process_count() > 1:
+    ms = multihost_utils.broadcast_one_to_all(np.array([m for _, _, m in samples], np.float64))
+    samples = [(label, size, float(m)) for (label, size, _), m in zip(samples, ms, strict=True)]
+  name = next((n_ for n_, c in base.COMPRESSORS.items() if c is type(codec)), type(codec).__name__)
+  return fit_from_samples(samples, compressor=name, num_nodes=n,
+                          cluster=cluster or cluster_key(list(mesh.devices.flat)))
+
+
+# -- autotune -------------------------------------------------------------------------------------
+class Autotuned(NamedTuple):
+  """What `autotune` chose: the plan, the ms measured for each plan timed, and their labels in
+  the order timed."""
+  plan: Plan
+  measured_ms: dict[str, float]
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"label": self.plan.label, "topology": self.plan.topology,
+            "leaf_plan": [[k, list(v)] for k, v in self.plan.leaf_plan],
+            "predicted_ms": self.plan.predicted_ms, "measured_ms": self.measured_ms}
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> Autotuned:
+    plan = Plan(data["label"], data["topology"],
+                tuple((k, (bool(v[0]), int(v[1]))) for k, v in data["leaf_plan"]),
+                float(data["predicted_ms"]))
+    return cls(plan, {k: float(v) for k, v in data["measured_ms"].items()})
+
+
+def tree_digest(tree: Any) -> str:
+  """A short digest of `tree`'s leaf paths and shapes (what a saved choice was made for)."""
+  text = ";".join(f"{name}:{size}" for name, size in _leaves(tree))
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | None = None,
+             limit: int = 4, mesh: Mesh | None = None, axis: str = "data", repeats: int = 3,
+             seed: int = 0, timer: Callable[[Any, Any], float] | None = None) -> Autotuned:
+  """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit) on
+  gradient-shaped data and keeps the fastest; with several processes every process takes
+  process 0's choice. `timer(sync, tree) -> ms` replaces the timing (tests)."""
+  codec = base.get(compressor) if isinstance(compressor, str) else compressor
+  if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+    raise invalid("limit", limit, "an int >= 1")
+  mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
+  plans = rank_plans(tree, codec, fit, num_nodes=mesh.devices.size)[:limit]
+  timer = timer or (lambda sync, t: time_sync_ms(sync, t, mesh=mesh, axis=axis,
+                                                 repeats=repeats))
+  measured = {p.label: float(timer(p.grad_sync(codec, seed), tree)) for p in plans}
+  best = min(range(len(plans)), key=lambda i: measured[plans[i].label])
+  if jax.process_count() > 1:
+    best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
+  return Autotuned(plans[best], measured)
