@@ -67,6 +67,7 @@ from jlp._checks import invalid, is_int
 from jlp.collectives import aps as aps_lib
 from jlp.collectives import wire as wire_lib
 from jlp.formats import FloatFormat, as_format
+from jlp.grad_sync import GradSync
 from jlp.numerics.float_cast import float_cast
 
 __all__ = ["DiLoCo", "DiLoCoState", "fragment_bounds"]
@@ -143,7 +144,6 @@ class DiLoCo:
     if not isinstance(self.average_state, bool):
       raise invalid("average_state", self.average_state, "True or False")
     if self.outer_sync is not None:
-      from jlp.sync import GradSync  # pylint: disable=g-import-not-at-top  (jlp.sync imports us)
       if not isinstance(self.outer_sync, GradSync):
         raise invalid("outer_sync", self.outer_sync, "None or a jlp.sync.GradSync")
       if self.outer_sync.compression is not None or self.outer_sync.uses_emulation:
@@ -184,7 +184,6 @@ class DiLoCo:
       elif self.outer_format is not None:
         out.append((w - 1) * -(-self.outer_format.bits // 8) * sum(sizes))
       else:
-        from jlp.sync import GradSync  # pylint: disable=g-import-not-at-top
         out.append((self.outer_sync or GradSync()).allreduce_wire_bytes(sizes, w))
     return tuple(out)
 

@@ -128,12 +128,9 @@ CYCLE_KNOTS = (
 LAYER_KNOTS = (
     ("jlp.gemm.qdot", "jlp.quantize"),  # (importer below, module above it)
 )
-# Cycles that exist but are outside issue 38's part 6; reported there. The test fails on any other
-# cycle, and on any new module joining one of these.
-KNOWN_CYCLES = (
-    ["jlp.compression.casync", "jlp.compression.powersgd"],
-    ["jlp.diloco", "jlp.sync"],
-)
+# casync <-> powersgd (their shared leaf helpers now in jlp.compression.leaves) and diloco <-> sync
+# (GradSync now in jlp.grad_sync, below both) were untied too: no cycle is allowed.
+KNOWN_CYCLES = ()
 
 
 @pytest.fixture(scope="module")

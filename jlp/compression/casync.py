@@ -122,7 +122,9 @@ from jlp._checks import invalid, is_int
 from jlp.collectives.allreduce import allreduce, axis_size
 from jlp.compression import ops
 from jlp.compression import transport
+from jlp.compression import powersgd
 from jlp.compression.base import Compressor, is_sparse
+from jlp.compression.leaves import leaf_specs, state_form
 from jlp.compression.transport import Codec
 from jlp.numerics.opaque import opaque_zero
 
@@ -171,20 +173,6 @@ def _check_compressor(compressor: Any) -> None:
   if not isinstance(compressor, Compressor):
     raise invalid("compressor", compressor,
                   "a jlp.compression.Compressor (e.g. jlp.compression.get('tbq'))")
-
-
-def leaf_specs(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
-  """(keystr(path), shape) of every leaf (arrays or ShapeDtypeStructs), all float32."""
-  out = []
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name = jax.tree_util.keystr(path)
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-      dtype = jnp.asarray(x).dtype
-    if jnp.dtype(dtype) != jnp.float32:
-      raise invalid(f"tree{name}.dtype", str(dtype), "float32")
-    out.append((name, tuple(int(d) for d in np.shape(x))))
-  return out
 
 
 def _routes(specs: list[tuple[str, tuple[int, ...]]], num_ranks: int, min_size: Any,
@@ -279,7 +267,6 @@ def init_state(tree: Any, compressor: Compressor, num_ranks: int, *, topology: s
   _check_compressor(compressor)
   check_pairing(compressor, topology)
   if topology == "allreduce":
-    from jlp.compression import powersgd  # pylint: disable=g-import-not-at-top
     if plan is not None:
       raise invalid("plan", plan, "None with topology='allreduce'")
     return powersgd.init_state(tree, compressor, seed=seed)
@@ -546,27 +533,6 @@ def _ring(xs: list[jax.Array], leaves: list[_Leaf], k: int, compressor: Compress
 
 # -- the public functions --------------------------------------------------------------------------
 
-def _describe(tree: Any) -> Any:
-  return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(np.shape(a))}", tree)
-
-
-def state_form(state: Any, expected: Any, kind: str = "") -> bool:
-  """Whether `state` is in block form ([1, ...] leaves, a shard_map block) rather than as
-  init_state gives it (`expected`); ValueError if it is neither (`kind`, e.g. "PowerSGD ", names
-  the state in the message)."""
-  def matches(lead):
-    return jax.tree.structure(state) == jax.tree.structure(expected) and all(
-        tuple(np.shape(a)) == lead + tuple(b.shape) and jnp.dtype(a.dtype) == b.dtype
-        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)))
-  if matches(()):
-    return False
-  if matches((1,)):
-    return True
-  raise invalid("state", _describe(state),
-                f"None, one rank's {kind}state as init_state gives it, {_describe(expected)}, or "
-                "its shard_map block (each leaf with a leading axis of 1)")
-
-
 def _coders(compressor: Compressor, topology: str, w: int) -> list[Compressor]:
   """Every compressor that encodes in a sync: the compressor and its server(s)."""
   if topology == "ps":
@@ -588,7 +554,6 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
   _check_compressor(compressor)
   check_pairing(compressor, topology)
   if topology == "allreduce":
-    from jlp.compression import powersgd  # pylint: disable=g-import-not-at-top
     return powersgd.sync_with_bytes(tree, axis_name, compressor, state, axis_size(axis_name),
                                     plan=plan, key=key)
   specs = leaf_specs(tree)

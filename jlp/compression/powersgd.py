@@ -58,7 +58,7 @@ from jlp.collectives.allreduce import allreduce
 from jlp.compression import layout as layout_lib
 from jlp.compression import transport
 from jlp.compression.base import Compressor, register
-from jlp.compression.casync import leaf_specs, state_form
+from jlp.compression.leaves import leaf_specs, state_form
 
 __all__ = ["PowerSGD", "leaf_plan", "orthonormalize"]
 
