@@ -27,8 +27,9 @@ with `experiments.train`, and reads each run's metrics (`jlp.train.run_timing`):
     with --stages stages spanning the hosts (stage s on host
     s // (stages / hosts), each stage's all-reduce across the pipelines inside one host), over
     --train_steps steps; writes WORKDIR/step_time.md;
-  * time to accuracy (--accuracy_bandwidths, default 100mbit): the float32 ring, onebit (PS) and CPD's
-    e4m3 ring on the packed wire with APS, each stopped at the first evaluation (every 5 steps)
+  * time to accuracy (--accuracy_bandwidths, default 100mbit): the float32 ring, onebit (PS), CPD's
+    e4m3 ring on the packed wire with APS, PowerSGD rank 2 and 4 (all-reduce), DiLoCo H = 10 and
+    50 and Streaming DiLoCo (H = 10, 4 fragments, e2m1 outer gradients) (ACCURACY_RUNS), each stopped at the first evaluation (every 5 steps)
     reaching --target: steps, seconds per step, training seconds to the target; writes
     WORKDIR/time_to_accuracy.md and time_to_accuracy.png.
 --sections picks the parts (sync, pipelines, accuracy); --train_override adds
@@ -76,6 +77,19 @@ ACCURACY_RUNS = {
     "onebit PS": ["--config.compression.name=onebit"],
     "e4m3 ring, packed wire + APS": ["--config.grad_exp=4", "--config.grad_man=3",
                                      "--config.grad_algorithm=ring", "--config.use_aps"],
+    # issue 35's baselines; PowerSGD compresses from step 3 (start_iter=2: torch's default 1000
+    # would never compress in these runs of at most 150 steps)
+    "PowerSGD rank 2 (start_iter 2)": [
+        "--config.compression.name=powersgd", "--config.compression.topology=allreduce",
+        '--config.compression.kwargs={"rank": 2, "start_iter": 2}'],
+    "PowerSGD rank 4 (start_iter 2)": [
+        "--config.compression.name=powersgd", "--config.compression.topology=allreduce",
+        '--config.compression.kwargs={"rank": 4, "start_iter": 2}'],
+    "DiLoCo H=10": ["--config.diloco.period=10"],
+    "DiLoCo H=50": ["--config.diloco.period=50"],
+    "Streaming DiLoCo H=10, 4 fragments, e2m1": [
+        "--config.diloco.period=10", "--config.diloco.fragments=4",
+        "--config.diloco.outer_format=e2m1"],
 }
 
 
