@@ -5,12 +5,13 @@ VENV := .venv
 PY312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
 	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 # test-latest: Python 3.13 with the newest releases setup.cfg's ranges admit (no constraints file).
 VENV_LATEST := .venv-latest
 PY313 := $(shell for p in python3.13 $$HOME/.pyenv/versions/3.13*/bin/python3.13 /usr/local/bin/python3.13 /usr/bin/python3.13; do \
 	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 13)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: demo test test-latest test-slow test-all bench venv clean
+.PHONY: demo test test-latest test-slow test-all bench venv docs clean
 
 venv: $(STAMP)
 
@@ -40,8 +41,19 @@ test-latest:
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow
 
+# The documentation site: docs/ (MyST pages, the notebooks from their stored outputs, the API
+# reference from the docstrings) into docs/_build/html; every warning is an error. -E: read every
+# page afresh, so that a page's warnings are reported on every run.
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/python -m sphinx -E -W --keep-going -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
+
+$(DOCS_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -c constraints.txt -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.quantize_bench
 
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info
+	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info docs/_build
