@@ -28,11 +28,13 @@ extensions = [
 root_doc = "index"
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
 suppress_warnings = []
+# The docstrings are plain text: keep their quotes and dashes (`--config.x`) as written.
+smartquotes = False
 
 # MyST: GitHub-style anchors for every heading level, so that the pages' `page.md#heading` links
 # resolve on the site as they do on GitHub.
 myst_heading_anchors = 6
-myst_enable_extensions = ["dollarmath"]
+myst_enable_extensions = []
 
 # myst-nb: notebooks are rendered from their stored outputs, never executed at build time.
 nb_execution_mode = "off"

@@ -26,7 +26,8 @@ def checked_files():
       yield path
       continue
     for dirpath, dirnames, filenames in os.walk(path):
-      dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+      dirnames[:] = [d for d in dirnames
+                     if not d.startswith(".") and d not in ("__pycache__", "_build")]
       for name in sorted(filenames):
         if name.endswith(TEXT_SUFFIXES):
           yield os.path.join(dirpath, name)
@@ -105,8 +106,9 @@ def markdown_files():
   yield os.path.join(ROOT, "README.md")
   yield os.path.join(ROOT, "BENCHMARKS.md")
   yield os.path.join(ROOT, "notebooks", "README.md")
-  docs = os.path.join(ROOT, "docs")
-  yield from (os.path.join(docs, n) for n in sorted(os.listdir(docs)) if n.endswith(".md"))
+  for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, "docs")):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))  # not _build
+    yield from (os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".md"))
 
 
 def without_code(text: str) -> str:
@@ -116,8 +118,8 @@ def without_code(text: str) -> str:
 
 
 def test_relative_links_resolve():
-  """Every relative link of README.md, BENCHMARKS.md, notebooks/README.md and docs/*.md names a
-  file that exists, and a heading of it when it has an #anchor."""
+  """Every relative link of README.md, BENCHMARKS.md, notebooks/README.md and docs/**/*.md names
+  a file that exists, and a heading of it when it has an #anchor."""
   broken = []
   for path in markdown_files():
     with open(path, encoding="utf-8") as f:
