@@ -1,6 +1,6 @@
 """The README and docs/ stand alone: no citations of private spec files, every relative link
-resolves, every README command names its Python, and the README's SeCoPa recipe gives the names
-the runner's plans use."""
+resolves, every command of the README and the docs pages names its Python, and the tour's SeCoPa
+recipe gives the names the runner's plans use."""
 
 import os
 import re
@@ -142,10 +142,19 @@ def test_docs_pages_cover_every_system():
     assert "compat-switches" in anchors(page), f"docs/{name}.md lacks its '## Compat switches'"
 
 
-def test_readme_commands_name_their_python():
-  """A README command that runs Python runs .venv/bin/python, or its code block follows a line
-  that says to activate the environment first (`source .venv/bin/activate`)."""
-  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def user_pages():
+  """README.md and the site's Markdown pages, where users copy commands from."""
+  yield os.path.join(ROOT, "README.md")
+  for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, "docs")):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
+    yield from (os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".md"))
+
+
+@pytest.mark.parametrize("page", [os.path.relpath(p, ROOT) for p in user_pages()])
+def test_readme_commands_name_their_python(page):
+  """A command of README.md or a docs page that runs Python runs .venv/bin/python, or its code
+  block follows a line that says to activate the environment first (`source .venv/bin/activate`)."""
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
     lines = f.read().splitlines()
   bare = re.compile(r"(?<![\w/.-])python3?(\.\d+)? +(-m|\S+\.py)\b")
   offending, in_block, activated, previous = [], None, False, []
@@ -164,24 +173,25 @@ def test_readme_commands_name_their_python():
     if line.strip() and in_block is None:
       previous.append(line)  # the lines of text just before the next block
     for m in bare.finditer(line):
-      offending.append(f"README.md:{number}: {line.strip()}")
-  assert not offending, ("README commands that do not say which Python (write .venv/bin/python, "
+      offending.append(f"{page}:{number}: {line.strip()}")
+  assert not offending, ("commands that do not say which Python (write .venv/bin/python, "
                          "or say to activate the venv before the block):\n" + "\n".join(offending))
 
 
 def test_readme_secopa_names_are_the_runners(tmp_path, monkeypatch):
-  """The README's recipe for SeCoPa's input.txt writes the names `--config.compression.plan`
-  files use: jax.tree_util.keystr of the parameter paths, as `plan_for_tree` keys them."""
+  """The tour's recipe for SeCoPa's input.txt (docs/tour.md, once the README's) writes the names
+  `--config.compression.plan` files use: jax.tree_util.keystr of the parameter paths, as
+  `plan_for_tree` keys them."""
   import jax  # pylint: disable=g-import-not-at-top
   import jlp.models  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jlp.compression import secopa  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+  with open(os.path.join(ROOT, "docs", "tour.md"), encoding="utf-8") as f:
     text = f.read()
   section = text[text.index("**SeCoPa's files.**"):]
   snippet = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
   monkeypatch.chdir(tmp_path)
-  exec(compile(snippet, "README.md (SeCoPa's files)", "exec"), {})  # pylint: disable=exec-used
+  exec(compile(snippet, "docs/tour.md (SeCoPa's files)", "exec"), {})  # pylint: disable=exec-used
   grads = secopa.read_grads(tmp_path / "input.txt")
   model = nnx.eval_shape(lambda: jlp.models.get_model("small_cnn", num_classes=10,
                                                       rngs=nnx.Rngs(0)))
@@ -193,8 +203,13 @@ def test_readme_secopa_names_are_the_runners(tmp_path, monkeypatch):
              zip(grads, (x.size for x in jax.tree.leaves(params))))
 
 
-@pytest.mark.parametrize("phrase", ["Why `wire_bytes` is 0 on one device", "--cpu_devices=N",
-                                    "python -m experiments.cluster"])
-def test_readme_explains_devices(phrase):
-  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-    assert phrase in f.read()
+@pytest.mark.parametrize("page,phrase", [
+    ("experiments.md", "Why `wire_bytes` is 0 on one device"),
+    ("experiments.md", "--cpu_devices=N"),
+    ("setup.md", "python -m experiments.cluster"),
+    ("cluster.md", "python -m experiments.cluster")])
+def test_docs_explain_devices(page, phrase):
+  """The site says how many devices a run sees (the README's "Devices", moved to the
+  experiments page), and how to give hosts a real network."""
+  with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as f:
+    assert phrase in " ".join(f.read().split())
