@@ -60,7 +60,8 @@ ENV_NUM_PROCESSES = "JLP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JLP_PROCESS_ID"
 ENV_HETERO = "JLP_HETERO"
 ENV_PROGRESS_BAR = "JLP_PROGRESS_BAR"
-STOP_GRACE_S = 20.0  # after one host fails: SIGTERM the others, SIGKILL after this
+ENV_HEARTBEAT = "JLP_HEARTBEAT"  # host i touches DIR/host{i}.heartbeat once per training step
+ENV_HEARTBEAT_TIMEOUT = "JLP_HEARTBEAT_TIMEOUT"  # JAX's heartbeat_timeout_seconds
 STATE_DIR = "/run/jlp-cluster"
 MAX_HOSTS = 254  # host i has address .(i + 1) of a /24
 RATE_BOUNDS = (1e6, 100e9)  # bit/s: tbf's arithmetic holds in between
@@ -321,18 +322,40 @@ def _python_argv(target: str, args: Sequence[str]) -> list[str]:
   return [sys.executable, "-u", "-m", target, *args]
 
 
-def _tee(pipe, log, echo) -> None:
+# What a host's echo leaves out: from a traceback or a fatal log on, the rest of the attempt
+# (it stays in the host's log), and single error / warning log lines (absl's, glog's).
+_FATAL = re.compile(rb"^(Traceback \(most recent call last\)|F\d{4} |\*\*\* |Fatal Python error|"
+                    rb"jax\.errors\.|jaxlib\.|.*XlaRuntimeError)")
+_NOISE = re.compile(rb"^((ERROR|WARNING|INFO):absl:|[EWI]\d{4} \d\d:\d\d|\[Gloo\] )")
+
+
+def _tee(pipe, log, echo, quiet: threading.Event | None = None) -> None:
   """Copies a host's output to its log and, while it can, to `echo`: a closed or failing echo
-  (`... | head -1`) stops the echo only, never the host or its log."""
+  (`... | head -1`) stops the echo only, never the host or its log. The echo leaves out
+  tracebacks and fatal logs (from the first on, and everything once `quiet` is set: the launcher
+  saw a failure) and single error or warning log lines."""
+  muted = False
   for chunk in iter(lambda: pipe.read1(4096), b""):
     log.write(chunk)
     log.flush()
-    if echo is not None:
-      try:
-        echo.write(chunk)
+    if echo is None or muted:
+      continue
+    if quiet is not None and quiet.is_set():
+      muted = True
+      continue
+    kept = []
+    for line in chunk.splitlines(keepends=True):
+      if _FATAL.match(line):
+        muted = True
+        break
+      if not _NOISE.match(line):
+        kept.append(line)
+    try:
+      if kept:
+        echo.write(b"".join(kept))
         echo.flush()
-      except (OSError, ValueError):
-        echo = None
+    except (OSError, ValueError):
+      echo = None
 
 
 def _open_new(path: str, mode: str):
@@ -399,24 +422,39 @@ def _reserve_port() -> socket.socket:
 
 def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: int,
            bandwidth: str, workdir: str, hetero: float = 0.0, namespaces: bool | None = None,
-           echo=None, on_start=None) -> int:
+           echo=None, on_start=None, max_restarts: int = 0, heartbeat_timeout: float = 60.0,
+           say=None) -> int:
   """Runs `target args` on `hosts` host processes of `devices_per_host` CPU devices each (module
-  docstring) and returns 0, or raises ClusterError naming the first host that failed (its exit
-  status and log; `code` is that status, or 1 for a signal) after stopping the others. SIGINT,
-  SIGTERM and SIGHUP to the launcher are passed to every host (SIGINT as SIGINT: a training run
-  then checkpoints and exits; the others as SIGTERM); the launcher returns 130 / 143 / 129.
+  docstring) and returns 0, or raises ClusterError naming the host that caused the failure (what
+  happened and its log; `code` is its exit status, 1 for a signal, 143 for a SIGTERM it took as
+  a preemption) after stopping the others. SIGINT, SIGTERM and SIGHUP to the launcher are passed
+  to every host (SIGINT as SIGINT, the others as SIGTERM: a training run checkpoints after the
+  same step on every host and exits); the launcher returns 130 / 143 / 129.
+
+  Faults (issue 37): a host that dies, exits non-zero, takes a SIGTERM alone (a preemption: every
+  host checkpoints) or hangs (stopped, or its heartbeat file untouched for `heartbeat_timeout`
+  seconds) stops every host (SIGKILL, which also ends a stopped one); while `max_restarts`
+  remain, all hosts start again with the same command (a training run resumes from its newest
+  intact checkpoint) and `say` gets one line: `host 1 died (signal 9); restart 1 of 2 from step
+  16`. A config error (status 2) never restarts. Host 0's tracebacks and fatal logs stay in its
+  log (not echoed).
 
   namespaces: True / False / None (= whether this process can make them). echo: where host 0's
   output goes besides its log (e.g. sys.stdout.buffer). on_start(pids): called once every host
-  runs (tests)."""
+  runs, at every start (tests). say(line): the restart lines (default: standard error)."""
   for name, value, low, high in (("hosts", hosts, 1, MAX_HOSTS),
-                                 ("devices_per_host", devices_per_host, 1, None)):
+                                 ("devices_per_host", devices_per_host, 1, None),
+                                 ("max_restarts", max_restarts, 0, None)):
     if (isinstance(value, bool) or not isinstance(value, int) or value < low
         or (high is not None and value > high)):
       allowed = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
       raise ValueError(f"--{name}={value!r} is not allowed; expected {allowed}.")
   if isinstance(hetero, bool) or not isinstance(hetero, (int, float)) or not hetero >= 0:
     raise ValueError(f"--hetero={hetero!r} is not allowed; expected seconds >= 0.")
+  if (isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, (int, float))
+      or not heartbeat_timeout >= 1):
+    raise ValueError(f"--heartbeat_timeout={heartbeat_timeout!r} is not allowed; expected "
+                     "seconds >= 1.")
   rate = check_bandwidth(bandwidth)
   check_workdir(workdir)
   if namespaces is None:
@@ -425,6 +463,8 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
     raise ValueError(f"--bandwidth={bandwidth} is not allowed without network namespaces (root, "
                      "iproute2 and unshare); expected none (the hosts then run on localhost, "
                      "unshaped).")
+  if say is None:
+    say = lambda line: print(line, file=sys.stderr, flush=True)
   os.makedirs(workdir, mode=0o755, exist_ok=True)
   env = dict(os.environ)
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -435,6 +475,7 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # hosts compile at once: no shared cache
   env[ENV_NUM_PROCESSES] = str(hosts)
+  env[ENV_HEARTBEAT_TIMEOUT] = str(max(1, int(heartbeat_timeout)))
   if hetero:
     env[ENV_HETERO] = str(float(hetero))
   if echo is not None and hasattr(echo, "isatty") and echo.isatty():
@@ -451,8 +492,9 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
   procs: list[subprocess.Popen] = []
-  threads, logs, pid_files = [], [], []
+  logs, pid_files = [], []
   held_port = None
+  beats = [os.path.join(workdir, f"host{i}.heartbeat") for i in range(hosts)]
   try:
     signals["setting_up"] = True
     try:
@@ -475,72 +517,41 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
       signals["setting_up"] = False
     argv = _python_argv(target, args)
     for h in specs:
-      host_env = dict(env, **{ENV_COORDINATOR: coordinator, ENV_PROCESS_ID: str(h.index)})
-      command = network.command(h, argv) if network is not None else argv
       path = os.path.join(workdir, f"host{h.index}.log")
       _rotate(path)
-      log = _open_new(path, "wb")
-      logs.append(log)
-      proc = subprocess.Popen(command, env=host_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True)
-      procs.append(proc)
-      pid_file = os.path.join(workdir, f"host{h.index}.pid")
-      with _open_new(pid_file, "w") as f:
-        f.write(f"{proc.pid} {_start_time(proc.pid)}\n")
-      pid_files.append(pid_file)
-      thread = threading.Thread(target=_tee, args=(proc.stdout, log, echo if h.index == 0
-                                                   else None), daemon=True)
-      thread.start()
-      threads.append(thread)
-    if on_start is not None:
-      on_start([p.pid for p in procs])
-    failed = forwarded = kill_at = None
-    exited: list[int] = []  # hosts in the order they were seen to exit
+      logs.append(_open_new(path, "wb"))
+    restarts = 0
     while True:
-      if signals["got"] is not None and forwarded is None:
-        forwarded = signals["got"]
-        for p in procs:
-          _signal(p, signal.SIGINT if forwarded == signal.SIGINT else signal.SIGTERM)
-        kill_at = time.monotonic() + 60.0  # time to write a checkpoint
-      codes = [p.poll() for p in procs]
-      exited += [i for i, c in enumerate(codes) if c is not None and i not in exited]
-      if failed is None and forwarded is None:
-        failed = next((i for i in exited if codes[i] != 0), None)
-        if failed is not None:
-          for p in procs:
-            if p.poll() is None:
-              _signal(p, signal.SIGTERM)
-          kill_at = time.monotonic() + STOP_GRACE_S
-      if all(c is not None for c in codes):
-        break
-      if kill_at is not None and time.monotonic() > kill_at:
-        for p in procs:
-          if p.poll() is None:
-            _signal(p, signal.SIGKILL)
-      time.sleep(0.1)
-    for thread in threads:
-      thread.join(timeout=5)
-    if forwarded is not None:
-      return 128 + forwarded
-    if failed is not None:
-      code = procs[failed].returncode
-      status = f"signal {-code}" if code < 0 else f"status {code}"
-      raise ClusterError(f"host {failed} exited with {status}; see "
-                         f"{os.path.join(workdir, f'host{failed}.log')}",
-                         code=code if 0 < code < 256 else 1)
-    return 0
+      outcome = _attempt(argv, specs, network, env, coordinator, workdir, logs, procs,
+                         pid_files, beats, echo, on_start, signals, float(heartbeat_timeout),
+                         restarts)
+      if outcome is None:
+        return 0
+      if isinstance(outcome, int):
+        return outcome
+      if outcome.restartable and restarts < max_restarts and signals["got"] is None:
+        restarts += 1
+        resume = _resume_step(args)
+        say(f"host {outcome.cause} {outcome.what}; restart {restarts} of {max_restarts}"
+            + ("" if resume is False else f" from step {resume}" if resume is not None else
+               " from the start"))
+        for log in logs:
+          log.write(f"\n--- launcher: host {outcome.cause} {outcome.what}; restart {restarts} "
+                    f"of {max_restarts} ---\n".encode())
+          log.flush()
+        continue
+      if signals["got"] is not None:
+        return 128 + signals["got"]
+      raise ClusterError("\n".join(outcome.lines), code=outcome.code)
   finally:
     failing = sys.exc_info()[0] is not None
     with _signals_held():
-      for p in procs:
-        if p.poll() is None:
-          _signal(p, signal.SIGKILL)
-          p.wait()
+      _stop_all(procs)
       for log in logs:
         log.close()
-      for pid_file in pid_files:
+      for path in pid_files + beats:
         with contextlib.suppress(FileNotFoundError):
-          os.unlink(pid_file)
+          os.unlink(path)
       if held_port is not None:
         held_port.close()
       left = network.close() if network is not None else []
@@ -552,6 +563,186 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
       if not failing:
         raise ClusterError(message)
       print(f"error: {message}", file=sys.stderr)
+
+
+@dataclasses.dataclass
+class _Outcome:
+  """Why an attempt failed: the host that caused it, what happened to it (`died (signal 9)`),
+  the launcher's exit status, whether a restart may follow, and the lines to print."""
+  cause: int
+  what: str
+  code: int
+  restartable: bool
+  lines: list[str]
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+  """SIGKILL to every host still running (a stopped one too), and waits for each."""
+  for p in procs:
+    if p.poll() is None:
+      _signal(p, signal.SIGKILL)
+  for p in procs:
+    p.wait()
+
+
+def _state(pid: int) -> str:
+  """The process state letter of `pid` (R, S, D, T = stopped, ...), "" when it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return ""
+
+
+def _noted_signal(path: str) -> int:
+  """The signal a host's heartbeat file says interrupted it (0: none, or no file)."""
+  try:
+    with open(path, encoding="ascii") as f:
+      return int(f.read().strip() or 0)
+  except (OSError, ValueError):
+    return 0
+
+
+def _resume_step(args: Sequence[str]):
+  """The step a training command resumes from (its --workdir's newest intact checkpoint; None
+  when there is none), or False when the command has no --workdir."""
+  workdir = None
+  for k, arg in enumerate(args):
+    if arg.startswith("--workdir="):
+      workdir = arg.split("=", 1)[1]
+    elif arg == "--workdir" and k + 1 < len(args):
+      workdir = args[k + 1]
+  if workdir is None:
+    return False
+  from jlp.train import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint.good_step(workdir, say=False)[0]
+
+
+def _what(code: int, noted: int) -> str:
+  if code < 0:
+    return f"died (signal {-code})"
+  if noted:
+    return f"got {signal.Signals(noted).name} and checkpointed"
+  return f"exited with status {code}"
+
+
+def _attempt(argv, specs, network, env, coordinator, workdir, logs, procs, pid_files, beats,
+             echo, on_start, signals, timeout, restarts):
+  """Starts every host, watches them to the end: None when all exit 0, an exit status after a
+  signal to the launcher, else an _Outcome."""
+  procs.clear()
+  threads = []
+  quiet = threading.Event()
+  for path in beats:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(path)
+  started = time.time()
+  for h in specs:
+    host_env = dict(env, **{ENV_COORDINATOR: coordinator, ENV_PROCESS_ID: str(h.index),
+                            ENV_HEARTBEAT: beats[h.index]})
+    command = network.command(h, argv) if network is not None else argv
+    proc = subprocess.Popen(command, env=host_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    procs.append(proc)
+    pid_file = os.path.join(workdir, f"host{h.index}.pid")
+    with _open_new(pid_file, "w") as f:
+      f.write(f"{proc.pid} {_start_time(proc.pid)}\n")
+    if pid_file not in pid_files:
+      pid_files.append(pid_file)
+    thread = threading.Thread(target=_tee, args=(proc.stdout, logs[h.index],
+                                                 echo if h.index == 0 else None, quiet),
+                              daemon=True)
+    thread.start()
+    threads.append(thread)
+  if on_start is not None:
+    on_start([p.pid for p in procs])
+  forwarded = graceful_until = None
+  exited: list[int] = []  # hosts in the order they were seen to exit
+  stopped_since: dict[int, float] = {}
+  cause = hung = None
+  stopped = False
+  while True:
+    now = time.time()
+    if signals["got"] is not None and forwarded is None:
+      forwarded = signals["got"]
+      for p in procs:
+        _signal(p, signal.SIGINT if forwarded == signal.SIGINT else signal.SIGTERM)
+      graceful_until = now + 60.0  # time to write a checkpoint
+    codes = [p.poll() for p in procs]
+    # Among hosts seen exiting at the same look, one killed by a signal (not an abort) first.
+    new = sorted((i for i, c in enumerate(codes) if c is not None and i not in exited),
+                 key=lambda i: (not (codes[i] < 0 and codes[i] != -signal.SIGABRT), i))
+    exited += new
+    for i, p in enumerate(procs):
+      if codes[i] is None and _state(p.pid) in ("T", "t"):
+        stopped_since.setdefault(i, now)
+      else:
+        stopped_since.pop(i, None)
+    done = all(c is not None for c in codes)
+    if forwarded is None and cause is None:
+      failed = [i for i in exited if codes[i] != 0]
+      hung = next((i for i, t in sorted(stopped_since.items()) if now - t > timeout), None)
+      if hung is None:
+        fresh = {}
+        for i, path in enumerate(beats):
+          with contextlib.suppress(OSError):
+            mtime = os.stat(path).st_mtime
+            if mtime >= started and codes[i] is None:
+              fresh[i] = mtime
+        stale = {i: t for i, t in fresh.items() if now - t > timeout}
+        if stale:
+          hung = min(stale, key=stale.get)  # of those silent too long, the one silent longest
+      if (failed or hung is not None) and stopped_since:
+        hung = min(stopped_since)  # a stopped host is the cause (its peers wait, or aborted)
+      noted = [i for i in range(len(procs)) if _noted_signal(beats[i])]
+      if hung is not None:
+        cause, stopped = hung, hung in stopped_since
+      elif failed and noted:
+        cause = noted[0]  # a preempted host: every host checkpoints after the same step
+        graceful_until = now + 60.0
+      elif failed:
+        cause = failed[0]
+      if cause is not None and graceful_until is None and not done:
+        quiet.set()
+        _stop_all(procs)
+        continue
+    if done:
+      break
+    if graceful_until is not None and now > graceful_until:
+      quiet.set()
+      _stop_all(procs)
+    time.sleep(0.1)
+  for thread in threads:
+    thread.join(timeout=5)
+  if forwarded is not None:
+    return 128 + forwarded
+  if cause is None:
+    return None
+  log = lambda i: os.path.join(workdir, f"host{i}.log")
+  code = procs[cause].returncode
+  noted = _noted_signal(beats[cause])
+  if hung is not None:
+    what = ("hung (stopped by a signal)" if stopped else
+            f"hung (no progress for {timeout:g} s)")
+    status, restartable = 1, True
+  else:
+    what = _what(code, noted)
+    status = 128 + noted if noted else code if 0 < code < 256 else 1
+    restartable = code != 2 and noted != signal.SIGINT
+  lines = [f"host {cause} {what}; see {log(cause)}"]
+  if noted and hung is None:
+    resume = _resume_step(argv)
+    lines = [f"host {cause} {what}; every host checkpointed"
+             + (f" at step {resume}" if not isinstance(resume, bool) and resume is not None
+                else "")
+             + "; run the same command to resume"]
+  elif hung is not None or code < 0:
+    for i in exited:
+      if i != cause and codes[i] not in (0, None) and codes[i] != -signal.SIGKILL:
+        lines.insert(0, f"host {i} stopped: its peer host {cause} "
+                        f"{'hung' if hung is not None else 'died' if code < 0 else 'failed'}; "
+                        f"see {log(i)}")
+  return _Outcome(cause, what, status, restartable, lines)
 
 
 def _signal(proc: subprocess.Popen, signum: int) -> None:

@@ -47,7 +47,8 @@ def initialize(coordinator_address: str | None = None,
                *,
                local_device_ids: int | Sequence[int] | None = None,
                cpu_collectives: str = "gloo",
-               initialization_timeout: int = 300) -> dict[str, int]:
+               initialization_timeout: int = 300,
+               heartbeat_timeout: int | None = None) -> dict[str, int]:
   """Joins this process to the process group (see the module docstring); idempotent.
 
   Args:
@@ -58,6 +59,10 @@ def initialize(coordinator_address: str | None = None,
     local_device_ids: the local devices this process uses (None: JAX's default / the cluster's).
     cpu_collectives: the CPU collectives implementation, "gloo" or "mpi".
     initialization_timeout: seconds to wait for every process to join.
+    heartbeat_timeout: seconds without a heartbeat after which JAX's coordination service counts
+      a process as dead and stops the others (jax's `heartbeat_timeout_seconds`); None: the
+      launcher's --heartbeat_timeout (JLP_HEARTBEAT_TIMEOUT) under the launcher, else JAX's
+      default (100).
 
   Returns:
     {"process_index", "process_count", "local_devices", "global_devices"}.
@@ -89,12 +94,20 @@ def initialize(coordinator_address: str | None = None,
     # Under the launcher the coordinator listens where the hosts reach it and nowhere else (JAX's
     # default is every interface: its coordination service has no authentication).
     bind = coordinator_address if launched() and process_id == 0 else None
+    if heartbeat_timeout is None and os.environ.get("JLP_HEARTBEAT_TIMEOUT"):
+      heartbeat_timeout = int(float(os.environ["JLP_HEARTBEAT_TIMEOUT"]))
+    extra = {}
+    if heartbeat_timeout is not None:
+      if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int) or \
+          heartbeat_timeout < 1:
+        raise _invalid("heartbeat_timeout", heartbeat_timeout, "an int >= 1 (seconds)")
+      extra["heartbeat_timeout_seconds"] = heartbeat_timeout
     jax.distributed.initialize(coordinator_address,
                                num_processes,
                                process_id,
                                local_device_ids=local_device_ids,
                                initialization_timeout=initialization_timeout,
-                               coordinator_bind_address=bind)
+                               coordinator_bind_address=bind, **extra)
   return {
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),

@@ -1,7 +1,7 @@
 """What both training loops (jlp.train.data_parallel_loop, jlp.train.pipeline_loop) share: the
 model's quantization plan (config.quant_rules, config.quant_recipe, the BFPsim preset schedule and
-the Simple controller), the Ctrl-C handler, the checkpoint cadence, the progress bar, the log line
-and the closing of a run. Neither loop imports the other; `jlp.train.loop.train_and_evaluate` picks one.
+the Simple controller), the Ctrl-C / SIGTERM handler (with the cluster launcher's heartbeat), the
+checkpoint cadence, the progress bar, the log line and the closing of a run. Neither loop imports the other; `jlp.train.loop.train_and_evaluate` picks one.
 """
 
 from __future__ import annotations
@@ -101,30 +101,59 @@ class QuantPlan:
 
 
 class Interrupt:
-  """SIGINT sets a flag (the loop checkpoints and returns); a second one aborts as usual."""
+  """SIGINT or SIGTERM (a preemption) sets a flag (the loop checkpoints and returns); a second one
+  aborts as usual.
+
+  Under the cluster launcher (JLP_HEARTBEAT names this host's heartbeat file) `agreed()`, which
+  both loops call once per step, touches the file: the launcher names a host whose file stops
+  changing for --heartbeat_timeout seconds. The file's one line is the signal that interrupted
+  this process (0: none), so the launcher tells a preempted host from one stopped by its peers."""
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
   def __init__(self):
     self.event = threading.Event()
-    self._previous = None
+    self.signum = 0
+    self._previous: dict[int, Any] = {}
+    self._heartbeat = os.environ.get("JLP_HEARTBEAT") or None
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.getsignal(signal.SIGINT)
-      signal.signal(signal.SIGINT, self._handle)
+      for s in self.SIGNALS:
+        self._previous[s] = signal.getsignal(s)
+        signal.signal(s, self._handle)
     return self
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
     self.event.set()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    self.signum = self.signum or signum
+    self._beat(note=True)
+    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else
+                  signal.SIG_DFL)
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
+
+  def _beat(self, note: bool = False) -> None:
+    """Touches the heartbeat file (writes it when new, or with `note` the signal)."""
+    if self._heartbeat is None:
+      return
+    try:
+      if note or not os.path.exists(self._heartbeat):
+        with open(self._heartbeat, "w", encoding="ascii") as f:
+          f.write(f"{self.signum}\n")
+      else:
+        os.utime(self._heartbeat)
+    except OSError:
+      pass
 
   def agreed(self) -> bool:
     """Whether any process was interrupted: every process of a multi-process run stops after the
     same step (one host stopping alone would leave the others in a collective)."""
+    self._beat()
     if jax.process_count() == 1:
       return self.event.is_set()
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

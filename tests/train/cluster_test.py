@@ -151,7 +151,7 @@ def test_two_hosts_train_as_one_process_through_ctrl_c_and_kill_9(tmp_path):
   assert time.monotonic() - killed < 30
   assert launcher.returncode == 1
   assert err.strip().splitlines()[-1] == (
-      f"error: host 1 exited with signal 9; see {work / 'host1.log'}")
+      f"error: host 1 died (signal 9); see {work / 'host1.log'}")
   assert not made() & _netns()
 
   launcher = _launcher(work, _train_args(run, 20))
