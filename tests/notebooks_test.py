@@ -53,7 +53,12 @@ def test_compression_executes(tmp_path, monkeypatch):
   assert all(float(w[5]) < 0.1 for w in sync_lines)  # bytes: under a tenth of float32's ring
   assert "tbq without EF" in outputs and "N=16 ring" in outputs
   assert "x fp32" in outputs and "onebit     ring" in outputs  # the study's table
-  assert len(images) >= 2  # error feedback, accuracy against bytes
+  assert len(images) >= 4  # error feedback, accuracy against bytes, PowerSGD, DiLoCo
+  ranks = [w for w in map(str.split, outputs.splitlines()) if len(w) == 4 and w[0] in ("1", "4", "16")
+           and w[3].endswith("x")]
+  errors = [float(w[1]) for w in ranks]
+  assert len(errors) == 3 and errors == sorted(errors, reverse=True)  # a higher rank, less error
+  assert "H=  1:" in outputs and "H=  5:" in outputs
 
 
 @pytest.mark.slow  # 20 s; the pipeline tests cover what it calls
