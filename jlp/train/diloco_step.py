@@ -41,8 +41,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jlp.diloco import DiLoCo
 from jlp.sync import GradSync
 from jlp.train.mesh import batch_sharding, replicate, replicated
-from jlp.train.step import LossFn, TrainState, TrainStep, _node_unroll, cross_entropy_loss, \
-    split_model
+from jlp.train.step import (LossFn, TrainState, TrainStep, cross_entropy_loss, node_unroll,
+                            split_model)
 
 __all__ = ["DiLoCoStep", "init_diloco_state"]
 
@@ -126,7 +126,7 @@ class DiLoCoStep(TrainStep):
     first = lax.axis_index(axis)
     node = lambda mb, v: self._node(params, mb[1], rng_keys, model_state, mb[0], v)  # noqa: E731
     one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
-    grads, loss, aux, stats, state, _, _ = _node_unroll(node, (one(batch), one(batch_stats)),
+    grads, loss, aux, stats, state, _, _ = node_unroll(node, (one(batch), one(batch_stats)),
                                                         first, 1)
     grads, stats, state = row(grads), row(stats), row(state)
     if self.loss_scale != 1.0 and self.unscale_grads:

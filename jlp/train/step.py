@@ -120,6 +120,7 @@ __all__ = [
     "init_sync_state",
     "init_train_state",
     "merge_model",
+    "node_unroll",
     "split_model",
 ]
 
@@ -229,7 +230,7 @@ def _split_fp8(model_state: nnx.State) -> tuple[nnx.State, nnx.State]:
   return nnx.split_state(model_state, Fp8Meta, ...)
 
 
-def _node_unroll(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int) -> Any:
+def node_unroll(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int) -> Any:
   """node(per_node[v], first + v) for v = 0..n-1, stacked: n copies of the one-node program.
 
   Each copy's inputs (its micro-batch, its copy of the BatchNorm statistics) and outputs pass
@@ -257,7 +258,7 @@ def _node_scan(node: Callable[..., Any], per_node: Any, first: jax.Array, n: int
   * whatever varies with n must come in through `per_node` (the caller also passes the
     BatchNorm statistics there, as n copies): a loop-invariant operand lets XLA hoist or fuse
     its arithmetic (e.g. momentum * running_mean) differently for different n.
-  The loop body is not the program of `_node_unroll` (results differ in the last bits between
+  The loop body is not the program of `node_unroll` (results differ in the last bits between
   the two modes) and it is slow on XLA:CPU: inside a loop body the weight-gradient convolution
   keeps its non-canonical dimension order (dim_labels f01b_i01o->01bf) and is emitted as a
   generic loop instead of an Eigen convolution (~30x slower for that op, measured).
@@ -441,7 +442,7 @@ class TrainStep:
     elif sync.node_map == "scan":
       out = _node_scan(node, (micro, stats_copies), first, n)
     else:
-      out = _node_unroll(node, (micro, stats_copies), first, n)
+      out = node_unroll(node, (micro, stats_copies), first, n)
     grads, loss, aux, stats, state, probe_grads, meta_grads = out
     if not sync.uses_emulation:
       grads = jax.tree.map(lambda g: g[0], grads)
