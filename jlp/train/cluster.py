@@ -21,6 +21,10 @@ a second signal during the teardown does not stop it):
   * `/etc/netns/jlp<id>h<i>/hosts`, which `ip netns exec` mounts over /etc/hosts: every host's
     name h<i> resolves to its namespace address (gloo connects to the address of the peer's
     hostname, so each host runs under `unshare --uts` with its own hostname).
+Faults (issue 37, `launch`): a host that dies, exits non-zero, hangs (stopped, or its heartbeat
+file DIR/host{i}.heartbeat, touched once per training step, untouched for `heartbeat_timeout`
+seconds) or takes a SIGTERM alone stops every host; with `max_restarts` all of them start again
+(one line each). Host 0's echo leaves tracebacks and log records in its log.
 After a `kill -9` of the launcher, `remove_leftovers()` (`python -m experiments.cluster --cleanup`)
 removes whatever launchers that no longer run left, and names what it left alone.
 
@@ -326,15 +330,17 @@ def _python_argv(target: str, args: Sequence[str]) -> list[str]:
 # (it stays in the host's log), and single error / warning log lines (absl's, glog's).
 _FATAL = re.compile(rb"^(Traceback \(most recent call last\)|F\d{4} |\*\*\* |Fatal Python error|"
                     rb"jax\.errors\.|jaxlib\.|.*XlaRuntimeError)")
+_GLOG = re.compile(rb"^[EWIF]\d{4} \d\d:\d\d")
 _NOISE = re.compile(rb"^((ERROR|WARNING|INFO):absl:|[EWI]\d{4} \d\d:\d\d|\[Gloo\] )")
 
 
 def _tee(pipe, log, echo, quiet: threading.Event | None = None) -> None:
   """Copies a host's output to its log and, while it can, to `echo`: a closed or failing echo
-  (`... | head -1`) stops the echo only, never the host or its log. The echo leaves out
-  tracebacks and fatal logs (from the first on, and everything once `quiet` is set: the launcher
-  saw a failure) and single error or warning log lines."""
-  muted = False
+  (`... | head -1`) stops the echo only, never the host or its log. The echo goes line by line
+  (a progress bar's carriage-return updates at once) and leaves out tracebacks and fatal logs
+  (from the first on, and everything once `quiet` is set: the launcher saw a failure), log lines
+  of absl and gloo, and glog records (with the lines that came with them)."""
+  muted, held = False, b""
   for chunk in iter(lambda: pipe.read1(4096), b""):
     log.write(chunk)
     log.flush()
@@ -343,11 +349,17 @@ def _tee(pipe, log, echo, quiet: threading.Event | None = None) -> None:
     if quiet is not None and quiet.is_set():
       muted = True
       continue
+    lines = (held + chunk).splitlines(keepends=True)
+    held = b""
+    if lines and not lines[-1].endswith((b"\n", b"\r")) and not lines[-1].startswith(b"\r"):
+      held = lines.pop()  # a line still being written
     kept = []
-    for line in chunk.splitlines(keepends=True):
+    for line in lines:
       if _FATAL.match(line):
         muted = True
         break
+      if _GLOG.match(line):
+        break  # a glog record: its continuation lines came in the same write
       if not _NOISE.match(line):
         kept.append(line)
     try:
