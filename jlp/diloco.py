@@ -24,8 +24,9 @@ Streaming DiLoCo (Douillard et al., arXiv 2501.18512), the same rules per fragme
              params_f = alpha * params_f + (1 - alpha) * outer_f in float32 (alpha = 0: assigned
              exactly). The tau inner steps in between run on the local params. tau = 0 merges at
              step n itself. The outer params hold the pending fragment until then.
-  outer_format  the replicas' Deltas cross as a format's codes (`jlp.collectives.wire`, one byte
-             each for formats of at most 8 bits) with one power-of-two scale per fragment, APS's
+  outer_format  the replicas' Deltas cross as a format's codes (`jlp.collectives.wire`: a
+             fragment's codes as one vector, two to a byte for formats of at most 4 bits such as
+             e2m1, one byte each up to 8 bits) with one power-of-two scale per fragment, APS's
              guarded rule: e_f = ceil(log2(max |Delta| over the fragment's leaves and all
              replicas)) (one pmax of a scalar), factor_f = 2^clip(emax - e_f, -126, 126); each
              replica sends code(q(Delta * factor_f)) (q: the cast to the format), every replica
@@ -43,7 +44,8 @@ statistics) in float32 after every H-th inner step; by default it stays per repl
 
 Wire bytes (one replica's sends, `fragment_wire_bytes`; the jlp convention of
 `GradSync.allreduce_wire_bytes`): float32 sync (W - 1) * 4 * n per fragment of n elements, a
-GradSync as it counts, outer_format (W - 1) * ceil(bits / 8) * n; the scale's pmax is not counted.
+GradSync as it counts, outer_format (W - 1) * ceil(n / 2) for at most 4 bits, (W - 1) * n up to 8;
+the scale's pmax is not counted.
 `state.wire_bytes` holds the bytes of the last step (0 on steps where no fragment syncs); the
 model-state average of `average_state` is not counted.
 
@@ -182,7 +184,7 @@ class DiLoCo:
       if w <= 1:
         out.append(0)
       elif self.outer_format is not None:
-        out.append((w - 1) * -(-self.outer_format.bits // 8) * sum(sizes))
+        out.append((w - 1) * wire_lib.vector_bytes(self.outer_format, sum(sizes)))
       else:
         out.append((self.outer_sync or GradSync()).allreduce_wire_bytes(sizes, w))
     return tuple(out)
@@ -214,14 +216,24 @@ class DiLoCo:
         m = jnp.maximum(m, jnp.max(jnp.abs(d), initial=0.0))
       e = lax.pmax(aps_lib.exact_ceil_log2(m), axis_name)
       factor = aps_lib.shift_factors(e, fmt, True)
-      out = []
+      # The fragment's codes as one vector (two to a byte for formats of at most 4 bits).
+      codes = jnp.concatenate([wire_lib.encode(float_cast(d * factor, fmt), fmt).reshape(-1)
+                               for d in deltas])
+      n = codes.shape[0]
+      if fmt.bits <= 4:
+        gathered = wire_lib.unpack_nibbles(
+            lax.all_gather(wire_lib.pack_nibbles(codes), axis_name), n)
+      else:
+        gathered = lax.all_gather(codes, axis_name)
+      values = wire_lib.decode(gathered, fmt)
+      summed = values[0]
+      for r in range(1, w):
+        summed = summed + values[r]
+      summed = (summed / factor) / jnp.float32(w)
+      out, start = [], 0
       for d in deltas:
-        codes = wire_lib.encode(float_cast(d * factor, fmt), fmt)
-        gathered = wire_lib.decode(lax.all_gather(codes, axis_name), fmt)
-        s = gathered[0]
-        for r in range(1, w):
-          s = s + gathered[r]
-        out.append((s / factor) / jnp.float32(w))
+        out.append(summed[start:start + d.size].reshape(d.shape))
+        start += d.size
       return out
     if self.outer_sync is not None:
       sync = self.outer_sync

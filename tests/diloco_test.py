@@ -272,10 +272,12 @@ def test_outer_format_sends_scaled_format_values(name, dtype):
                fragments_leaves=[[0, 1], [2, 3, 4]], quant=(cast, emax))
   assert_matches(got, want)
   assert not np.array_equal(got[0][0, 3], params[0])  # the outer step moved the params
-  # One byte per value on the wire: 7 * 17 bytes per fragment.
-  np.testing.assert_array_equal(nbytes[0], [0, 7 * 17, 0, 7 * 17] * 2)
+  # A fragment's 17 codes as one vector: one byte each for e4m3, two to a byte for e2m1.
+  per = 7 * (17 if name == "e4m3" else 9)
+  np.testing.assert_array_equal(nbytes[0], [0, per, 0, per] * 2)
   hlo = _runner(d, 8).lower(params, grads).as_text()
-  assert "all_gather" in hlo and "ui8" in hlo.split("all_gather", 1)[1][:400]
+  gathered = hlo.split("all_gather", 1)[1][:400]
+  assert "all_gather" in hlo and f"{W}x{17 if name == 'e4m3' else 9}xui8" in gathered
 
 
 def test_outer_sync_gradsync_packed_aps():

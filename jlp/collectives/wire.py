@@ -15,6 +15,10 @@ bit for bit, except NaN payloads.
 
 Packed wires need `packable(fmt)`: at most 16 bits, no `compat` (CPD's and QPyTorch's casts may
 leave their nominal grid) and, with "ieee" specials, a mantissa to hold NaN (man >= 1).
+
+A vector of codes of a format of at most 4 bits can travel two to a byte (`pack_nibbles`: code
+2i in the low half of byte i, code 2i + 1 in the high half, a zero half after an odd count;
+`unpack_nibbles` inverts it); `vector_bytes(fmt, n)` is what n codes occupy on such a wire.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from jax import lax
 
 from jlp.formats import FloatFormat
 
-__all__ = ["decode", "encode", "packable", "wire_dtype"]
+__all__ = ["decode", "encode", "pack_nibbles", "packable", "unpack_nibbles", "vector_bytes",
+           "wire_dtype"]
 
 
 def packable(fmt: FloatFormat | None) -> bool:
@@ -37,6 +42,30 @@ def packable(fmt: FloatFormat | None) -> bool:
 def wire_dtype(fmt: FloatFormat):
   """uint8 for formats of at most 8 bits, else uint16."""
   return jnp.uint8 if fmt.bits <= 8 else jnp.uint16
+
+
+def vector_bytes(fmt: FloatFormat, n: int) -> int:
+  """Bytes of n codes of fmt as one vector: two to a byte for at most 4 bits (`pack_nibbles`),
+  else one uint8 or uint16 each."""
+  if fmt.bits <= 4:
+    return -(-n // 2)
+  return n * jnp.dtype(wire_dtype(fmt)).itemsize
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+  """uint8 codes [n] (each below 16) two to a byte: [ceil(n / 2)] (module docstring)."""
+  codes = codes.astype(jnp.uint8)
+  if codes.shape[0] % 2:
+    codes = jnp.concatenate([codes, jnp.zeros((1,), jnp.uint8)])
+  pairs = codes.reshape(-1, 2)
+  return pairs[:, 0] | (pairs[:, 1] << jnp.uint8(4))
+
+
+def unpack_nibbles(packed: jax.Array, n: int) -> jax.Array:
+  """The n codes of `pack_nibbles(codes)` (leading axes of packed kept): [..., n] uint8."""
+  low, high = packed & jnp.uint8(0xF), packed >> jnp.uint8(4)
+  both = jnp.stack([low, high], axis=-1).reshape(packed.shape[:-1] + (-1,))
+  return both[..., :n]
 
 
 def encode(x: jax.Array, fmt: FloatFormat) -> jax.Array:

@@ -134,3 +134,19 @@ def test_wire_bytes_count_the_codes():
 def test_impossible_wires_are_rejected(options, message):
   with pytest.raises(ValueError, match=message):
     GradSync(**options)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 33])
+def test_nibbles_carry_two_codes_to_a_byte(n):
+  codes = np.random.default_rng(n).integers(0, 16, size=n).astype(np.uint8)
+  packed = np.asarray(wire.pack_nibbles(jnp.asarray(codes)))
+  assert packed.shape == (-(-n // 2),) and packed.dtype == np.uint8
+  # Written out: code 2i in the low half of byte i, code 2i + 1 in the high half.
+  want = [int(codes[2 * i]) | (int(codes[2 * i + 1]) << 4 if 2 * i + 1 < n else 0)
+          for i in range(-(-n // 2))]
+  np.testing.assert_array_equal(packed, want)
+  np.testing.assert_array_equal(np.asarray(wire.unpack_nibbles(jnp.asarray(packed), n)), codes)
+  two = np.stack([packed, packed[::-1]])  # leading axes kept (an all_gather's)
+  np.testing.assert_array_equal(np.asarray(wire.unpack_nibbles(jnp.asarray(two), n))[0], codes)
+  assert wire.vector_bytes(FloatFormat.from_name("e2m1"), n) == -(-n // 2)
+  assert wire.vector_bytes(FloatFormat.from_name("e4m3"), n) == n
