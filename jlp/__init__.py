@@ -2,7 +2,7 @@
 
 The public API: number formats, the differentiable `quantize`, ordered sums with
 rounded intermediates, and quantized GEMMs (nine tensor roles, custom-precision
-accumulation). See README.md for a tour.
+accumulation). See docs/tour.md for a tour.
 """
 
 from jlp.formats import BFPFormat, BlockScaledFormat, FloatFormat, MXFormat, NVFP4Format

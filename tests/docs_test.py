@@ -213,3 +213,23 @@ def test_docs_explain_devices(page, phrase):
   experiments page), and how to give hosts a real network."""
   with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as f:
     assert phrase in " ".join(f.read().split())
+
+
+#: The README's two set-up commands, exactly as users copy them.
+SETUP_COMMANDS = (
+    "make demo   # creates .venv (Python 3.12), pip install -e '.[dev]', runs the main job "
+    "(~25 s idle, ~3 min under load)",
+    "make test   # the same set-up, then the default test suite (what CI runs)")
+
+
+def test_readme_is_a_landing_page():
+  """README.md is a landing page of at most 250 lines with the two set-up commands in its first
+  60; the long sections live on the site (docs/)."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  assert len(lines) <= 250, f"README.md has {len(lines)} lines (at most 250)"
+  for command in SETUP_COMMANDS:
+    assert command in lines[:60], f"not in README.md's first 60 lines: {command}"
+  with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+    targets = set(re.findall(r"^([\w-]+):", f.read(), flags=re.M))
+  assert {"demo", "test", "docs"} <= targets

@@ -12,7 +12,7 @@ the SeCoPa planner.
                                                        # SeCoPa, each partition at c's own size
 
 A new compressor is a small frozen dataclass with a payload layout and two functions over
-unpacked fields (`jlp.compression.base`; README "Writing a compressor").
+unpacked fields (`jlp.compression.base`; docs/tour.md, "Writing a compressor").
 """
 
 from jlp.compression import ops

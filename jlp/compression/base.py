@@ -43,7 +43,7 @@ encode, decode and decode_add each run as one jitted program (inlined under an o
 or shard_map), so eager calls give jit's bits.
 
 Writing a new one (replacing CompLL's DSL): see docs/hipress.md#writing-a-compressor and the
-README's "Writing a compressor".
+tour's "Writing a compressor" (docs/tour.md).
 """
 
 from __future__ import annotations

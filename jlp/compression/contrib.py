@@ -1,5 +1,6 @@
-"""Compressors beyond HiPress's five, each a short class written with the authoring API (README
-"Writing a compressor"): a payload layout, `compress` over unpacked fields, `decompress`.
+"""Compressors beyond HiPress's five, each a short class written with the authoring API
+(docs/tour.md, "Writing a compressor"): a payload layout, `compress` over unpacked fields,
+`decompress`.
 Registration gives them `jlp.compression.get(name)`, packing with ragged tails, to_bytes /
 from_bytes, wire_bytes, and use in both CaSync topologies and the runner.
 
