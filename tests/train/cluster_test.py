@@ -313,7 +313,7 @@ def test_a_missing_module_fails_the_launch(tmp_path):
 
 
 def test_a_rerun_keeps_the_earlier_logs_and_no_pid_files(tmp_path):
-  """The README says to resume by repeating the command: the earlier run's logs move to
+  """docs/cluster.md says to resume by repeating the command: the earlier run's logs move to
   host{i}.log.1 (then .2), and no host{i}.pid is left after an exit."""
   work = tmp_path / "w"
   for run in range(3):

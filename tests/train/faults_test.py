@@ -4,7 +4,7 @@ Fast, on localhost (default tier): the launcher's restarts (`max_restarts`), a c
 never restarts, a hung host named (stopped, or alive without heartbeats), a preempted host, the
 SIGTERM handler of the training loops and JAX's heartbeat option.
 
-The fault-injection table (README "Faults"), as root on 2 namespaced hosts x 2 devices at 1 Gbit/s
+The fault-injection table (docs/cluster.md, "Faults"), as root on 2 namespaced hosts x 2 devices at 1 Gbit/s
 (the multi-host tier; skipped with a reason otherwise), each row a training run (onebit, digits,
 30 steps, a checkpoint every 5) hit by one fault and compared, bit for bit, with the same run
 uninterrupted: every metrics row and the final parameters and optimizer state. Each row measures
