@@ -266,11 +266,12 @@ def _leaves(tree: Any) -> list[tuple[str, int]]:
 
 
 def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None = None, *,
-               num_nodes: int | None = None) -> list[Plan]:
+               num_nodes: int | None = None, min_size: int = 0) -> list[Plan]:
   """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", and per
   topology the compressor runs ("ps", "ring": each leaf in its best K, or on the float32 ring
   when cheaper; "allreduce": the compressor's own routing). Without a fit, the CaSync plans
-  compress every non-empty leaf into K = min(N, size) partitions and nothing is priced."""
+  are the sync's own rule on each topology (a leaf of more than `min_size` elements compressed
+  into K = min(N, size) partitions, the rest on the float32 ring) and nothing is priced."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
   leaves = _leaves(tree)
   n = fit.num_nodes if fit is not None else num_nodes
@@ -291,7 +292,7 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
         continue
       ks = range(1, min(n, size) + 1)
       if fit is None or topology not in fit.topologies:
-        entries.append((name, (True, min(n, size))))
+        entries.append((name, (True, min(n, size)) if size > min_size else (False, 1)))
         continue
       costs = [_compressed_cost(fit.model(topology), topology, size, k, n, codec) for k in ks]
       best = min(costs)
@@ -433,16 +434,18 @@ def tree_digest(tree: Any) -> str:
 
 
 def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | None = None,
-             limit: int = 4, mesh: Mesh | None = None, axis: str = "data", repeats: int = 3,
-             seed: int = 0, timer: Callable[[Any, Any], float] | None = None) -> Autotuned:
-  """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit) on
-  gradient-shaped data and keeps the fastest; with several processes every process takes
-  process 0's choice. `timer(sync, tree) -> ms` replaces the timing (tests)."""
+             limit: int = 4, min_size: int = 0, mesh: Mesh | None = None, axis: str = "data",
+             repeats: int = 3, seed: int = 0,
+             timer: Callable[[Any, Any], float] | None = None) -> Autotuned:
+  """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit; their CaSync
+  plans compress the leaves of more than `min_size` elements) on gradient-shaped data and keeps
+  the fastest; with several processes every process takes process 0's choice.
+  `timer(sync, tree) -> ms` replaces the timing (tests)."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
   if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
     raise invalid("limit", limit, "an int >= 1")
   mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
-  plans = rank_plans(tree, codec, fit, num_nodes=mesh.devices.size)[:limit]
+  plans = rank_plans(tree, codec, fit, num_nodes=mesh.devices.size, min_size=min_size)[:limit]
   timer = timer or (lambda sync, t: time_sync_ms(sync, t, mesh=mesh, axis=axis,
                                                  repeats=repeats))
   measured = {p.label: float(timer(p.grad_sync(codec, seed), tree)) for p in plans}

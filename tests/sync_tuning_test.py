@@ -108,6 +108,11 @@ def test_without_a_fit_every_plan_is_a_candidate_and_unpriced():
   plans = st.rank_plans(GRADS, "onebit", num_nodes=N)
   assert {p.label for p in plans} == {"float32", "ps", "ring"}
   assert all(math.isnan(p.predicted_ms) for p in plans)
+  # The sync's own rule on each topology: leaves above min_size compressed, in K = min(N, size).
+  ps = next(p for p in st.rank_plans(GRADS, "onebit", num_nodes=N, min_size=1000)
+            if p.label == "ps")
+  assert dict(ps.leaf_plan) == {"['big']": (True, N), "['mid']": (True, N),
+                                "['tiny']": (False, 1)}
   powersgd = st.rank_plans({"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}, "powersgd",
                            num_nodes=N)
   assert {p.label for p in powersgd} == {"float32", "allreduce"}

@@ -282,7 +282,8 @@ def autotune_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any
   if sync.compression is None or config.compression.plan != AUTOTUNE:
     return sync
   path = os.path.join(workdir, SYNC_PLAN_FILE)
-  key = {"compressor": config.compression.name, "devices": int(mesh.size),
+  key = {"compressor": config.compression.name, "min_size": int(sync.min_size),
+         "devices": int(mesh.size),
          "cluster": sync_tuning.cluster_key(list(mesh.devices.flat)),
          "gradients": sync_tuning.tree_digest(params)}
   chosen = None
@@ -300,8 +301,8 @@ def autotune_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any
       if fit is None:
         raise _bad("compression.sync_fit", config.compression.sync_fit,
                    f"a fit made for compressor {config.compression.name!r} on {mesh.size} devices")
-    chosen = sync_tuning.autotune(params, sync.compression, fit=fit, mesh=mesh,
-                                  axis=mesh.axis_names[0], seed=sync.seed)
+    chosen = sync_tuning.autotune(params, sync.compression, fit=fit, min_size=sync.min_size,
+                                  mesh=mesh, axis=mesh.axis_names[0], seed=sync.seed)
     how = "timed now"
     if jax.process_index() == 0:
       replace_file(path, lambda f: json.dump({"key": key, "choice": chosen.to_dict()}, f,
