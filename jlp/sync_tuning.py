@@ -46,7 +46,7 @@ from scipy import optimize
 
 from jlp.compression import base
 from jlp.compression.base import invalid
-from jlp.compression.secopa import CostModel, LinearCost
+from jlp.compression.secopa import CostModel, LinearCost, leaf_sizes
 from jlp.sync import GradSync, reduce_gradients
 
 __all__ = ["FLOAT32", "Plan", "SyncFit", "autotune", "cluster_key", "fit_sync_costs",
@@ -255,16 +255,6 @@ class Plan(NamedTuple):
                     plan=dict(self.leaf_plan), seed=seed)
 
 
-def _leaves(tree: Any) -> list[tuple[str, int]]:
-  out = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    shape = getattr(leaf, "shape", None)
-    if shape is None:
-      raise invalid(f"tree{jax.tree_util.keystr(path)}", leaf, "an array or ShapeDtypeStruct")
-    out.append((jax.tree_util.keystr(path), math.prod(shape)))
-  return out
-
-
 def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None = None, *,
                num_nodes: int | None = None, min_size: int = 0) -> list[Plan]:
   """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", and per
@@ -273,7 +263,7 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
   are the sync's own rule on each topology (a leaf of more than `min_size` elements compressed
   into K = min(N, size) partitions, the rest on the float32 ring) and nothing is priced."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
-  leaves = _leaves(tree)
+  leaves = leaf_sizes(tree)
   n = fit.num_nodes if fit is not None else num_nodes
   if n is None:
     raise invalid("num_nodes", num_nodes, "the device count when no fit is given")
@@ -429,7 +419,7 @@ class Autotuned(NamedTuple):
 
 def tree_digest(tree: Any) -> str:
   """A short digest of `tree`'s leaf paths and shapes (what a saved choice was made for)."""
-  text = ";".join(f"{name}:{size}" for name, size in _leaves(tree))
+  text = ";".join(f"{name}:{size}" for name, size in leaf_sizes(tree))
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

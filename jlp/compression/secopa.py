@@ -59,8 +59,8 @@ from jlp.compression.base import invalid
 from jlp.compression.casync import DEFAULT_MIN_SIZE, TOPOLOGIES
 
 __all__ = ["COMP_THRESHOLD", "SEED_COEFFICIENTS", "CostModel", "LinearCost", "PlanEntry",
-           "SyncCosts", "TOPOLOGIES", "compression_ratio", "plan_for_tree", "read_grads",
-           "read_plan", "secopa_plan", "static_plan", "sync_costs", "write_plan"]
+           "SyncCosts", "TOPOLOGIES", "compression_ratio", "leaf_sizes", "plan_for_tree",
+           "read_grads", "read_plan", "secopa_plan", "static_plan", "sync_costs", "write_plan"]
 
 #: HiPress's static rule: compress iff numel > 262144 floats (1 MiB), as `sync`'s default.
 COMP_THRESHOLD = DEFAULT_MIN_SIZE
@@ -399,6 +399,18 @@ def static_plan(grads: Iterable[tuple[str, int]], *, num_nodes: int,
   return [PlanEntry(name, size, size > threshold, num_nodes) for name, size in _grads(grads)]
 
 
+def leaf_sizes(tree: Any) -> list[tuple[str, int]]:
+  """[(jax.tree_util.keystr(path), number of elements)] of `tree`'s leaves (arrays or
+  jax.ShapeDtypeStructs), the (name, size) pairs the planners take."""
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    shape = getattr(leaf, "shape", None)
+    if shape is None:
+      raise invalid(f"tree{jax.tree_util.keystr(path)}", leaf, "an array or jax.ShapeDtypeStruct")
+    out.append((jax.tree_util.keystr(path), math.prod(shape)))
+  return out
+
+
 def plan_for_tree(tree: Any, *, num_nodes: int, topology: str = "ps",
                   cost_model: CostModel | None = None, comp_threshold: int | None = None,
                   compressor: base.Compressor | str | None = None,
@@ -408,12 +420,7 @@ def plan_for_tree(tree: Any, *, num_nodes: int, topology: str = "ps",
   `compressor` to plan with its own ratio; without it, `ratio` or the cost model's, HiPress's
   1/16), or with `comp_threshold` the static rule (`static_plan`, which needs no ratio). This
   dict is what `jlp.compression.sync` takes as its plan."""
-  grads = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    shape = getattr(leaf, "shape", None)
-    if shape is None:
-      raise invalid(f"tree{jax.tree_util.keystr(path)}", leaf, "an array or jax.ShapeDtypeStruct")
-    grads.append((jax.tree_util.keystr(path), math.prod(shape)))
+  grads = leaf_sizes(tree)
   if comp_threshold is None:
     plan = secopa_plan(grads, num_nodes=num_nodes, topology=topology, cost_model=cost_model,
                        compressor=compressor, ratio=ratio)

@@ -37,6 +37,18 @@ class Layout:
   g_slots: int
   metric_names: tuple[str, ...]  # "loss", then the names of loss_fn's aux
 
+  def pack_act(self, boundary: int, tree: Any) -> jax.Array:
+    """The value crossing `boundary` (after stage `boundary`) as one flat float32 buffer."""
+    tree = jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+    return self.act.pack(boundary, tree)["float32"]
+
+  def unpack_act(self, boundary: int, flat: jax.Array) -> Any:
+    """The inverse of `pack_act`, each leaf back in its own dtype."""
+    tree = self.act.unpack(boundary, {"float32": flat})
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [x.astype(d) for x, d in zip(leaves, self.act_dtypes[boundary], strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
+
 
 def ring_slots(table: sched.Table, starts: dict, ends: dict) -> int:
   """The smallest K such that no two items live at once on a stage share index mod K; an item

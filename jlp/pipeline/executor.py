@@ -901,8 +901,7 @@ class Pipeline:
                                    for s in range(self.num_stages)),
                      state_packer=self._sync_packer)
     return FlushProgram(self._apply, self._loss_metrics, self.optimizer, self._require_init(),
-                        mode, self._tables, self.num_pipelines, layout.num_batches, layout.act,
-                        layout.act_dtypes, layout.metric_names)
+                        mode, self._tables, self.num_pipelines, layout)
 
   def _flush_compiled(self, layout: Layout, xs: Any, ys: Any):
     shapes = lambda tree: (jax.tree.structure(tree), tuple(

@@ -43,7 +43,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jlp.pipeline.buffers import write_slot
+from jlp.pipeline.buffers import Layout, write_slot
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.program import DATA, STAGE, PipelineState
 from jlp.pipeline.schedule_data import Overlap, Schedule
@@ -191,7 +191,6 @@ class FlushProgram:
   apply: apply(s, params_s, x, state_s) -> (y, new_state_s), stage s's call.
   loss_metrics: (y_last, target) -> {"loss", **aux}, float32 scalars.
   packers: the (params, optimizer states, stage states) Packers, one entry per stage.
-  act: the S - 1 inter-stage values as float32 structs; act_dtypes: their leaves' dtypes.
   """
   apply: Callable[[int, Any, Any, Any], tuple[Any, Any]]
   loss_metrics: Callable[[Any, Any], dict[str, jax.Array]]
@@ -200,10 +199,7 @@ class FlushProgram:
   mode: SyncMode
   tables: FlushTables
   num_pipelines: int
-  num_batches: int
-  act: Packer
-  act_dtypes: tuple
-  metric_names: tuple[str, ...]
+  layout: Layout  # the run's: num_batches, the inter-stage values, metric_names
 
   def __call__(self, state: PipelineState, xs: Any, ys: Any
                ) -> tuple[PipelineState, dict[str, jax.Array]]:
@@ -215,9 +211,9 @@ class FlushProgram:
     carry = dict(params=squeeze(state.params), opt=squeeze(state.opt_state),
                  model_state=squeeze(state.model_state), sync_state=squeeze(state.sync_state),
                  computed=jnp.int32(0),
-                 metrics={name: jnp.zeros((self.num_batches,), jnp.float32)
-                          for name in self.metric_names},
-                 sync_report={name: jnp.zeros((self.num_batches,), dtype)
+                 metrics={name: jnp.zeros((self.layout.num_batches,), jnp.float32)
+                          for name in self.layout.metric_names},
+                 sync_report={name: jnp.zeros((self.layout.num_batches,), dtype)
                               for name, dtype in SYNC_REPORT.items()} if self.mode.reports else {})
     tab = self.tables
     rows = {name: jnp.asarray(getattr(tab, name))
@@ -230,7 +226,7 @@ class FlushProgram:
       carry = self._minibatch(carry, device, rows, x_b, y_b, b, state.step + b)
       return carry, None
 
-    carry, _ = lax.scan(minibatch, carry, jnp.arange(self.num_batches))
+    carry, _ = lax.scan(minibatch, carry, jnp.arange(self.layout.num_batches))
     N, D = self.num_pipelines, tab.num_devices
     out = {name: lax.psum(lax.psum(v, STAGE), DATA) / N for name, v in carry["metrics"].items()}
     for name, v in carry["sync_report"].items():
@@ -239,7 +235,7 @@ class FlushProgram:
     out["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
     expand = lambda tree: jax.tree.map(lambda x: x[None], tree)
     new_state = state._replace(
-        step=state.step + self.num_batches, params=expand(carry["params"]),
+        step=state.step + self.layout.num_batches, params=expand(carry["params"]),
         opt_state=expand(carry["opt"]), model_state=expand(carry["model_state"]),
         sync_state=expand(carry["sync_state"]))
     return new_state, out
@@ -249,12 +245,12 @@ class FlushProgram:
     tab, state_packer = self.tables, self.packers[2]
     v, M = tab.stages_per_device, tab.num_microbatches
     micro_rows = jax.tree.leaves(x_b)[0].shape[0] // M
-    act_len = self.act.sizes.get("float32", 0)
+    act_len = self.layout.act.sizes.get("float32", 0)
     bufs = dict(recv_x=jnp.zeros((v * tab.x_slots, act_len), jnp.float32),
                 recv_g=jnp.zeros((v * tab.g_slots, act_len), jnp.float32),
                 stash=state_packer.zeros((v * tab.w_slots,), xp=jnp),
                 grads=jax.tree.map(jnp.zeros_like, carry["params"]),
-                sums={name: jnp.float32(0) for name in self.metric_names})
+                sums={name: jnp.float32(0) for name in self.layout.metric_names})
     stage_of = jnp.asarray(tab.stage_of)[device]
 
     def tick(state, row):
@@ -292,7 +288,7 @@ class FlushProgram:
     tab = self.tables
     param_packer, _, state_packer = self.packers
     S, M = tab.num_stages, tab.num_microbatches
-    act_len = self.act.sizes.get("float32", 0)
+    act_len = self.layout.act.sizes.get("float32", 0)
     zeros_act = jnp.zeros((act_len,), jnp.float32)
     params = jax.tree.map(lambda a: a[c], carry["params"])
     model_state = jax.tree.map(lambda a: a[c], carry["model_state"])
@@ -300,21 +296,21 @@ class FlushProgram:
     recv_x = bufs["recv_x"][c * tab.x_slots + m % tab.x_slots]
     recv_g = bufs["recv_g"][c * tab.g_slots + m % tab.g_slots]
     zero_grad = jax.tree.map(jnp.zeros_like, params)
-    no_metrics = {name: jnp.float32(0) for name in self.metric_names}
+    no_metrics = {name: jnp.float32(0) for name in self.layout.metric_names}
     scale = np.float32(1.0 / M)
 
     def idle():
       return zeros_act, zeros_act, zero_grad, model_state, no_metrics
 
     def stage_input(s):
-      return x_in if s == 0 else self._unpack_act(s - 1, recv_x)
+      return x_in if s == 0 else self.layout.unpack_act(s - 1, recv_x)
 
     def forward(s):
       def op():
         y, new_state = self.apply(s, param_packer.unpack(s, params), stage_input(s),
                                   state_packer.unpack(s, model_state))
         if s < S - 1:
-          return self._pack_act(s, y), zeros_act, zero_grad, state_packer.pack(s, new_state), \
+          return self.layout.pack_act(s, y), zeros_act, zero_grad, state_packer.pack(s, new_state), \
               no_metrics
         metrics = {name: value * scale for name, value in self.loss_metrics(y, y_in).items()}
         return zeros_act, zeros_act, zero_grad, state_packer.pack(s, new_state), metrics
@@ -330,7 +326,7 @@ class FlushProgram:
             y, _ = self.apply(s, w, x, st)
             return self.loss_metrics(y, y_in)["loss"] * scale
         else:
-          ct = self._unpack_act(s, recv_g)
+          ct = self.layout.unpack_act(s, recv_g)
           f = lambda w, x: self.apply(s, w, x, st)[0]
         argnums = tuple(k for k, want in ((0, want_w), (1, want_x and s > 0)) if want)
         if not argnums:  # the input-gradient half of stage 0: there is no input gradient
@@ -345,7 +341,7 @@ class FlushProgram:
           got = jax.vjp(f, w, x)[1](ct)
         got = dict(zip(argnums, got, strict=True))
         gw = param_packer.pack(s, got[0]) if 0 in got else zero_grad
-        gx = self._pack_act(s - 1, got[1]) if 1 in got else zeros_act
+        gx = self.layout.pack_act(s - 1, got[1]) if 1 in got else zeros_act
         return zeros_act, gx, gw, model_state, no_metrics
       return op
 
@@ -365,7 +361,7 @@ class FlushProgram:
     has_w = (kind == B) | (kind == W)
     bufs["grads"] = jax.tree.map(
         lambda acc, g: acc.at[c].set(jnp.where(has_w, acc[c] + g, acc[c])), bufs["grads"], gw)
-    bufs["sums"] = {name: bufs["sums"][name] + metrics[name] for name in self.metric_names}
+    bufs["sums"] = {name: bufs["sums"][name] + metrics[name] for name in self.layout.metric_names}
     return act_out, grad_out, carry, bufs
 
   def _exchange(self, bufs, own, act_out, grad_out):
@@ -416,14 +412,3 @@ class FlushProgram:
     write = lambda tree, value: jax.tree.map(lambda a, u: a.at[c].set(u), tree, value)
     return dict(carry, params=write(carry["params"], new_params),
                 opt=write(carry["opt"], new_opt))
-
-  def _pack_act(self, boundary: int, tree: Any) -> jax.Array:
-    tree = jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-    return self.act.pack(boundary, tree)["float32"]
-
-  def _unpack_act(self, boundary: int, flat: jax.Array) -> Any:
-    tree = self.act.unpack(boundary, {"float32": flat})
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [x.astype(d) for x, d in zip(leaves, self.act_dtypes[boundary], strict=True)]
-    return jax.tree.unflatten(treedef, leaves)
-

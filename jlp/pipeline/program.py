@@ -154,16 +154,6 @@ class Program:
       out["stash_w"] = param_packer.zeros((self.layout.w_slots,), xp=jnp)
     return out
 
-  def _pack_act(self, boundary: int, tree: Any) -> jax.Array:
-    tree = jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-    return self.layout.act.pack(boundary, tree)["float32"]
-
-  def _unpack_act(self, boundary: int, flat: jax.Array) -> Any:
-    tree = self.layout.act.unpack(boundary, {"float32": flat})
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [x.astype(d) for x, d in zip(leaves, self.layout.act_dtypes[boundary], strict=True)]
-    return jax.tree.unflatten(treedef, leaves)
-
   def _tick(self, carry, bufs, stage, kind, index, x_in, y_in, loss_scale,
             grad_acc=None):
     """One op of this device's stage: (act_out, grad_out, param gradient, new model state,
@@ -198,10 +188,10 @@ class Program:
         return idle(s)
 
       def op():
-        x = x_in if s == 0 else self._unpack_act(s - 1, recv_x)
+        x = x_in if s == 0 else self.layout.unpack_act(s - 1, recv_x)
         y, new_state = self.apply(s, param_packer.unpack(s, latest), x,
                                    state_packer.unpack(s, carry["model_state"]))
-        out = self._pack_act(s, y) if s < S - 1 else zeros_act
+        out = self.layout.pack_act(s, y) if s < S - 1 else zeros_act
         return out, zeros_act, zeros_grad, state_packer.pack(s, new_state), no_metrics
       return op
 
@@ -209,7 +199,7 @@ class Program:
       def op():
         w = param_packer.unpack(s, stashed_w)
         st = state_packer.unpack(s, stashed_state)
-        x = x_in if s == 0 else self._unpack_act(s - 1, recv_x)
+        x = x_in if s == 0 else self.layout.unpack_act(s - 1, recv_x)
         new_state = carry["model_state"]
         if s == S - 1:
           def f(w, x):
@@ -224,7 +214,7 @@ class Program:
           if fused_last:
             new_state = state_packer.pack(s, stage_state)
         else:
-          ct = self._unpack_act(s, recv_g)
+          ct = self.layout.unpack_act(s, recv_g)
           loss = no_metrics
           if s == 0:
             _, vjp = jax.vjp(lambda w: self.apply(s, w, x, st)[0], w)
@@ -232,7 +222,7 @@ class Program:
           else:
             _, vjp = jax.vjp(lambda w, x: self.apply(s, w, x, st)[0], w, x)
             gw, gx = vjp(ct)
-        grad_out = self._pack_act(s - 1, gx) if s > 0 else zeros_act
+        grad_out = self.layout.pack_act(s - 1, gx) if s > 0 else zeros_act
         gw = param_packer.pack(s, gw)
         if grad_acc is not None:
           gw = jax.tree.map(jnp.add, grad_acc, gw)
