@@ -30,3 +30,56 @@ def fast_compile():
   jax.config.update("jax_disable_most_optimizations", True)
   yield
   jax.config.update("jax_disable_most_optimizations", old)
+
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]  # since the last test phase's report, in this process
+_compile_by_test: dict[str, tuple[float, float]] = {}  # nodeid: (compile s, total s)
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--compile-times", type=int, default=0, metavar="N",
+      help="list the N tests that spent the most seconds tracing, lowering and compiling JAX "
+           "programs, beside their durations (this process's compiles: a test's subprocesses "
+           "are not counted; hits of the persistent compilation cache cost no compile)")
+
+
+def pytest_configure(config):
+  if config.getoption("compile_times"):
+    import jax  # pylint: disable=g-import-not-at-top
+
+    def listen(event: str, seconds: float, **_) -> None:
+      if event in _COMPILE_EVENTS:
+        _compile_seconds[0] += seconds
+    jax.monitoring.register_event_duration_secs_listener(listen)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  if item.config.getoption("compile_times"):
+    outcome.get_result().user_properties.append(("compile_s", _compile_seconds[0]))
+    _compile_seconds[0] = 0.0
+
+
+def pytest_runtest_logreport(report):
+  compile_s = sum(v for k, v in report.user_properties if k == "compile_s")
+  if compile_s or report.user_properties:
+    c, t = _compile_by_test.get(report.nodeid, (0.0, 0.0))
+    _compile_by_test[report.nodeid] = (c + compile_s, t + report.duration)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  n = config.getoption("compile_times")
+  if not n or not _compile_by_test:
+    return
+  compile_s = sum(c for c, _ in _compile_by_test.values())
+  total_s = sum(t for _, t in _compile_by_test.values())
+  terminalreporter.section(f"{n} tests with the most compile seconds")
+  terminalreporter.write_line(f"all tests: {compile_s:.1f} s compiling of {total_s:.1f} s "
+                              f"({compile_s / max(total_s, 1e-9):.0%})")
+  for nodeid, (c, t) in sorted(_compile_by_test.items(), key=lambda kv: -kv[1][0])[:n]:
+    terminalreporter.write_line(f"{c:7.2f} s compile {t:7.2f} s total  {nodeid}")
