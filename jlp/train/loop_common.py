@@ -232,7 +232,8 @@ class LogWindow:
   uninterrupted run's). `throughput` is the examples trained since the previous row per
   wall-clock second of training: the time spent compiling (`CompileClock`) and writing
   checkpoints (`saving()`) is left out and reported as `compile_seconds` and `save_seconds`;
-  evaluation and logging fall between `close()` and `restart()`.
+  evaluation and logging fall between `close()` and `restart()`. `close()` waits for the device
+  work of the steps it was given before it reads the clock (JAX dispatches steps asynchronously).
   """
 
   def __init__(self, clock: CompileClock, values: dict[str, list[float]] | None = None):
@@ -281,15 +282,18 @@ class LogWindow:
     the window (call `restart` once the row is written). `throughput`: the caller's own (the
     pipelined loop times each call and adds its compile time to `compile_seconds` itself)."""
     save_seconds = sum(end - begin for begin, end in self._saves)
+    # Fetching the steps' values waits for the device work queued behind them (a step's outputs
+    # are ready when its program ends), so the window ends when the steps end, not when the
+    # host dispatched them: that work would otherwise fall into the evaluation after the row.
+    loss, accuracy = jax.device_get((self.loss, self.accuracy))
     if throughput is None:
       now = time.perf_counter()
       compiled = self.compiled(self._begin, now)
       self.compile_seconds += compiled
       seconds = now - self._begin - compiled - union_seconds(self._saves, self._begin, now)
       throughput = self.examples / max(seconds, 1e-9)
-    mean = lambda vs: float(np.mean(np.asarray(jax.device_get(vs), np.float64))) if vs else \
-        float("nan")
-    row = {"train_loss": mean(self.loss), "train_accuracy": mean(self.accuracy),
+    mean = lambda vs: float(np.mean(np.asarray(vs, np.float64))) if vs else float("nan")
+    row = {"train_loss": mean(loss), "train_accuracy": mean(accuracy),
            "throughput": throughput, "compile_seconds": self.compile_seconds,
            "save_seconds": save_seconds}
     self.loss, self.accuracy, self._saves = [], [], []

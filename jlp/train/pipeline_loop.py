@@ -262,6 +262,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
             metrics = _joined(metrics, drained)
         if early is not None:  # the drain at a resume under a changed model: its rows come first
           metrics, early = _joined(early, metrics), None
+        jax.block_until_ready(metrics)  # the call's device work ends inside its own seconds
         now = time.perf_counter()
         compiled = window.compiled(call_begin, now)
         window.compile_seconds += compiled
