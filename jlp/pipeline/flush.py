@@ -54,7 +54,7 @@ from jax import lax
 
 from jlp.pipeline.buffers import Layout, write_slot
 from jlp.pipeline.packing import Packer
-from jlp.pipeline.program import DATA, STAGE, PipelineState
+from jlp.pipeline.program import DATA, STAGE, PipelineState, stage_steps
 from jlp.pipeline.schedule_data import Overlap, Schedule
 from jlp.pipeline.sync_modes import SyncMode
 from jlp.sync import SYNC_REPORT
@@ -507,17 +507,9 @@ class FlushProgram:
                                          view["sync_state"])
     params = jax.tree.map(lambda a: a[c], carry["params"])
     opt = jax.tree.map(lambda a: a[c], carry["opt"])
-
-    def step(s):
-      def op():
-        p = param_packer.unpack(s, params)
-        g = param_packer.unpack(s, {"float32": summed})
-        o = opt_packer.unpack(s, opt)
-        updates, o = self.optimizer.update(g, o, p)
-        return param_packer.pack(s, optax.apply_updates(p, updates)), opt_packer.pack(s, o)
-      return op
-
-    new_params, new_opt = lax.switch(stage, [step(s) for s in range(self.tables.num_stages)])
+    new_params, new_opt, _ = lax.switch(stage, stage_steps(
+        param_packer, opt_packer, self.optimizer, self.tables.num_stages, params,
+        {"float32": summed}, opt))
     write = lambda tree, value: jax.tree.map(lambda a, u: a.at[c].set(u), tree, value)
     return dict(carry, params=write(carry["params"], new_params),
                 opt=write(carry["opt"], new_opt))

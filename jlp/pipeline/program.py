@@ -63,6 +63,21 @@ class PipelineState(NamedTuple):
   inflight: dict[str, Any]
 
 
+def stage_steps(param_packer: Packer, opt_packer: Packer, optimizer: optax.GradientTransformation,
+                num_stages: int, params: Any, grads: Any, opt: Any) -> list[Callable[[], Any]]:
+  """One `lax.switch` branch per stage s: the optimizer step of stage s's packed weights `params`
+  with its packed gradient `grads` and optimizer state `opt` (each {dtype: [L]}): (new params, new
+  optimizer state, the updates), packed."""
+  def step(s):
+    def op():
+      p, g = param_packer.unpack(s, params), param_packer.unpack(s, grads)
+      updates, o = optimizer.update(g, opt_packer.unpack(s, opt), p)
+      return (param_packer.pack(s, optax.apply_updates(p, updates)), opt_packer.pack(s, o),
+              param_packer.pack(s, updates))
+    return op
+  return [step(s) for s in range(num_stages)]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
   """One run's per-device program (module docstring); `Pipeline` builds one per input shape.
@@ -264,18 +279,10 @@ class Program:
     def keep():
       return carry["params"], carry["opt"], jax.tree.map(jnp.zeros_like, carry["params"])
 
-    def step(s):
-      def op():
-        p = param_packer.unpack(s, carry["params"])
-        g = param_packer.unpack(s, grads)
-        o = opt_packer.unpack(s, carry["opt"])
-        updates, o = self.optimizer.update(g, o, p)
-        p = optax.apply_updates(p, updates)
-        return param_packer.pack(s, p), opt_packer.pack(s, o), param_packer.pack(s, updates)
-      return op
-
+    steps = stage_steps(param_packer, opt_packer, self.optimizer, self.num_stages,
+                        carry["params"], grads, carry["opt"])
     index = jnp.where(do_update, stage + 1, 0)
-    params, opt, delta = lax.switch(index, [keep] + [step(s) for s in range(self.num_stages)])
+    params, opt, delta = lax.switch(index, [keep] + steps)
     params, carry = self.mode.after_update(carry, stage, params["float32"], delta["float32"],
                                            events)
     return dict(carry, params={"float32": params}, opt=opt)
