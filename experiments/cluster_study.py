@@ -61,6 +61,9 @@ _SECTIONS = flags.DEFINE_multi_enum("sections", ["sync", "pipelines", "accuracy"
                                     ["sync", "pipelines", "accuracy"], "Parts of the study to run.")
 _ACCURACY_BANDWIDTHS = flags.DEFINE_list("accuracy_bandwidths", ["100mbit"],
                                          "Bandwidths of the time-to-accuracy runs.")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_float(
+    "heartbeat_timeout", 600.0, "The training runs' --heartbeat_timeout: longer than a compile of "
+    "their largest program on loaded cores (a host's heartbeat waits for it).")
 _TARGET = flags.DEFINE_float("target", 0.97, "Test accuracy of the time-to-accuracy runs.")
 _STAGES = flags.DEFINE_integer("stages", 4, "Stages of the pipelined runs.")
 _TRAIN_STEPS = flags.DEFINE_integer(
@@ -314,7 +317,8 @@ def _train(bandwidth: str, name: str, args: list[str]) -> tuple[list[dict], dict
                         [f"--config={TRAIN_CONFIG}", f"--workdir={workdir}", *args,
                          *_TRAIN_OVERRIDES.value],
                         hosts=_HOSTS.value, devices_per_host=_DEVICES.value,
-                        bandwidth=bandwidth, workdir=os.path.join(workdir, "hosts"))
+                        bandwidth=bandwidth, workdir=os.path.join(workdir, "hosts"),
+                        heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
   if code:  # interrupted (SIGINT / SIGTERM passed to the hosts)
     sys.exit(code)
   with open(os.path.join(workdir, "config.json")) as f:

@@ -535,18 +535,14 @@ def _live(eqns: Sequence[Any], outvars: Sequence[Any], given: set[Any] = frozens
 
 def _run(eqns: Sequence[Any], env: dict[Any, Any], outvars: Sequence[Any]) -> list[Any]:
   """Evaluates `eqns` (of one jaxpr, in order) from `env` (var -> value); the values of
-  `outvars`. Each equation binds its primitive as `jax.core.eval_jaxpr` does."""
-  read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]
-  for eqn in eqns:
-    params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-      subfuns, params = params
-    with eqn.ctx.manager:
-      out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
-    out = out if eqn.primitive.multiple_results else [out]
-    env.update((v, x) for v, x in zip(eqn.outvars, out, strict=True)
-               if not isinstance(v, jax.extend.core.DropVar))
-  return [read(v) for v in outvars]
+  `outvars`: the equations as a jaxpr of their free variables, run by `jaxpr_as_fun`."""
+  core = jax.extend.core
+  defined = {v for eqn in eqns for v in eqn.outvars}
+  free = list(dict.fromkeys(v for v in [*(v for eqn in eqns for v in eqn.invars), *outvars]
+                            if isinstance(v, core.Var) and v not in defined))
+  effects = frozenset().union(*(eqn.effects for eqn in eqns))
+  jaxpr = core.Jaxpr([], free, list(outvars), list(eqns), effects)
+  return list(core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, []), *[env[v] for v in free]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
