@@ -460,35 +460,39 @@ class FlushProgram:
     """Sends the tick's activation and input gradient on their channels and stores what arrives
     in its ring slot. One `lax.ppermute` over "stage" per distinct shift k (device d sends to
     d + k; shift 0, the turn of a V, stays on the device) carries the values of the routes that
-    have a channel of that shift and the sender's channels and slots (which a float32 holds
-    exactly), so each value crosses to its neighbour only, once: on a real network the bytes of
-    a tick are those of the schedule. Every device issues the same collectives; the tables say
-    which sends carry a value."""
+    have a channel of that shift and the sender's channels (+ 1: a device that receives nothing
+    gets zeros) and slots, which a float32 holds exactly. Only the devices that the schedule ever
+    sends from on that shift take part (1F1B's last device sends no activation around to the
+    first), so each value crosses to its neighbour once and no link carries a dead send: on a
+    real network a tick costs the schedule's bytes. Every device issues the same collectives;
+    the tables say which sends carry a value."""
     tab = self.tables
     D = tab.num_devices
     L = act_out.shape[0]
     routes = (("recv_x", act_out, "act_channel", "act_slot", tab.act_shifts),
               ("recv_g", grad_out, "grad_channel", "grad_slot", tab.grad_shifts))
-    meta = jnp.stack([own["act_channel"], own["act_slot"], own["grad_channel"],
+    meta = jnp.stack([own["act_channel"] + 1, own["act_slot"], own["grad_channel"] + 1,
                       own["grad_slot"]]).astype(jnp.float32)
-    arrived = {}  # shift mod D: ({route: value}, the sender's meta)
-    for shift in sorted({k % D for *_, shifts in routes for k in shifts if k % D}):
-      users = [r for r, (*_, shifts) in enumerate(routes) if any(k % D == shift for k in shifts)]
+    arrived = {}  # shift: ({route: value}, the sender's meta)
+    for shift in sorted({k for *_, shifts in routes for k in shifts if k}):
+      users = [r for r, (*_, shifts) in enumerate(routes) if shift in shifts]
+      senders = sorted({d for r in users for d in range(D) if np.any(
+          getattr(tab, routes[r][2])[:, d] == routes[r][4].index(shift))})
       got = lax.ppermute(jnp.concatenate([routes[r][1] for r in users] + [meta]), STAGE,
-                         [(d, (d + shift) % D) for d in range(D)])
+                         [(d, (d + shift) % D) for d in senders])
       arrived[shift] = ({r: got[i * L:(i + 1) * L] for i, r in enumerate(users)},
                         got[len(users) * L:])
     bufs = dict(bufs)
     for r, (name, value, channel_key, slot_key, shifts) in enumerate(routes):
       for k, shift in enumerate(shifts):
-        if shift % D == 0:
-          got, channel, slot = value, own[channel_key], own[slot_key]
+        if shift == 0:
+          got, channel, slot = value, own[channel_key] + 1, own[slot_key]
         else:
-          values, sender = arrived[shift % D]
+          values, sender = arrived[shift]
           got = values[r]
           channel, slot = sender[2 * r].astype(jnp.int32), sender[2 * r + 1].astype(jnp.int32)
         # Not on this channel: written to the ring's last row, which nothing reads.
-        slot = jnp.where(channel == k, slot, bufs[name].shape[0] - 1)
+        slot = jnp.where(channel == k + 1, slot, bufs[name].shape[0] - 1)
         bufs[name] = lax.dynamic_update_index_in_dim(bufs[name], got, slot, 0)
     return bufs
 
