@@ -25,9 +25,11 @@ and classifier stay float32):
     the recipe with float32 GEMMs of its quantized operands (`accumulator=False`: for
     "deepseek_fp8", its formats without the model of the tensor cores' accumulator).
 
-After one compile + warm-up step each, the steps run in turn (float32 first) --steps
-times; reported: median step time, img/s, and candidate/float32 as the ratio of the
-medians and the median of the per-pair ratios (target <= 1.3; BFPsim reports
+Each step is first traced and lowered, then compiled ahead of time (`jax.jit(...).lower(...)
+.compile()`, both timed: the compile time is XLA's, apart from the first step), then run once
+and --warmup times more; the steps then run in turn (float32 first) --steps times; reported:
+median step time, img/s, the trace + lower and compile seconds, and candidate/float32 as the
+ratio of the medians and the median of the per-pair ratios (target <= 1.3; BFPsim reports
 about 2x for FB12 on GPU).
 """
 
@@ -124,6 +126,16 @@ class Runner:
     self.step, self.params, self.rest, self.opt_state = make_step(model, tx)
     self.times: list[float] = []
     self.loss = float("nan")
+    self.lower_s = self.compile_s = self.compile_cpu_s = self.first_step_s = float("nan")
+
+  def compile(self, x, y) -> None:
+    """Traces, lowers and compiles the step ahead of time (timed apart from the first step)."""
+    t0 = time.perf_counter()
+    lowered = self.step.lower(self.params, self.rest, self.opt_state, x, y)
+    t1, c1 = time.perf_counter(), time.process_time()
+    self.step = lowered.compile()
+    self.lower_s, self.compile_s = t1 - t0, time.perf_counter() - t1
+    self.compile_cpu_s = time.process_time() - c1  # less sensitive to a shared machine's load
 
   def run(self, x, y) -> float:
     t0 = time.perf_counter()
@@ -166,12 +178,12 @@ def main(argv):
     runners.append(Runner(name, cand, tx))
   print()
   for r in runners:
-    t0 = time.perf_counter()
-    r.run(x, y)
-    compile_s = time.perf_counter() - t0
+    r.compile(x, y)
+    r.first_step_s = r.run(x, y)
     for _ in range(_WARMUP.value):
       r.run(x, y)
-    print(f"{r.name:14s} compile + first step {compile_s:7.2f} s", flush=True)
+    print(f"{r.name:14s} trace + lower {r.lower_s:6.2f} s, compile {r.compile_s:7.2f} s "
+          f"({r.compile_cpu_s:.2f} s CPU), first step {r.first_step_s:7.2f} s", flush=True)
 
   for i in range(_STEPS.value):
     for r in runners:
@@ -179,12 +191,14 @@ def main(argv):
     print(f"  pair {i}: " + "  ".join(f"{r.name} {r.times[-1]:.3f} s" for r in runners), flush=True)
 
   print()
-  header = f"{'model':14s} {'median s/step':>13s} {'min s/step':>10s} {'img/s':>8s} {'loss':>8s}"
+  header = (f"{'model':14s} {'median s/step':>13s} {'min s/step':>10s} {'img/s':>8s} {'loss':>8s} "
+            f"{'lower s':>8s} {'compile s':>9s}")
   print(header)
   print("-" * len(header))
   for r in runners:
     med = statistics.median(r.times)
-    print(f"{r.name:14s} {med:13.3f} {min(r.times):10.3f} {b / med:8.1f} {r.loss:8.4f}")
+    print(f"{r.name:14s} {med:13.3f} {min(r.times):10.3f} {b / med:8.1f} {r.loss:8.4f} "
+          f"{r.lower_s:8.2f} {r.compile_s:9.2f}")
   print()
   base_t = runners[0].times
   for r in runners[1:]:

@@ -58,6 +58,9 @@ or a normal float32, and XLA:CPU divides by an elementwise divisor array with on
 (it multiplies by a reciprocal only for a scalar divisor, as measured on this project's
 machines), which the tests check against numpy at the element grid's ties. The Pallas kernel
 always uses the integer ops (`jlp.quantize`'s impl="auto" takes the XLA path, on GPU too).
+On XLA:CPU the float path computes the per-block values with float32 divisions too (the same
+bits where it is taken: a normal amax), and the XLA path is jitted with the format static, so
+the casts of one shape and format in a program are traced and lowered once (issue 38).
 
 Peers:
   DeepSeek-V3 (inference/kernel.py, `act_quant` / `weight_quant` / `weight_dequant`):
@@ -100,11 +103,22 @@ _FLT_MAX = float_bits(float(jnp.finfo(jnp.float32).max))
 _MAX_POW2 = float_bits(2.0 ** 127)
 _FLOAT_OPS_MIN_SCALE = float_bits(2.0 ** -100)
 _FLOAT_OPS_MAX_MULTIPLIER = float_bits(2.0 ** 100)
+_MIN_NORMAL = float_bits(2.0 ** -126)
 
 
-def scale_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
-  """uint32 bits of each block's scale s (module docstring) from the bits of its finite `amax`."""
-  s = div_bits(amax, jnp.full_like(amax, float_bits(fmt.elem.max)))
+def _div_float_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Bits of a / b (float32 bit patterns) by one float32 division (XLA:CPU: IEEE, subnormal
+  operands read as 0, subnormal results flushed); the barrier keeps XLA from turning a division
+  by a constant into a product with its reciprocal."""
+  quotient = lax.bitcast_convert_type(a, jnp.float32) / lax.optimization_barrier(
+      lax.bitcast_convert_type(b, jnp.float32))
+  return to_bits(quotient)
+
+
+def scale_bits(amax: jax.Array, fmt: BlockScaledFormat, div=div_bits) -> jax.Array:
+  """uint32 bits of each block's scale s (module docstring) from the bits of its finite `amax`
+  (`div`: the division of bit patterns; `_float_ops` passes the float one)."""
+  s = div(amax, jnp.full_like(amax, float_bits(fmt.elem.max)))
   s = jnp.maximum(s, u32(1))  # a quotient that rounds to zero: 2^-149
   if fmt.pow2_scale:
     field = s >> u32(23)
@@ -118,29 +132,29 @@ def scale_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   return jnp.where(amax == 0, _ONE, s)
 
 
-def multiplier_bits(amax: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
+def multiplier_bits(amax: jax.Array, fmt: BlockScaledFormat, div=div_bits) -> jax.Array:
   """uint32 bits of each block's multiplier m under scale_rule="reciprocal" (TransformerEngine's
   `compute_scale_from_amax` with epsilon 0: elem.max / amax, float32's max where that overflows,
   rounded down to a power of two with pow2_scale, 1 for amax = 0) from the bits of its finite
   `amax`."""
-  m = div_bits(jnp.full_like(amax, float_bits(fmt.elem.max)), jnp.where(amax == 0, _ONE, amax))
+  m = div(jnp.full_like(amax, float_bits(fmt.elem.max)), jnp.where(amax == 0, _ONE, amax))
   m = jnp.where(m >= INF, _FLT_MAX, m)
   if fmt.pow2_scale:
     m = m & u32(0xFF800000)  # m is a normal float32: elem.max / amax >= elem.max / FLT_MAX
   return jnp.where(amax == 0, _ONE, m)
 
 
-def block_values(amax: jax.Array, fmt: BlockScaledFormat) -> tuple[jax.Array, ...]:
+def block_values(amax: jax.Array, fmt: BlockScaledFormat, div=div_bits) -> tuple[jax.Array, ...]:
   """(finite, a, b) of blocks with the max |x| bits `amax` (>= INF: the block holds inf or NaN):
   whether the block is finite, and the bits of the element operations' operands: rule "divide"
   (s, s): q = elem(x / s), value = q · s; rule "reciprocal" (m, 1 / m): q = elem(x · m),
-  value = q · (1 / m)."""
+  value = q · (1 / m). `div` divides bit patterns (default: the exact integer division)."""
   finite = amax < INF
   amax = jnp.where(finite, amax, u32(0))
   if fmt.scale_rule == "reciprocal":
-    m = multiplier_bits(amax, fmt)
-    return finite, m, div_bits(jnp.full_like(m, _ONE), m)
-  s = scale_bits(amax, fmt)
+    m = multiplier_bits(amax, fmt, div)
+    return finite, m, div(jnp.full_like(m, _ONE), m)
+  s = scale_bits(amax, fmt, div)
   return finite, s, s
 
 
@@ -218,12 +232,19 @@ def _float_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat, rows: int,
   values keep the integer operations (one per block).
   """
   elem = fmt.elem
-  finite, a, b = lax.optimization_barrier(block_values(amax, fmt))
+  # The per-block values: on XLA:CPU one float32 division each (IEEE; the same bits as the
+  # integer division wherever `exact` below holds: a normal amax, a normal quotient, and with
+  # rule "reciprocal" an overflow to inf either way), elsewhere the integer division (a GPU
+  # divides approximately).
+  finite, a, b = lax.optimization_barrier(lax.platform_dependent(
+      amax, cpu=lambda amax: block_values(amax, fmt, _div_float_bits),
+      default=lambda amax: block_values(amax, fmt)))
   if fmt.scale_rule == "reciprocal":
     safe = a <= _FLOAT_OPS_MAX_MULTIPLIER
   else:
     safe = a >= _FLOAT_OPS_MIN_SCALE
-  exact = jnp.all((amax == 0) | ~finite | safe)
+  # A nonzero finite amax below 2^-126 (read as 0 by the float division) takes the integer ops.
+  exact = jnp.all((amax == 0) | ~finite | (safe & (amax >= _MIN_NORMAL)))
   if (elem.emin - elem.man if elem.subnormals else elem.emin) < -24:
     exact = jnp.bool_(False)
   broadcast = lambda v: lax.bitcast_convert_type(_broadcast_blocks(v, m.shape, rows, cols),
@@ -260,6 +281,13 @@ def block_scaled_quantize(x: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   x = jnp.asarray(x)
   if x.size == 0:
     return x
+  return _quantize_xla(x, fmt=fmt)
+
+
+@jax.jit(static_argnames=("fmt",))
+def _quantize_xla(x: jax.Array, *, fmt: BlockScaledFormat) -> jax.Array:
+  """`block_scaled_quantize` of a non-empty x (jitted: the casts of one shape and format in a
+  program are traced and lowered once)."""
   m, moved_shape = as_matrix(x, fmt.axis)
   rows, cols = min(fmt.block[0], m.shape[0]), min(fmt.block[1], m.shape[1])
   amax = lax.optimization_barrier(_block_amax(to_bits(m), rows, cols))

@@ -55,10 +55,14 @@ rht=True (TE's random Hadamard transform, `NVFP4QuantizerRef._apply_rht` with th
 
 The XLA path (`nvfp4_quantize`) computes the element operations with the hardware's float32
 products and sums where they provably give the same bits (`_float_ops`: no operand or result
-can be a float32 subnormal; checked at run time from the tensor's exponents) and otherwise,
-chosen by `lax.cond`, with the integer operations above; tiles along a non-minor axis are
-handled in place (no transposition). The Pallas kernel always uses the integer operations.
-Both give the same bits.
+can be a float32 subnormal; checked at run time from the tensor's exponents; on XLA:CPU the
+per-tensor and per-tile values too) and otherwise, chosen by `lax.cond`, with the integer
+operations above (`_quantize_rows_looped` for compat=None: a loop over the steps, one division
+and one product each); tiles along a non-minor axis are handled in place (no transposition).
+It runs on chunks of a fixed number of tiles (`_tiles_in_chunks`, after the tensor's amax), in
+one jitted chunk program per format and tile shape: the casts of a program share it, so XLA
+compiles a cast's code about once instead of once per cast site (issue 38). The Pallas kernel
+always uses the integer operations (`quantize_rows`). Both give the same bits.
 
 References:
   NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, 2025.
@@ -222,23 +226,32 @@ def _butterfly(u: jax.Array) -> jax.Array:
   stages add the pairs of the in-place transform with strides 8, 4, 2, 1, and the fourth leaves
   the natural order. Only split, stack and reshape move data (ops Pallas lowers for Triton).
   """
-  rows = u.shape[0]
   for _ in range(4):
-    a, b = lax.split(u, (8, 8), axis=1)
-    s = to_bits(ieee_add(from_bits(a), from_bits(b)))
-    d = to_bits(ieee_add(from_bits(a), from_bits(b ^ SIGN)))
-    u = jnp.stack([s, d], axis=-1).reshape(rows, 16)
+    u = _butterfly_stage(u)
   return u
 
 
-def rht_bits(u: jax.Array) -> jax.Array:
+def _butterfly_stage(u: jax.Array) -> jax.Array:
+  """One stage of `_butterfly`."""
+  a, b = lax.split(u, (8, 8), axis=1)
+  s = to_bits(ieee_add(from_bits(a), from_bits(b)))
+  d = to_bits(ieee_add(from_bits(a), from_bits(b ^ SIGN)))
+  return jnp.stack([s, d], axis=-1).reshape(u.shape[0], 16)
+
+
+def _butterfly_loop(u: jax.Array) -> jax.Array:
+  """`_butterfly` as a loop over its four identical stages (one stage's code; the XLA path)."""
+  return lax.fori_loop(0, 4, lambda _, u: _butterfly_stage(u), u)
+
+
+def rht_bits(u: jax.Array, butterfly: Callable = _butterfly) -> jax.Array:
   """Rows of 16 float32 bit patterns times T = D H16 / 4 (see the module docstring)."""
-  return _butterfly(_quarter(u ^ _sign_mask()))
+  return butterfly(_quarter(u ^ _sign_mask()))
 
 
-def inverse_rht_bits(u: jax.Array) -> jax.Array:
+def inverse_rht_bits(u: jax.Array, butterfly: Callable = _butterfly) -> jax.Array:
   """Rows of 16 float32 bit patterns times T^T = H16 D / 4: w = y / 4, butterfly, signs."""
-  return _butterfly(_quarter(u)) ^ _sign_mask()
+  return butterfly(_quarter(u)) ^ _sign_mask()
 
 
 # -- scales and rows ----------------------------------------------------------------------------
@@ -446,8 +459,60 @@ def _tile_max_and_min_nonzero(m: jax.Array) -> tuple[jax.Array, jax.Array]:
   return _tile_max(m), ~_tile_max(jnp.where(m != 0, ~m, u32(0)))
 
 
-def _float_ops(u: jax.Array, fmt: NVFP4Format,
-               rbits: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def _div_float(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a / b in float32, one IEEE division: the barrier keeps XLA from rewriting a division by a
+  constant or a quotient as a product with a reciprocal (two roundings)."""
+  return a / lax.optimization_barrier(b)
+
+
+def _tile_values_float(vmax: jax.Array, amax: jax.Array,
+                       fmt: NVFP4Format) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+  """(`tensor_scalars`, *`tile_scales`) of the tiles' max |x| bits `vmax` and the tensor's
+  `amax` (1, 1), with XLA:CPU's float32 operations: the same bits where `_float_ops` calls them
+  exact (amax finite and at least 2^-60), on a backend that divides in IEEE float32 and flushes
+  subnormal operands and results to zero (XLA:CPU; a GPU divides approximately).
+
+  Why the same bits there: every per-tensor value is normal (2688 / amax <= 2^71.4, its
+  reciprocal and amax / 2688 >= 2^-71.4, torchao's pts = amax / 2688 and 1 / pts alike); a
+  subnormal vmax (read as 0) or a subnormal vmax * mult or vmax / 6 (flushed) is below 2^-57
+  where the true value is, which E4M3 rounds to 0 (compat=None), or which the clamp raises to
+  2^-6 (torchao, also after the division by pts >= 2^-71.4); a nonzero scale s is
+  at least 2^-9, so s * gds lies in [2^-81, 2^126) and its reciprocal is normal, and s = 0 gives
+  1 / 0 = inf, clamped to float32's max as in the integer operations."""
+  a = from_bits(amax)
+  sat = lambda v, limit: jnp.where(v > INF, v, jnp.minimum(v, limit))
+  if fmt.compat is None:
+    ges = to_bits(_div_float(jnp.float32(448.0 * 6.0), a))
+    ges = from_bits(jnp.where(sat(ges, _FLT_MAX) == 0, _ONE, sat(ges, _FLT_MAX)))
+    gds = _div_float(jnp.float32(1.0), ges)
+    mult = ges * from_bits(_RECIP6)
+    scalars = (to_bits(gds), to_bits(mult), to_bits(_div_float(a, jnp.float32(448.0 * 6.0))))
+    s = cast_bits(_min_keep_nan(to_bits(from_bits(vmax) * mult), _E4M3_MAX), E4M3)
+    d = lax.optimization_barrier(from_bits(s) * gds)
+    encode = _min_keep_nan(to_bits(_div_float(jnp.float32(1.0), d)), _FLT_MAX)
+    return scalars, s, encode
+  block = _div_float(from_bits(vmax), jnp.float32(6.0))
+  scalars = ()
+  if fmt.tensor_scale:
+    pts = _div_float(a, jnp.float32(448.0 * 6.0))
+    ipts = _div_float(jnp.float32(1.0), pts)
+    scalars = (to_bits(pts), to_bits(ipts))
+    block = _div_float(block, pts)
+  block = to_bits(block)
+  s = cast_bits(jnp.where(block > INF, block, jnp.clip(block, _E4M3_EPS, _E4M3_MAX)), E4M3)
+  encode = _div_float(ipts if fmt.tensor_scale else jnp.float32(1.0), from_bits(s))
+  return scalars, s, to_bits(encode)
+
+
+def _tile_values_int(vmax: jax.Array, amax: jax.Array,
+                     fmt: NVFP4Format) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+  """`_tile_values_float` in the integer operations (exact on every backend)."""
+  scalars = tensor_scalars(amax, fmt)
+  return (scalars, *tile_scales(vmax, scalars, fmt))
+
+
+def _float_ops(u: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None,
+               amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(exact, bits): `quantize_rows`' result on the tiles u (`_tiles_view`: uint32 (A, T, P, B),
   axis 2 along a tile, draws alike) computed with the hardware's float32 operations, and
   whether that is `quantize_rows`' bits.
@@ -480,9 +545,13 @@ def _float_ops(u: jax.Array, fmt: NVFP4Format,
   else:
     inputs_ok, t, tb = jnp.bool_(True), from_bits(u), u
   vmax, vmin = lax.optimization_barrier(_tile_max_and_min_nonzero(tb & ABS))
-  amax = max_all(vmax.reshape(-1, vmax.shape[-1]))
-  scalars = tensor_scalars(amax, fmt)
-  s, encode = lax.optimization_barrier(tile_scales(vmax, scalars, fmt))
+  if amax is None:  # else the amax of the whole tensor, of which u is a chunk
+    amax = max_all(vmax.reshape(-1, vmax.shape[-1]))
+  # The per-tensor and per-tile values: float32 operations on XLA:CPU (the same bits wherever
+  # `exact` below holds), the integer operations elsewhere (a GPU divides approximately).
+  scalars, s, encode = lax.optimization_barrier(lax.platform_dependent(
+      vmax, amax, cpu=lambda v, a: _tile_values_float(v, a, fmt),
+      default=lambda v, a: _tile_values_int(v, a, fmt)))
   encode_field = (encode >> u32(23)).astype(jnp.int32)
   min_field = jnp.where((encode_field > 0) & (encode_field < 255),
                         jnp.maximum(129 - encode_field, 1), 256)  # 1: subnormal t fail
@@ -504,6 +573,59 @@ def _float_ops(u: jax.Array, fmt: NVFP4Format,
   return exact, to_bits(out)
 
 
+# The XLA path's integer fallback for compat=None (`_quantize_rows_looped`): registers and a
+# schedule of steps, each one division and one product of registers, as `quantize_rows`
+# computes them (`tensor_scalars`, `tile_scales`, `encode_rows`, `decode_rows`), in its order.
+_REGS = ("zero", "amax", "vmax", "t", "global", "one", "recip6", "ges", "gds", "mult", "post", "s",
+         "d", "encode", "qs", "out")
+# (dividend, divisor, quotient, factor, factor, product); ("zero", "one", "zero") and ("zero",
+# "zero", "zero") are no-ops (+0 into the zero register).
+_SCHEDULE = (
+    ("global", "amax", "ges", "zero", "zero", "zero"),   # ges = min(2688 / amax, max); 0 -> 1
+    ("one", "ges", "gds", "ges", "recip6", "mult"),      # gds = 1 / ges; mult = ges * r6
+    ("amax", "global", "post", "vmax", "mult", "s"),     # amax / 2688; s = e4m3(min(., 448))
+    ("zero", "one", "zero", "s", "gds", "d"),            # d = s * gds
+    ("one", "d", "encode", "zero", "zero", "zero"),      # encode = min(1 / d, max)
+    ("zero", "one", "zero", "t", "encode", "qs"),        # codes of t * encode; qs = e2m1 * s
+    ("zero", "one", "zero", "qs", "post", "out"),        # out = qs * (amax / 2688)
+)
+_STEP = {name: i for i, name in enumerate(_REGS)}
+_TABLE = np.asarray([[_STEP[r] for r in step] for step in _SCHEDULE], np.int32)
+
+
+def _quantize_rows_looped(u: jax.Array, amax: jax.Array, fmt: NVFP4Format,
+                          rbits: jax.Array | None = None) -> jax.Array:
+  """`quantize_rows(u, tensor_scalars(amax, fmt), fmt, rbits)` for compat=None, the same bits,
+  as a loop over `_SCHEDULE` whose body holds one `div_bits` and one `mul_bits` (on the rows'
+  shape, per-tensor and per-tile values broadcast) where `quantize_rows` holds four and five:
+  the XLA path's fallback, small to compile, slower to run than `quantize_rows` (it runs only
+  for tensors the float operations cannot take)."""
+  t = _materialized(rht_bits(u, _butterfly_loop), True) if fmt.rht else u
+  shape = t.shape
+  full = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.uint32), shape)
+  init = {"amax": full(amax), "vmax": full(jnp.max(t & ABS, axis=1, keepdims=True)), "t": t,
+          "global": full(_GLOBAL), "one": full(_ONE), "recip6": full(_RECIP6)}
+  regs = jnp.stack([init.get(name, full(0)) for name in _REGS])
+  table = jnp.asarray(_TABLE)
+  step_of = lambda name: next(i for i, st in enumerate(_SCHEDULE) if name in (st[2], st[5]))
+
+  def body(i, regs):
+    reg = lambda j: lax.dynamic_index_in_dim(regs, table[i, j], keepdims=False)
+    quotient = div_bits(reg(0), reg(1))
+    product = mul_bits(reg(3), reg(4))
+    clamped = _min_keep_nan(quotient, _FLT_MAX)
+    quotient = jnp.where(i == step_of("ges"), jnp.where(clamped == 0, _ONE, clamped),
+                         jnp.where(i == step_of("encode"), clamped, quotient))
+    s = cast_bits(_min_keep_nan(product, _E4M3_MAX), E4M3)
+    qs = to_bits(from_bits(e2m1_bits(_codes(product, fmt, rbits))) * from_bits(regs[_STEP["s"]]))
+    product = jnp.where(i == step_of("s"), s, jnp.where(i == step_of("qs"), qs, product))
+    regs = lax.dynamic_update_index_in_dim(regs, quotient, table[i, 2], 0)
+    return lax.dynamic_update_index_in_dim(regs, product, table[i, 5], 0)
+
+  out = lax.fori_loop(0, len(_SCHEDULE), body, regs)[_STEP["out"]]
+  return inverse_rht_bits(_materialized(out, True), _butterfly_loop) if fmt.rht else out
+
+
 def nvfp4_quantize(x: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None = None) -> jax.Array:
   """float32 x quantized to NVFP4 and decoded, as float32 (the XLA path of `jlp.quantize`).
 
@@ -519,19 +641,96 @@ def nvfp4_quantize(x: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None = Non
   x = jnp.asarray(x, jnp.float32)
   if x.size == 0:
     return x
-  to_tiles, from_tiles = _tiles_view(x.shape, fmt)
-  tiles, ungroup = to_tiles(to_bits(x))
-  r = to_tiles(jnp.asarray(rbits, jnp.uint32))[0] if fmt.rounding == "stochastic" else None
-  exact, float_bits_ = _float_ops(tiles, fmt, r)
+  return _quantize_xla(x, rbits, fmt=fmt)
+
+
+# The XLA path quantizes its tiles this many elements at a time (at most; at least one tile row).
+_TILE_CHUNK_ELEMENTS = 1 << 17
+
+
+@jax.jit(static_argnames=("fmt",))
+def _tiles_chunk(u: jax.Array, r: jax.Array | None, amax: jax.Array, *,
+                 fmt: NVFP4Format) -> jax.Array:
+  """Bits of the quantized tiles u (uint32 (C, P, B), axis 1 along a tile; draws alike) of a
+  tensor with max |x| bits `amax` (1, 1): the float operations where they are exact for this
+  chunk (`_float_ops`; its conditions are per tile, given the amax), else the integer ones
+  (`_quantize_rows_looped`, or `quantize_rows` for torchao's formats), chosen by `lax.cond`.
+  Jitted: traced once per format and chunk shape."""
+  c, p, b = u.shape
+  exact, bits = _float_ops(u.reshape(c, 1, p, b), fmt,
+                           None if r is None else r.reshape(c, 1, p, b), amax)
 
   # XLA:CPU runs a fused loop inside a conditional on one thread, and copies a branch's result
   # that is an operand, so the float operations stay outside and select the integer path's
   # result only when they are not exact (an all-zero stand-in otherwise).
-  def integer_ops(x: jax.Array, rbits: jax.Array | None) -> jax.Array:
-    rows, r, scalars, restore = prepare(x, fmt, rbits)
-    return restore(quantize_rows(rows, scalars, fmt, r, materialize=True))
-  fallback = lax.cond(exact, lambda x, _: jnp.zeros(x.shape, jnp.uint32), integer_ops, x, rbits)
-  return from_bits(jnp.where(exact, from_tiles(float_bits_, ungroup), fallback))
+  def integer_ops(u: jax.Array, r: jax.Array | None) -> jax.Array:
+    rows = lambda v: jnp.swapaxes(v, 1, 2).reshape(c * b, p)
+    rr = None if r is None else rows(r)
+    if fmt.compat is None:
+      out = _quantize_rows_looped(rows(u), amax, fmt, rr)
+    else:
+      out = quantize_rows(rows(u), tensor_scalars(amax, fmt), fmt, rr, materialize=True)
+    return jnp.swapaxes(out.reshape(c, b, p), 1, 2)
+  fallback = lax.cond(exact, lambda u, r: jnp.zeros(u.shape, jnp.uint32), integer_ops, u, r)
+  return jnp.where(exact, bits.reshape(c, p, b), fallback)
+
+
+@jax.jit(static_argnames=("exact",))
+def _rht_amax_chunk(u: jax.Array, *, exact: bool) -> tuple[jax.Array, jax.Array]:
+  """(max |t| bits (1, 1), whether no nonzero |x| is below 2^-90) of the transform t of the
+  tiles u (uint32 (C, 16, B), axis 1 along a tile): in float32 operations, or with `exact` in
+  the integer ones (`rht_bits`)."""
+  c, p, b = u.shape
+  magnitude = u & ABS
+  ok = ~jnp.any((magnitude != 0) & (magnitude < _RHT_MIN_INPUT))
+  if exact:
+    t = rht_bits(jnp.swapaxes(u, 1, 2).reshape(c * b, p), _butterfly_loop)
+  else:
+    signs = _sign_mask().reshape(1, 1, 16, 1)
+    t = to_bits(_butterfly_float(from_bits(u.reshape(c, 1, p, b) ^ signs) * 0.25))
+  return max_all((t & ABS).reshape(c, -1)), ok
+
+
+def _tiles_in_chunks(tiles: jax.Array, r: jax.Array | None, fmt: NVFP4Format) -> jax.Array:
+  """Bits of the quantized tiles (`_tiles_view`: uint32 (A, T, P, B); draws alike, or None):
+  the tensor's amax, then `_tiles_chunk` as `lax.map` over chunks of a fixed number of tiles
+  along A * T (zero tiles pad the last chunk; each tile is quantized on its own given the amax,
+  so padding changes no other tile). Every cast of a format whose tiles have the same B (1 for
+  tiles along the minor axis and for 16 x 16 tiles) runs the same chunk program, where a
+  whole-tensor program differs in shape from site to site: XLA compiles the same kernels once."""
+  a, t, p, b = tiles.shape
+  m = a * t
+  c = max(1, _TILE_CHUNK_ELEMENTS // (p * b))
+  n = -(-m // c)
+  chunks = lambda v: jnp.pad(v.reshape(m, p, b), ((0, n * c - m), (0, 0), (0, 0))).reshape(
+      n, c, p, b)
+  if fmt.rht:
+    # The amax of the transformed tensor: the float transform's, which is exact when no nonzero
+    # input is below 2^-90 (`_float_ops`), else the integer transform's.
+    amax_f, ok = lax.map(lambda u: _rht_amax_chunk(u, exact=False), chunks(tiles))
+    ok = jnp.all(ok)
+    amax_i = lax.cond(ok, lambda u: jnp.zeros((n, 1, 1), jnp.uint32),
+                      lambda u: lax.map(lambda v: _rht_amax_chunk(v, exact=True)[0], u),
+                      chunks(tiles))
+    amax = max_all(jnp.where(ok, amax_f, amax_i).reshape(1, n))
+  else:
+    amax = max_all((tiles & ABS).reshape(m, p * b))
+  amax = jnp.where(amax > INF, QNAN, amax)
+  if r is None:
+    out = lax.map(lambda u: _tiles_chunk(u, None, amax, fmt=fmt), chunks(tiles))
+  else:
+    out = lax.map(lambda ur: _tiles_chunk(ur[0], ur[1], amax, fmt=fmt), (chunks(tiles), chunks(r)))
+  return out.reshape(n * c, p, b)[:m].reshape(a, t, p, b)
+
+
+@jax.jit(static_argnames=("fmt",))
+def _quantize_xla(x: jax.Array, rbits: jax.Array | None, *, fmt: NVFP4Format) -> jax.Array:
+  """`nvfp4_quantize` of a non-empty float32 x (jitted: the casts of one shape and format in a
+  program are traced and lowered once)."""
+  to_tiles, from_tiles = _tiles_view(x.shape, fmt)
+  tiles, ungroup = to_tiles(to_bits(x))
+  r = to_tiles(jnp.asarray(rbits, jnp.uint32))[0] if fmt.rounding == "stochastic" else None
+  return from_bits(from_tiles(_tiles_in_chunks(tiles, r, fmt), ungroup))
 
 
 def nvfp4_encode(x: jax.Array, fmt: NVFP4Format, *, key: jax.Array | None = None,

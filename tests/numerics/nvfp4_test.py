@@ -467,6 +467,62 @@ def test_float_path_guards():
   check_float_path(tiny_input, False, "a tile of subnormals")
 
 
+# -- the XLA path's program: the looped fallback and its size -----------------------------------
+
+RECIPE_FMTS = (NVFP4Format((1, 16)), NVFP4Format((16, 16), axis=-2),
+               NVFP4Format((1, 16), rounding="stochastic"),
+               NVFP4Format((1, 16), axis=-2, rht=True),
+               NVFP4Format((1, 16), axis=-2, rounding="stochastic", rht=True))
+
+
+@pytest.mark.parametrize("fmt", RECIPE_FMTS[:4], ids=str)
+def test_looped_fallback_matches_quantize_rows(fmt):
+  """The XLA path's fallback (`_quantize_rows_looped`: one division and one product in a loop)
+  gives `quantize_rows`' bits (the Pallas kernel's body) on rows spanning float32: random bit
+  patterns (NaN amax), an inf amax, subnormal tensors, wide and huge exponents."""
+  rng = np.random.default_rng(84)
+  p = 256 if fmt.block == (16, 16) else 16
+  shape = (48, p)
+  bits = lambda lo, hi: ((rng.integers(lo, hi, shape).astype(np.uint32) << 23)
+                         | rng.integers(0, 2 ** 23, shape).astype(np.uint32)
+                         | (rng.integers(0, 2, shape).astype(np.uint32) << 31))
+  with_inf = bits(100, 140)
+  with_inf[3, 5] = 0x7F800000
+  cases = [random_bits(shape, 85), with_inf, bits(0, 1), bits(0, 20), bits(0, 255),
+           bits(100, 140), bits(230, 255)]
+  r = jnp.asarray(random_bits(shape, 86)) if fmt.rounding == "stochastic" else None
+
+  @jax.jit
+  def both(u, r):
+    t = nvfp4.rht_bits(u) if fmt.rht else u
+    amax = nvfp4.amax_bits(t)
+    return (nvfp4.quantize_rows(u, nvfp4.tensor_scalars(amax, fmt), fmt, r),
+            nvfp4._quantize_rows_looped(u, amax, fmt, r))  # pylint: disable=protected-access
+  for i, u in enumerate(cases):
+    want, got = both(jnp.asarray(u), r)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"case {i}")
+
+
+def test_cast_programs_are_small():
+  """Each cast of the nvfp4 recipe's formats lowers to a small program (issue 38: 5000 to 8300
+  lines of StableHLO per cast before the float per-tile values and the looped fallback, most of
+  it integer IEEE division and multiplication), and casts of one format at different shapes
+  share their fallback's chunk program (lowered once)."""
+  x = jnp.zeros((512, 64), jnp.float32)
+  r = jnp.zeros(x.shape, jnp.uint32)
+  lines = lambda f, *a: len(jax.jit(f).lower(*a).as_text().splitlines())
+  for fmt in RECIPE_FMTS:
+    rf = r if fmt.rounding == "stochastic" else None
+    n = lines(lambda x, r, fmt=fmt: nvfp4.nvfp4_quantize(x, fmt, r), x, rf)
+    assert n <= (3600 if fmt.rht else 2000), (fmt, n)
+  fmt = RECIPE_FMTS[0]
+  one = lines(lambda x: nvfp4.nvfp4_quantize(x, fmt), x)
+  shapes = [(512, 64), (256, 128), (128, 256), (64, 512)]
+  four = lines(lambda xs: [nvfp4.nvfp4_quantize(v, fmt) for v in xs],
+               [jnp.zeros(s, jnp.float32) for s in shapes])
+  assert four < 2.5 * one, (one, four)
+
+
 # -- jlp.quantize and bad arguments -------------------------------------------------------------
 
 def test_quantize_dispatch_and_straight_through_gradient():
