@@ -66,10 +66,10 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
-  compile_s = sum(v for k, v in report.user_properties if k == "compile_s")
-  if compile_s or report.user_properties:
+  compile_s = [v for k, v in report.user_properties if k == "compile_s"]
+  if compile_s:  # --compile-times is on
     c, t = _compile_by_test.get(report.nodeid, (0.0, 0.0))
-    _compile_by_test[report.nodeid] = (c + compile_s, t + report.duration)
+    _compile_by_test[report.nodeid] = (c + sum(compile_s), t + report.duration)
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -95,8 +95,9 @@ from jax import lax
 
 from jlp.formats import BlockScaledFormat
 from jlp.numerics.bit_max import fold_rows, max_rows
-from jlp.numerics.float_cast import ABS, FRAC, INF, QNAN, cast_bits, float_bits, to_bits, u32
-from jlp.numerics.ieee_f32 import div_bits, mul_bits
+from jlp.numerics.float_cast import (ABS, FRAC, INF, QNAN, cast_bits, float_bits, from_bits,
+                                     to_bits, u32)
+from jlp.numerics.ieee_f32 import div_bits, div_float, mul_bits
 
 _ONE = float_bits(1.0)
 _FLT_MAX = float_bits(float(jnp.finfo(jnp.float32).max))
@@ -107,12 +108,8 @@ _MIN_NORMAL = float_bits(2.0 ** -126)
 
 
 def _div_float_bits(a: jax.Array, b: jax.Array) -> jax.Array:
-  """Bits of a / b (float32 bit patterns) by one float32 division (XLA:CPU: IEEE, subnormal
-  operands read as 0, subnormal results flushed); the barrier keeps XLA from turning a division
-  by a constant into a product with its reciprocal."""
-  quotient = lax.bitcast_convert_type(a, jnp.float32) / lax.optimization_barrier(
-      lax.bitcast_convert_type(b, jnp.float32))
-  return to_bits(quotient)
+  """Bits of a / b (float32 bit patterns) by one float32 division (`div_float`)."""
+  return to_bits(div_float(from_bits(a), from_bits(b)))
 
 
 def scale_bits(amax: jax.Array, fmt: BlockScaledFormat, div=div_bits) -> jax.Array:

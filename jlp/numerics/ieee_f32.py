@@ -35,7 +35,7 @@ from jax import lax
 
 from jlp.numerics.float_cast import ABS, FRAC, HIDDEN, INF, SIGN, u32
 
-__all__ = ["div_bits", "ieee_add", "mul_bits"]
+__all__ = ["div_bits", "div_float", "ieee_add", "mul_bits"]
 
 _LOW12 = u32(0xFFF)
 _LOW24 = u32(0xFFFFFF)
@@ -75,6 +75,14 @@ def _round_pack(sign: jax.Array, sig: jax.Array, exponent: jax.Array,
   up = (rem > half) | ((rem == half) & (sticky | ((kept & one) != 0)))
   subnormal = kept + up.astype(jnp.uint32)
   return sign | jnp.where(biased >= 1, normal, subnormal)
+
+
+def div_float(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a / b in float32 by the backend's one float32 division (XLA:CPU: IEEE, subnormal operands
+  read as 0 and subnormal results flushed; a GPU divides approximately): the barrier keeps XLA
+  from rewriting a division by a constant or by a quotient as a product with a reciprocal (two
+  roundings). `div_bits` is the exact division on every backend."""
+  return a / lax.optimization_barrier(b)
 
 
 def div_bits(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -86,7 +86,7 @@ from jlp.numerics import ieee_f32
 from jlp.numerics import random_bits as rb
 from jlp.numerics.bfp import group_rows
 from jlp.numerics.bit_max import max_all, max_rows
-from jlp.numerics.ieee_f32 import ieee_add
+from jlp.numerics.ieee_f32 import div_float, ieee_add
 from jlp.numerics.float_cast import (ABS, INF, QNAN, SIGN, cast_bits, float_bits, from_bits,
                                      to_bits, u32)
 from jlp.numerics.mx import ldexp_bits
@@ -459,12 +459,6 @@ def _tile_max_and_min_nonzero(m: jax.Array) -> tuple[jax.Array, jax.Array]:
   return _tile_max(m), ~_tile_max(jnp.where(m != 0, ~m, u32(0)))
 
 
-def _div_float(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a / b in float32, one IEEE division: the barrier keeps XLA from rewriting a division by a
-  constant or a quotient as a product with a reciprocal (two roundings)."""
-  return a / lax.optimization_barrier(b)
-
-
 def _tile_values_float(vmax: jax.Array, amax: jax.Array,
                        fmt: NVFP4Format) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
   """(`tensor_scalars`, *`tile_scales`) of the tiles' max |x| bits `vmax` and the tensor's
@@ -482,25 +476,25 @@ def _tile_values_float(vmax: jax.Array, amax: jax.Array,
   a = from_bits(amax)
   sat = lambda v, limit: jnp.where(v > INF, v, jnp.minimum(v, limit))
   if fmt.compat is None:
-    ges = to_bits(_div_float(jnp.float32(448.0 * 6.0), a))
+    ges = to_bits(div_float(jnp.float32(448.0 * 6.0), a))
     ges = from_bits(jnp.where(sat(ges, _FLT_MAX) == 0, _ONE, sat(ges, _FLT_MAX)))
-    gds = _div_float(jnp.float32(1.0), ges)
+    gds = div_float(jnp.float32(1.0), ges)
     mult = ges * from_bits(_RECIP6)
-    scalars = (to_bits(gds), to_bits(mult), to_bits(_div_float(a, jnp.float32(448.0 * 6.0))))
+    scalars = (to_bits(gds), to_bits(mult), to_bits(div_float(a, jnp.float32(448.0 * 6.0))))
     s = cast_bits(_min_keep_nan(to_bits(from_bits(vmax) * mult), _E4M3_MAX), E4M3)
     d = lax.optimization_barrier(from_bits(s) * gds)
-    encode = _min_keep_nan(to_bits(_div_float(jnp.float32(1.0), d)), _FLT_MAX)
+    encode = _min_keep_nan(to_bits(div_float(jnp.float32(1.0), d)), _FLT_MAX)
     return scalars, s, encode
-  block = _div_float(from_bits(vmax), jnp.float32(6.0))
+  block = div_float(from_bits(vmax), jnp.float32(6.0))
   scalars = ()
   if fmt.tensor_scale:
-    pts = _div_float(a, jnp.float32(448.0 * 6.0))
-    ipts = _div_float(jnp.float32(1.0), pts)
+    pts = div_float(a, jnp.float32(448.0 * 6.0))
+    ipts = div_float(jnp.float32(1.0), pts)
     scalars = (to_bits(pts), to_bits(ipts))
-    block = _div_float(block, pts)
+    block = div_float(block, pts)
   block = to_bits(block)
   s = cast_bits(jnp.where(block > INF, block, jnp.clip(block, _E4M3_EPS, _E4M3_MAX)), E4M3)
-  encode = _div_float(ipts if fmt.tensor_scale else jnp.float32(1.0), from_bits(s))
+  encode = div_float(ipts if fmt.tensor_scale else jnp.float32(1.0), from_bits(s))
   return scalars, s, to_bits(encode)
 
 
