@@ -58,9 +58,10 @@ schedules
          compile + warm-up run each, the median, and the median of the per-round ratios against
          `schedule="gpipe"` (GPipe's own program, the baseline). "gpipe (flush executor)" is the
          same GPipe order as a Schedule on the flush executor. 1F1B-flush's memory is also
-         lowered at M = 4 (the target's reference). The flush executor recomputes a stage's
-         forward inside its B, I and W (it keeps the stage's input, not its residuals), so the
-         split schedules do more arithmetic than GPipe; and the 8 emulated devices share the
+         lowered at M = 4 (the target's reference). The flush executor keeps each forward's
+         residuals for its B, I and W (no forward recomputed; ZB's I and W share no dot), while
+         GPipe's program recomputes the forward in its backward by design, so the flush
+         schedules do less arithmetic than GPipe; and the 8 emulated devices share the
          machine's cores, so idle ticks of one device are not free time for another.
 """
 

@@ -271,6 +271,10 @@ class Pipeline:
     shared_stages: pairs (i, j) of stages on one device that are one stage used twice (tied
       weights): both start from the same weights, their gradients are summed and both take the
       same step (flush schedules only).
+    remat: whether a backward recomputes its stage's forward from the kept input. None: the
+      schedule's own way ("gpipe" and "1f1b" recompute; the flush schedules keep each forward's
+      residuals from F to its B, or its I and W, and run only the backward: less work, more
+      memory); True with a flush schedule: recompute as GPipe does (the same update bit for bit).
     sync: "allreduce", "none", "preduce", "adpsgd" or "hetpipe".
     stateful: stages take and return a state (see above).
     grad_sync: how sync="allreduce" sums (a jlp.sync.GradSync over axis "data"; default float32
@@ -291,6 +295,7 @@ class Pipeline:
                num_microbatches: int = 1,
                virtual_stages: int | None = None,
                shared_stages: Sequence[tuple[int, int]] = (),
+               remat: bool | None = None,
                sync: str = "allreduce",
                stateful: bool = False,
                grad_sync: GradSync | None = None,
@@ -330,6 +335,10 @@ class Pipeline:
       if len(stages) != mesh.shape[STAGE]:
         raise ValueError(f"len(stages)={len(stages)} is not allowed; expected the mesh's "
                          f"{STAGE!r} axis size {mesh.shape[STAGE]}.")
+    if remat not in (None, True, False) or (remat is False and self.schedule_data is None):
+      expected = "None or True" if self.schedule_data is None else "None, True or False"
+      raise ValueError(f"remat={remat!r} is not allowed with schedule={schedule!r}; expected "
+                       f"{expected} (GPipe's and 1F1B's programs always recompute).")
     if schedule == "1f1b" and num_microbatches != 1:
       raise ValueError(f"num_microbatches={num_microbatches} is not allowed with schedule='1f1b'; "
                        "expected 1 (every mini-batch is its own update, docs/sdpipe.md#schedules).")
@@ -373,6 +382,7 @@ class Pipeline:
     self.num_pipelines = mesh.shape[DATA]
     self.num_stages = len(stages)
     self.shared_stages = tuple(tuple(pair) for pair in shared_stages)
+    self.remat = bool(remat)
     # The state's rows: device d's chunks, d * v + c, hold stage _row_stage[d * v + c].
     self._row_stage = (self._tables.row_stage if self._tables is not None
                        else tuple(range(self.num_stages)))
@@ -901,7 +911,7 @@ class Pipeline:
                                    for s in range(self.num_stages)),
                      state_packer=self._sync_packer)
     return FlushProgram(self._apply, self._loss_metrics, self.optimizer, self._require_init(),
-                        mode, self._tables, self.num_pipelines, layout)
+                        mode, self._tables, self.num_pipelines, layout, remat=self.remat)
 
   def _flush_compiled(self, layout: Layout, xs: Any, ys: Any):
     shapes = lambda tree: (jax.tree.structure(tree), tuple(

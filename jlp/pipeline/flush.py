@@ -3,8 +3,8 @@ interleaved 1F1B, ZB-H1, ZB-V, DualPipeV, a torch CSV) on the devices of the "st
 inside one `jax.shard_map` (docs/sdpipe.md, "Flush schedules").
 
 `FlushTables` lowers a schedule to static integer tables, one row per tick and one column per
-device: the action each device runs (kind, local chunk, micro-batch; a second column for the backward of an
-overlapped F+B pair), where its output goes (a channel: a fixed shift along the stage axis, or the
+device: the action each device runs (kind, local chunk, micro-batch; a second column for the
+backward of an overlapped F+B pair), where its output goes (a channel: a fixed shift along the stage axis, or the
 device itself for the turn of a V), and the ring slot it lands in. Ring sizes come from the
 schedule: the smallest K per buffer under which no two values that live at once on a chunk share
 index m mod K (a value lives from the tick it arrives to the last action that reads it). So
@@ -17,12 +17,19 @@ chunk. At a tick the device runs its action with a `lax.switch` over (stage, kin
   F  the stage's forward on its input (stage 0: micro-batch m of xs; else the received activation),
      with the chunk's state, which it then replaces (BatchNorm statistics, RNG counters) after
      stashing the state it ran with; the last stage also evaluates loss_fn on micro-batch m's
-     targets (the mini-batch's metrics are the means over its micro-batches);
-  B  the full backward: recomputes the forward from the kept input and stashed state (`jax.vjp`),
-     and returns the input gradient and the weight gradient, which is added to the chunk's sum;
-  I  the input-gradient half of B (the weight gradient is not computed);
-  W  the weight-gradient half, at a later tick, from what I kept: the input, the stashed state and
-     the received output gradient. I + W is B.
+     targets (the mini-batch's metrics are the means over its micro-batches). It runs under
+     `jax.vjp` and keeps the forward's residuals (`_Residuals`: those that depend on the input, in
+     a ring per dtype sized like the stash; the others are the weights, input, state or targets,
+     kept anyway, or functions of them that B recomputes);
+  B  the full backward from those residuals (the vjp function rebuilt from them), no forward:
+     returns the input gradient and the weight gradient, which is added to the chunk's sum;
+  I  the input-gradient half of B (the weight gradient is not computed); it keeps what its W needs
+     of its own work (`_Split`: the results of its dots that the weight gradient reads);
+  W  the weight-gradient half, at a later tick, from what F and I kept and the received output
+     gradient. I + W is B's arithmetic, each dot once, and gives B's bits.
+
+With `remat=True`, F keeps only the input (less memory) and B, I and W recompute the forward from
+it and the stashed state (`jax.vjp`), as GPipe's program does; the update is the same bit for bit.
 
 The last stage's backward differentiates loss / M (the loss is scaled, never the gradients), so the
 sum over micro-batches is the gradient of the mini-batch's mean loss. After the ticks, the two
@@ -34,10 +41,12 @@ optimizer steps. Weights do not change within a mini-batch, so nothing is stashe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -78,6 +87,10 @@ class FlushTables:
   grad_slot: np.ndarray
   act_shifts: tuple[int, ...]  # device d sends to (d + shift) mod D; 0: to itself
   grad_shifts: tuple[int, ...]
+  # The distinct shifts other than 0 (one ppermute each) and [T, len]: whether any device sends
+  # on the shift at the tick.
+  send_shifts: tuple[int, ...]
+  sends: np.ndarray
   x_slots: int
   g_slots: int
   w_slots: int
@@ -171,6 +184,12 @@ def flush_tables(schedule: Schedule, shared: Sequence[tuple[int, int]] = ()) -> 
         elif a.kind in "BI" and s > 0:
           grad_channel[t, d] = grad_shifts.index((place[s - 1] - d) % D)
           grad_slot[t, d] = chunk_of[s - 1] * g_slots + m % g_slots
+  send_shifts = tuple(sorted({k for k in act_shifts + grad_shifts if k}))
+  sends = np.zeros((T, len(send_shifts)), bool)
+  for n, k in enumerate(send_shifts):
+    for channel, shifts in ((act_channel, act_shifts), (grad_channel, grad_shifts)):
+      if k in shifts:
+        sends[:, n] |= (channel == shifts.index(k)).any(axis=1)
   partner = np.full((D, v), -1, np.int32)
   for i, j in shared:
     partner[place[i], chunk_of[i]] = chunk_of[j]
@@ -179,7 +198,8 @@ def flush_tables(schedule: Schedule, shared: Sequence[tuple[int, int]] = ()) -> 
       num_devices=D, num_stages=S, num_microbatches=M, stages_per_device=v, stage_of=stage_of,
       row_stage=tuple(int(s) for s in stage_of.reshape(-1)), kind=kind, chunk=chunk, micro=micro,
       act_channel=act_channel, act_slot=act_slot, grad_channel=grad_channel, grad_slot=grad_slot,
-      act_shifts=act_shifts, grad_shifts=grad_shifts, x_slots=x_slots, g_slots=g_slots,
+      act_shifts=act_shifts, grad_shifts=grad_shifts, send_shifts=send_shifts, sends=sends,
+      x_slots=x_slots, g_slots=g_slots,
       w_slots=w_slots, overlaps=any(isinstance(item, Overlap) for row in schedule.ticks
                                     for item in row), partner=partner)
 
@@ -200,6 +220,10 @@ class FlushProgram:
   tables: FlushTables
   num_pipelines: int
   layout: Layout  # the run's: num_batches, the inter-stage values, metric_names
+  # True: B, I and W recompute the forward from the kept input (less memory: one input per
+  # micro-batch in flight); False: F keeps the forward's residuals, and B, I and W only run the
+  # backward (module docstring).
+  remat: bool = False
 
   def __call__(self, state: PipelineState, xs: Any, ys: Any
                ) -> tuple[PipelineState, dict[str, jax.Array]]:
@@ -218,7 +242,7 @@ class FlushProgram:
     tab = self.tables
     rows = {name: jnp.asarray(getattr(tab, name))
             for name in ("kind", "chunk", "micro", "act_channel", "act_slot", "grad_channel",
-                         "grad_slot")}
+                         "grad_slot", "sends")}
 
     def minibatch(carry, b):
       x_b = jax.tree.map(lambda a: a[b], xs)
@@ -246,28 +270,38 @@ class FlushProgram:
     v, M = tab.stages_per_device, tab.num_microbatches
     micro_rows = jax.tree.leaves(x_b)[0].shape[0] // M
     act_len = self.layout.act.sizes.get("float32", 0)
+    micro = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((micro_rows,) + a.shape[1:], a.dtype), tree)
+    res = None if self.remat else _residual_specs(self, carry, micro(x_b), micro(y_b))
+    # The rings have one row more than their slots: where a write goes that is none (what an
+    # action or a tick's exchange writes unconditionally, to no slot; nothing reads it).
     bufs = dict(recv_x=jnp.zeros((v * tab.x_slots + 1, act_len), jnp.float32),
                 recv_g=jnp.zeros((v * tab.g_slots + 1, act_len), jnp.float32),
                 stash=state_packer.zeros((v * tab.w_slots,), xp=jnp),
+                res={} if res is None else res.packer.zeros((v * tab.w_slots + 1,), xp=jnp),
+                iw={} if res is None or res.carried is None else res.carried.zeros(
+                    (v * tab.w_slots + 1,), xp=jnp),
                 grads=jax.tree.map(jnp.zeros_like, carry["params"]),
                 sums={name: jnp.float32(0) for name in self.layout.metric_names})
     stage_of = jnp.asarray(tab.stage_of)[device]
 
     def tick(state, row):
       carry, bufs = state
-      own = jax.tree.map(lambda a: a[device], row)
+      own = {name: a[device] for name, a in row.items() if name != "sends"}
+      sends = dict(zip(tab.send_shifts, row["sends"]))
       act_out = grad_out = jnp.zeros((act_len,), jnp.float32)
       for col in range(2 if tab.overlaps else 1):
         kind, c, m = own["kind"][col], own["chunk"][col], own["micro"][col]
-        take = lambda a: lax.dynamic_slice_in_dim(a, m * micro_rows, micro_rows)
+        take = lambda tree, m=m: jax.tree.map(
+            lambda a: lax.dynamic_slice_in_dim(a, m * micro_rows, micro_rows), tree)
         a_out, g_out, carry, bufs = self._action(carry, bufs, stage_of[c], kind, c, m,
-                                                 jax.tree.map(take, x_b),
-                                                 jax.tree.map(take, y_b))
+                                                 lambda take=take: take(x_b),
+                                                 lambda take=take: take(y_b), res)
         act_out = jnp.where(kind == F, a_out, act_out)
         grad_out = jnp.where((kind == B) | (kind == I), g_out, grad_out)
       busy = own["kind"][0] != IDLE
       carry = dict(carry, computed=carry["computed"] + busy.astype(jnp.int32))
-      bufs = self._exchange(bufs, own, act_out, grad_out)
+      bufs = self._exchange(bufs, own, act_out, grad_out, sends)
       return (carry, bufs), None
 
     (carry, bufs), _ = lax.scan(tick, (carry, bufs), rows)
@@ -282,67 +316,143 @@ class FlushProgram:
       carry = self._update(carry, stage_of[c], c, grads[c], b, global_batch)
     return carry
 
-  def _action(self, carry, bufs, stage, kind, c, m, x_in, y_in):
+  def _stage_vjp(self, s, w, x, st, y_in):
+    """Stage s's forward under `jax.vjp`: (output, vjp function, (metrics, new state)). The output
+    is the activation (the loss / M and the scaled metrics at the last stage); stage 0 is
+    differentiated in its weights only, the others in (weights, input)."""
+    scale = np.float32(1.0 / self.tables.num_microbatches)
+    if s == self.tables.num_stages - 1:
+      def f(w, x):
+        y, new_state = self.apply(s, w, x, st)
+        metrics = {name: value * scale for name, value in self.loss_metrics(y, y_in).items()}
+        return metrics["loss"], (metrics, new_state)
+    else:
+      def f(w, x):
+        y, new_state = self.apply(s, w, x, st)
+        return y, (None, new_state)
+    if s == 0:
+      out, vjp_fn, aux = jax.vjp(lambda w: f(w, x), w, has_aux=True)
+    else:
+      out, vjp_fn, aux = jax.vjp(f, w, x, has_aux=True)
+    return out, vjp_fn, aux
+
+  def _backward_core(self, s, res, params, stashed, recv_x, x_in, y_in, kept, recv_g):
+    """Stage s's backward from F's kept residuals (`_Residuals`): (weight gradient, input
+    gradient; None at stage 0), packed."""
+    param_packer, _, state_packer = self.packers
+    w, st = param_packer.unpack(s, params), state_packer.unpack(s, stashed)
+    x = x_in if s == 0 else self.layout.unpack_act(s - 1, recv_x)
+    vjp_fn = res.restore(s, kept, (w, x, st, y_in),
+                         lambda: self._stage_vjp(s, w, x, st, y_in)[1])
+    last = s == self.tables.num_stages - 1
+    got = vjp_fn(jnp.ones((), jnp.float32) if last else self.layout.unpack_act(s, recv_g))
+    return (param_packer.pack(s, got[0]),
+            None if s == 0 else self.layout.pack_act(s - 1, got[1]))
+
+  def _action(self, carry, bufs, stage, kind, c, m, x_in, y_in, res):
     """Runs (kind, chunk c, micro-batch m) of this device: (activation out, input gradient out,
-    carry, bufs)."""
+    carry, bufs). x_in, y_in: () -> micro-batch m's input / targets. `res`: the stages' residual
+    layouts (`_residual_specs`); None: recompute the forward in B, I and W (`remat`).
+
+    A branch of the switch is one stage's action, and a stage sits at one chunk of its device, so
+    the branch reads that chunk's weights and adds to its gradient sum at a static index. The
+    gradient sums go through the switch (only B and W change them), so what is as large as the
+    weights is never read at a traced index, zeroed or rewritten at a tick that does not need it.
+    F's residuals ("res") and what an I keeps for its W ("iw") do not: XLA copies a ring that
+    a branch returns unchanged, so the switch returns the row to write (zeros where the action
+    writes none) and it is written after the switch, to its slot or else to the ring's last row,
+    which nothing reads."""
     tab = self.tables
     param_packer, _, state_packer = self.packers
     S, M = tab.num_stages, tab.num_microbatches
+    chunk_of = {int(s): k for row in tab.stage_of for k, s in enumerate(row)}
     act_len = self.layout.act.sizes.get("float32", 0)
     zeros_act = jnp.zeros((act_len,), jnp.float32)
-    params = jax.tree.map(lambda a: a[c], carry["params"])
     model_state = jax.tree.map(lambda a: a[c], carry["model_state"])
-    stashed = jax.tree.map(lambda a: a[c * tab.w_slots + m % tab.w_slots], bufs["stash"])
-    recv_x = bufs["recv_x"][c * tab.x_slots + m % tab.x_slots]
-    recv_g = bufs["recv_g"][c * tab.g_slots + m % tab.g_slots]
-    zero_grad = jax.tree.map(jnp.zeros_like, params)
+    w_slot = c * tab.w_slots + m % tab.w_slots
+    stashed = lambda: jax.tree.map(lambda a: a[w_slot], bufs["stash"])
+    slot_of = lambda name: {dtype: a[w_slot] for dtype, a in bufs[name].items()}
+    rings = dict(res={dtype: jnp.zeros(a.shape[1:], a.dtype) for dtype, a in bufs["res"].items()},
+                 iw={dtype: jnp.zeros(a.shape[1:], a.dtype) for dtype, a in bufs["iw"].items()},
+                 grads=bufs["grads"])
+    put = lambda name, row: dict(rings, **{name: row})
+    recv_x = lambda: bufs["recv_x"][c * tab.x_slots + m % tab.x_slots]
+    recv_g = lambda: bufs["recv_g"][c * tab.g_slots + m % tab.g_slots]
     no_metrics = {name: jnp.float32(0) for name in self.layout.metric_names}
     scale = np.float32(1.0 / M)
 
+    def params(s):
+      return jax.tree.map(lambda a: a[chunk_of[s]], carry["params"])
+
+    def add_grad(s, gw):
+      return dict(rings, grads=jax.tree.map(lambda acc, g: acc.at[chunk_of[s]].add(g),
+                                            bufs["grads"], gw))
+
     def idle():
-      return zeros_act, zeros_act, zero_grad, model_state, no_metrics
+      return zeros_act, zeros_act, model_state, no_metrics, rings
 
     def stage_input(s):
-      return x_in if s == 0 else self.layout.unpack_act(s - 1, recv_x)
+      return x_in() if s == 0 else self.layout.unpack_act(s - 1, recv_x())
 
     def forward(s):
       def op():
-        y, new_state = self.apply(s, param_packer.unpack(s, params), stage_input(s),
-                                  state_packer.unpack(s, model_state))
+        w = param_packer.unpack(s, params(s))
+        x, st = stage_input(s), state_packer.unpack(s, model_state)
+        out = rings
+        if res is None:
+          y, new_state = self.apply(s, w, x, st)
+          metrics = None if s < S - 1 else {
+              name: value * scale for name, value in self.loss_metrics(y, y_in()).items()}
+        else:  # the forward under jax.vjp: its residuals are kept for B, I and W
+          y, vjp_fn, (metrics, new_state) = self._stage_vjp(s, w, x, st, y_in())
+          out = put("res", res.keep(s, vjp_fn))
+        new_state = state_packer.pack(s, new_state)
         if s < S - 1:
-          return self.layout.pack_act(s, y), zeros_act, zero_grad, state_packer.pack(s, new_state), \
-              no_metrics
-        metrics = {name: value * scale for name, value in self.loss_metrics(y, y_in).items()}
-        return zeros_act, zeros_act, zero_grad, state_packer.pack(s, new_state), metrics
+          return self.layout.pack_act(s, y), zeros_act, new_state, no_metrics, out
+        return zeros_act, zeros_act, new_state, metrics, out
       return op
 
     def backward(s, want_w: bool, want_x: bool):
       def op():
-        w = param_packer.unpack(s, params)
-        st = state_packer.unpack(s, stashed)
+        argnums = tuple(k for k, want in ((0, want_w), (1, want_x and s > 0)) if want)
+        if not argnums:  # the input-gradient half of stage 0: there is no input gradient
+          return zeros_act, zeros_act, model_state, no_metrics, rings
+        if res is not None:  # the backward of F's forward, from its kept residuals
+          args = (params(s), stashed(), recv_x(), x_in(), y_in(), slot_of("res"), recv_g())
+          split = res.splits[s] if res.splits else None
+          if split is not None and argnums == (1,):  # I: keeps what its W needs
+            gx, carried = split.input_half(jax.tree.leaves(args))
+            return zeros_act, gx, model_state, no_metrics, put("iw", res.carried.pack(s, carried))
+          if split is not None and argnums == (0,):  # W: from what its I kept
+            gw = split.weight_half(jax.tree.leaves(args), res.carried.unpack(s, slot_of("iw")))
+            gw = jax.tree.unflatten(jax.tree.structure(bufs["grads"]), gw)
+            return zeros_act, zeros_act, model_state, no_metrics, add_grad(s, gw)
+          gw, gx = self._backward_core(s, res, *args)
+          out = add_grad(s, gw) if 0 in argnums else rings
+          gx = gx if 1 in argnums else zeros_act
+          return zeros_act, gx, model_state, no_metrics, out
+        # remat: recompute the forward from the kept input and stashed state
+        w = param_packer.unpack(s, params(s))
+        st = state_packer.unpack(s, stashed())
         x = stage_input(s)
         if s == S - 1:
           def f(w, x):
             y, _ = self.apply(s, w, x, st)
-            return self.loss_metrics(y, y_in)["loss"] * scale
-        else:
-          ct = self.layout.unpack_act(s, recv_g)
-          f = lambda w, x: self.apply(s, w, x, st)[0]
-        argnums = tuple(k for k, want in ((0, want_w), (1, want_x and s > 0)) if want)
-        if not argnums:  # the input-gradient half of stage 0: there is no input gradient
-          return zeros_act, zeros_act, zero_grad, model_state, no_metrics
-        if s == S - 1:
+            return self.loss_metrics(y, y_in())["loss"] * scale
           got = jax.grad(f, argnums=argnums)(w, x)
-        elif argnums == (0,):
-          got = jax.vjp(lambda w: f(w, x), w)[1](ct)
-        elif argnums == (1,):
-          got = jax.vjp(lambda x: f(w, x), x)[1](ct)
         else:
-          got = jax.vjp(f, w, x)[1](ct)
+          ct = self.layout.unpack_act(s, recv_g())
+          f = lambda w, x: self.apply(s, w, x, st)[0]
+          if argnums == (0,):
+            got = jax.vjp(lambda w: f(w, x), w)[1](ct)
+          elif argnums == (1,):
+            got = jax.vjp(lambda x: f(w, x), x)[1](ct)
+          else:
+            got = jax.vjp(f, w, x)[1](ct)
         got = dict(zip(argnums, got, strict=True))
-        gw = param_packer.pack(s, got[0]) if 0 in got else zero_grad
+        out = add_grad(s, param_packer.pack(s, got[0])) if 0 in got else rings
         gx = self.layout.pack_act(s - 1, got[1]) if 1 in got else zeros_act
-        return zeros_act, gx, gw, model_state, no_metrics
+        return zeros_act, gx, model_state, no_metrics, out
       return op
 
     branches = [idle]
@@ -350,21 +460,21 @@ class FlushProgram:
       branches += [forward(s), backward(s, True, True), backward(s, False, True),
                    backward(s, True, False)]
     index = jnp.where(kind == IDLE, 0, 1 + stage * 4 + kind - 1)
-    act_out, grad_out, gw, new_state, metrics = lax.switch(index, branches)
+    act_out, grad_out, new_state, metrics, new_rings = lax.switch(index, branches)
     write = lambda tree, value: jax.tree.map(lambda a, u: a.at[c].set(u), tree, value)
     is_f = kind == F
-    bufs = dict(bufs)
-    bufs["stash"] = write_slot(bufs["stash"], c * tab.w_slots + m % tab.w_slots, model_state,
-                               is_f)
+    bufs = dict(bufs, grads=new_rings["grads"])
+    for name, when in (("res", kind == F), ("iw", kind == I)):
+      row = jnp.where(when, w_slot, tab.stages_per_device * tab.w_slots)
+      bufs[name] = {dtype: lax.dynamic_update_index_in_dim(a, new_rings[name][dtype], row, 0)
+                    for dtype, a in bufs[name].items()}
+    bufs["stash"] = write_slot(bufs["stash"], w_slot, model_state, is_f)
     carry = dict(carry, model_state=write(carry["model_state"], jax.tree.map(
         lambda new, old: jnp.where(is_f, new, old), new_state, model_state)))
-    has_w = (kind == B) | (kind == W)
-    bufs["grads"] = jax.tree.map(
-        lambda acc, g: acc.at[c].set(jnp.where(has_w, acc[c] + g, acc[c])), bufs["grads"], gw)
     bufs["sums"] = {name: bufs["sums"][name] + metrics[name] for name in self.layout.metric_names}
     return act_out, grad_out, carry, bufs
 
-  def _exchange(self, bufs, own, act_out, grad_out):
+  def _exchange(self, bufs, own, act_out, grad_out, sends):
     """Sends the tick's activation and input gradient on their channels and stores what arrives
     in its ring slot. One `lax.ppermute` over "stage" per distinct shift k (device d sends to
     d + k; shift 0, the turn of a V, stays on the device) carries the values of the routes that
@@ -372,8 +482,11 @@ class FlushProgram:
     gets zeros) and slots, which a float32 holds exactly. Only the devices that the schedule ever
     sends from on that shift take part (1F1B's last device sends no activation around to the
     first), so each value crosses to its neighbour once and no link carries a dead send: on a
-    real network a tick costs the schedule's bytes. Every device issues the same collectives;
-    the tables say which sends carry a value."""
+    real network a tick costs the schedule's bytes. At a tick where no device sends on a shift
+    (GPipe's forward ticks send no gradient, its backward ticks no activation) its collective is
+    skipped (`lax.cond` on the static table, the same on every device): a collective is a
+    rendezvous of the devices, the cost that dominates a tick on emulated devices. Every device
+    issues the same collectives; the tables say which sends carry a value."""
     tab = self.tables
     D = tab.num_devices
     L = act_out.shape[0]
@@ -382,12 +495,15 @@ class FlushProgram:
     meta = jnp.stack([own["act_channel"] + 1, own["act_slot"], own["grad_channel"] + 1,
                       own["grad_slot"]]).astype(jnp.float32)
     arrived = {}  # shift: ({route: value}, the sender's meta)
-    for shift in sorted({k for *_, shifts in routes for k in shifts if k}):
+    for shift in tab.send_shifts:
       users = [r for r, (*_, shifts) in enumerate(routes) if shift in shifts]
       senders = sorted({d for r in users for d in range(D) if np.any(
           getattr(tab, routes[r][2])[:, d] == routes[r][4].index(shift))})
-      got = lax.ppermute(jnp.concatenate([routes[r][1] for r in users] + [meta]), STAGE,
-                         [(d, (d + shift) % D) for d in senders])
+      pairs = [(d, (d + shift) % D) for d in senders]
+      # At a tick where no device sends on the shift (the same on every device: a row of the
+      # static table), no collective is issued at all.
+      got = lax.cond(sends[shift], lambda payload, pairs=pairs: lax.ppermute(payload, STAGE, pairs),
+                     jnp.zeros_like, jnp.concatenate([routes[r][1] for r in users] + [meta]))
       arrived[shift] = ({r: got[i * L:(i + 1) * L] for i, r in enumerate(users)},
                         got[len(users) * L:])
     bufs = dict(bufs)
@@ -425,3 +541,216 @@ class FlushProgram:
     write = lambda tree, value: jax.tree.map(lambda a, u: a.at[c].set(u), tree, value)
     return dict(carry, params=write(carry["params"], new_params),
                 opt=write(carry["opt"], new_opt))
+
+
+_DOTS = ("dot_general", "conv_general_dilated")
+
+
+def _live(eqns: Sequence[Any], outvars: Sequence[Any], given: set[Any] = frozenset()
+          ) -> tuple[set[int], set[Any]]:
+  """(the indices of the equations that `outvars` need, the vars of `given` they read): a
+  backward walk that takes the vars of `given` as inputs (effects kept)."""
+  is_var = lambda v: isinstance(v, jax.extend.core.Var)
+  live = {v for v in outvars if is_var(v)}
+  needed = set()
+  for k in range(len(eqns) - 1, -1, -1):
+    eqn = eqns[k]
+    if eqn.effects or any(is_var(v) and v in live and v not in given for v in eqn.outvars):
+      needed.add(k)
+      live.update(v for v in eqn.invars if is_var(v))
+  return needed, live & given
+
+
+def _run(eqns: Sequence[Any], env: dict[Any, Any], outvars: Sequence[Any]) -> list[Any]:
+  """Evaluates `eqns` (of one jaxpr, in order) from `env` (var -> value); the values of
+  `outvars`: the equations as a jaxpr of their free variables, run by `jaxpr_as_fun`."""
+  core = jax.extend.core
+  defined = {v for eqn in eqns for v in eqn.outvars}
+  free = list(dict.fromkeys(v for v in [*(v for eqn in eqns for v in eqn.invars), *outvars]
+                            if isinstance(v, core.Var) and v not in defined))
+  effects = frozenset().union(*(eqn.effects for eqn in eqns))
+  jaxpr = core.Jaxpr([], free, list(outvars), list(eqns), effects)
+  return list(core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, []))(*[env[v] for v in free]))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Split:
+  """A stage's backward (its jaxpr from the kept values to (weight gradient, input gradient),
+  packed) cut into I and W: I runs the equations the input gradient needs and keeps the results
+  of its dots (dot_general, convolutions) that the weight gradient reads (in ZB's terms: the
+  layers' output gradients, before the activation's derivative), W runs what the weight gradient
+  needs from those. So I + W does each of B's dots once; W redoes only I's elementwise steps
+  after a kept dot, so that each gradient comes from the same operations as in B (the same bits:
+  fused into a reduction, an elementwise step read back from a buffer rounded differently)."""
+  consts: tuple[Any, ...]
+  jaxpr: Any  # jax.extend.core.Jaxpr: (the backward's flat inputs) -> (gw leaves, gx)
+  num_gw: int  # the first num_gw outputs are the weight gradient's leaves
+  i_eqns: tuple[int, ...]
+  w_eqns: tuple[int, ...]
+  carried: tuple[Any, ...]  # the vars I keeps for W
+
+  def _env(self, args: Sequence[Any]) -> dict[Any, Any]:
+    env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
+    env.update(zip(self.jaxpr.invars, args, strict=True))
+    return env
+
+  def input_half(self, args: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """(the input gradient, the values kept for W)."""
+    eqns = [self.jaxpr.eqns[k] for k in self.i_eqns]
+    out = _run(eqns, self._env(args), [*self.jaxpr.outvars[self.num_gw:], *self.carried])
+    return out[0], out[1:]
+
+  def weight_half(self, args: Sequence[Any], carried: Sequence[Any]) -> list[Any]:
+    """The weight gradient's leaves, from the values I kept."""
+    env = self._env(args)
+    env.update(zip(self.carried, carried, strict=True))
+    return _run([self.jaxpr.eqns[k] for k in self.w_eqns], env,
+                self.jaxpr.outvars[:self.num_gw])
+
+
+def _split_backward(closed: Any, num_gw: int) -> _Split | None:
+  """The `_Split` of a backward's closed jaxpr, None where W would need none of I's values (no
+  shared work) or they hold PRNG keys."""
+  jaxpr = closed.jaxpr
+  eqns = jaxpr.eqns
+  i_set, _ = _live(eqns, jaxpr.outvars[num_gw:])
+  dots = {v for k in i_set if eqns[k].primitive.name in _DOTS for v in eqns[k].outvars}
+  w_set, read = _live(eqns, jaxpr.outvars[:num_gw], dots)
+  carried = tuple(v for k in sorted(i_set) for v in eqns[k].outvars if v in read)
+  if not carried or any(jnp.issubdtype(v.aval.dtype, jax.dtypes.extended) for v in carried):
+    return None
+  return _Split(tuple(closed.consts), jaxpr, num_gw, tuple(sorted(i_set)), tuple(sorted(w_set)),
+                carried)
+
+
+KEEP, REDO = -1, -2  # `_Residuals.sources`: a residual kept by F / recomputed in B from the weights
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Residuals:
+  """What F keeps of each stage's forward for B, I and W: the leaves of the stage's `jax.vjp`
+  function (its residuals) that depend on the stage's input. Of the others, those that are one of
+  the values kept anyway (the weights, which do not change within a mini-batch, the input, the
+  stashed state, the targets) are taken from there, and the rest, functions of the weights, state
+  and targets only (a slice of stacked weights, a cast or quantized weight, one-hot targets), are
+  recomputed in B from those (the rest of that forward is dead code there). Found once per stage
+  from its forward's jaxpr (`_residual_specs`); the kept leaves are packed into one ring per
+  dtype, sized like the state stash (a value lives from F to the last of B, I and W)."""
+  treedefs: tuple[Any, ...]  # per stage: the vjp function's pytree structure
+  # per stage, per leaf: its index among the leaves of (weights, input, state, targets), KEEP or
+  # REDO
+  sources: tuple[tuple[int, ...], ...]
+  keys: tuple[tuple[Any, ...], ...]  # per stage, per KEEP leaf: its PRNG key impl, None: not a key
+  packer: Packer  # per stage its KEEP leaves (keys as their key data)
+  # Zero-bubble schedules (with I and W actions): per stage its backward cut into I and W (None:
+  # none, I and W each run the whole backward and drop half), and the values I keeps for W.
+  splits: tuple[_Split | None, ...] = ()
+  carried: Packer | None = None
+
+  def keep(self, s: int, vjp_fn: Any) -> dict[str, jax.Array]:
+    """Stage s's kept residuals of `vjp_fn` as the packer's {dtype: [L]} buffers."""
+    leaves = jax.tree.leaves(vjp_fn)
+    sources = self.sources[s]
+    if len(leaves) != len(sources):
+      raise ValueError(f"stage {s}: a forward with {len(leaves)} residuals is not allowed; "
+                       f"expected {len(sources)} (its jaxpr's).")
+    kept = [leaf for leaf, src in zip(leaves, sources, strict=True) if src == KEEP]
+    kept = [a if impl is None else jax.random.key_data(a)
+            for a, impl in zip(kept, self.keys[s], strict=True)]
+    for a, (dtype, _, _) in zip(kept, self.packer.layouts[s], strict=True):
+      if np.dtype(a.dtype).name != dtype:
+        raise ValueError(f"stage {s}: a residual of dtype {a.dtype} is not allowed; expected "
+                         f"{dtype} (its jaxpr's).")
+    return self.packer.pack(s, kept)
+
+  def restore(self, s: int, kept: dict[str, jax.Array], known: Any,
+              forward: Callable[[], Any]) -> Any:
+    """Stage s's vjp function from its kept buffers, `known` = (weights, input, state, targets)
+    and, for the REDO leaves, `forward()`: the stage's forward under `jax.vjp` again (its vjp
+    function)."""
+    known = jax.tree.leaves(known)
+    stored = iter(a if impl is None else jax.random.wrap_key_data(a, impl=impl)
+                  for a, impl in zip(self.packer.unpack(s, kept), self.keys[s], strict=True))
+    redo = jax.tree.leaves(forward()) if REDO in self.sources[s] else None
+    leaves = [next(stored) if src == KEEP else redo[k] if src == REDO else known[src]
+              for k, src in enumerate(self.sources[s])]
+    return jax.tree.unflatten(self.treedefs[s], leaves)
+
+
+def _depends(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
+  """Per output of `jaxpr` (a jax.extend.core.Jaxpr), whether it depends on an input marked in
+  `inputs` (an equation's outputs depend on all its inputs: conservative for nested jaxprs)."""
+  marked = {v for v, m in zip(jaxpr.invars, inputs, strict=True) if m}
+  is_var = lambda v: isinstance(v, jax.extend.core.Var)
+  for eqn in jaxpr.eqns:
+    if any(is_var(v) and v in marked for v in eqn.invars):
+      marked.update(v for v in eqn.outvars if is_var(v))
+  return [is_var(v) and v in marked for v in jaxpr.outvars]
+
+
+def _residual_specs(program: FlushProgram, carry: dict[str, Any], x_in: Any, y_in: Any
+                    ) -> _Residuals:
+  """Every stage's `_Residuals` layout, from the jaxpr of its forward under `jax.vjp` (x_in,
+  y_in: one micro-batch's input and targets as jax.ShapeDtypeStructs), and where the schedule has
+  I actions, each stage's backward cut into I and W (`_Split`)."""
+  param_packer, _, state_packer = program.packers
+  row = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+  params, state = row(carry["params"]), row(carry["model_state"])
+  recv_x = jax.ShapeDtypeStruct((program.layout.act.sizes.get("float32", 0),), jnp.float32)
+  is_key = lambda a: jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+  treedefs, sources, keys, kept = [], [], [], []
+  for s in range(program.tables.num_stages):
+    found = {}
+
+    def probe(params, state, recv_x, x_in, y_in, s=s, found=found):
+      w, st = param_packer.unpack(s, params), state_packer.unpack(s, state)
+      x = x_in if s == 0 else program.layout.unpack_act(s - 1, recv_x)
+      _, vjp_fn, _ = program._stage_vjp(s, w, x, st, y_in)  # pylint: disable=protected-access
+      leaves, found["treedef"] = jax.tree.flatten(vjp_fn)
+      known = jax.tree.leaves((w, x, st, y_in))
+      found["known"] = [next((i for i, k in enumerate(known) if k is leaf), None)
+                        for leaf in leaves]
+      out = [leaf for leaf, i in zip(leaves, found["known"], strict=True) if i is None]
+      found["keys"] = [jax.random.key_impl(a) if is_key(a) else None for a in out]
+      return [jax.random.key_data(a) if is_key(a) else a for a in out]
+
+    args = (params, state, recv_x, x_in, y_in)
+    closed = jax.make_jaxpr(probe)(*args)
+    # The input's leaves among the jaxpr's inputs: recv_x (stage 0: x_in).
+    marks = [jax.tree.map(lambda _, k=k: k == (3 if s == 0 else 2), a) for k, a in enumerate(args)]
+    on_x = iter(_depends(closed.jaxpr, jax.tree.leaves(marks)))
+    avals = iter(closed.out_avals)
+    src, stage_keys, stage_kept = [], [], []
+    key_of = iter(found["keys"])
+    for i in found["known"]:
+      if i is not None:
+        src.append(i)
+        continue
+      aval, impl = next(avals), next(key_of)
+      if next(on_x):
+        src.append(KEEP)
+        stage_keys.append(impl)
+        stage_kept.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+      else:
+        src.append(REDO)
+    treedefs.append(found["treedef"])
+    sources.append(tuple(src))
+    keys.append(tuple(stage_keys))
+    kept.append(stage_kept)
+  res = _Residuals(tuple(treedefs), tuple(sources), tuple(keys), Packer(kept))
+  if not (program.tables.kind == I).any():
+    return res
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  splits, carried = [], []
+  for s in range(program.tables.num_stages):
+    split = None
+    if s > 0:
+      args = (params, state, recv_x, x_in, y_in, jax.tree.map(sds, res.packer.zeros((), xp=jnp)),
+              recv_x)
+      core = functools.partial(program._backward_core, s, res)  # pylint: disable=protected-access
+      closed, (gw, _) = jax.make_jaxpr(core, return_shape=True)(*args)
+      split = _split_backward(closed, len(jax.tree.leaves(gw)))
+    splits.append(split)
+    carried.append([] if split is None else [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                             for v in split.carried])
+  return dataclasses.replace(res, splits=tuple(splits), carried=Packer(carried))

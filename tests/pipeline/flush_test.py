@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from jlp.pipeline import Pipeline, Schedule, pipeline_mesh
+from jlp.pipeline.flush import flush_tables
 from jlp.pipeline.schedule_data import Action, bubble, peak_inflight
 
 N, D = 2, 4
@@ -351,3 +352,60 @@ def test_bad_flush_configurations_are_one_line_errors(mesh):
   with pytest.raises(ValueError, match="not allowed; expected a positive multiple"):
     flush = Pipeline(stages4, loss_fn, sgd, mesh, schedule="1f1b_flush", num_microbatches=4)
     flush.run(flush.init(params4), *_data(1, rows=6))
+
+
+def test_b_i_and_w_run_from_the_forwards_residuals(mesh):
+  """By default F keeps its forward's residuals (jax.vjp's) and B, I and W only run the backward
+  (ZB-H1's I and W share no arithmetic: W reads what I kept); with remat=True they recompute the
+  forward from the kept input. Both give the unpipelined model's update; the default compiles to
+  fewer dots (no forward in B, I or W) and I + W still equals B bit for bit."""
+  import re
+
+  stages, params = _model(D)
+  xs, ys = _data(1)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  expected, _ = _reference(stages, params, xs, ys, optimizer, "allreduce")
+  dots, got = {}, {}
+  for remat in (False, True):
+    for schedule in ("zb_h1", "1f1b_flush"):
+      pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=4,
+                      remat=remat)
+      state = pipe.init(params)
+      text = pipe.lower(state, xs, ys).compile().as_text()
+      dots[remat, schedule] = len(re.findall(r" dot\(", text))
+      state, _ = pipe.run(state, xs, ys)
+      _assert_params(pipe, state, expected)
+      got[remat, schedule] = pipe.stage_params(state)
+  # Per stage and micro-batch: F + I + W against F + (F + I) + (F + W), F + B against F + (F + B).
+  assert dots[False, "zb_h1"] < dots[True, "zb_h1"], dots
+  assert dots[False, "1f1b_flush"] < dots[True, "1f1b_flush"], dots
+  jax.tree.map(np.testing.assert_array_equal, got[False, "zb_h1"], got[False, "1f1b_flush"])
+  for schedule, remat in (("gpipe", False), ("1f1b_flush", "yes")):
+    with pytest.raises(ValueError, match=rf"^remat={remat!r} is not allowed with schedule="):
+      Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, remat=remat)
+
+
+def test_a_tick_issues_a_collective_only_on_the_shifts_it_sends_on(mesh):
+  """Activations go one device down (shift 1), input gradients one up (shift D - 1). In GPipe's
+  order F(s, m) runs at tick s + m and the backward mirrors it, so only ticks 0 .. M + D - 3 send
+  an activation and only ticks M + D - 1 .. 2(M + D - 1) - 2 an input gradient: at the others the
+  exchange skips that collective, and the update is still the unpipelined model's."""
+  M = 4
+  schedule = Schedule.named("gpipe", D, M)
+  tables = flush_tables(schedule)
+  assert tables.send_shifts == (1, D - 1)
+  ticks = np.arange(tables.num_ticks)
+  assert tables.num_ticks == 2 * (M + D - 1)
+  np.testing.assert_array_equal(tables.sends[:, 0], ticks <= M + D - 3)
+  np.testing.assert_array_equal(tables.sends[:, 1],
+                                (ticks >= M + D - 1) & (ticks <= 2 * (M + D - 1) - 2))
+  # 1F1B-flush's steady state sends both ways at once.
+  assert flush_tables(Schedule.named("1f1b_flush", D, M)).sends.all(axis=1).any()
+  stages, params = _model(D)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  xs, ys = _data(2)
+  pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=M)
+  state, metrics = pipe.run(pipe.init(params), xs, ys)
+  expected, losses = _reference(stages, params, xs, ys, optimizer, "allreduce")
+  _assert_params(pipe, state, expected)
+  np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-5)
