@@ -4,11 +4,11 @@ inside one `jax.shard_map` (docs/sdpipe.md, "Flush schedules").
 
 `FlushTables` lowers a schedule to static integer tables, one row per tick and one column per
 device: the action each device runs (kind, local chunk, micro-batch; a second column for the
-backward of an overlapped F+B pair), where its output goes (a channel: a fixed shift along the stage axis, or the
-device itself for the turn of a V), and the ring slot it lands in. Ring sizes come from the
-schedule: the smallest K per buffer under which no two values that live at once on a chunk share
-index m mod K (a value lives from the tick it arrives to the last action that reads it). So
-1F1B-flush holds about D inputs per device whatever M, GPipe M.
+backward of an overlapped F+B pair), where its output goes (a channel: a fixed shift along the
+stage axis, or the device itself for the turn of a V), and the ring slot it lands in. Ring sizes
+come from the schedule: the smallest K per buffer under which no two values that live at once on
+a chunk share index m mod K (a value lives from the tick it arrives to the last action that reads
+it). So 1F1B-flush holds about D inputs per device whatever M, GPipe M.
 
 `FlushProgram` is what every device (pipeline i, device d) runs for B mini-batches: a `lax.scan`
 over the mini-batches, each a `lax.scan` over the schedule's ticks, then one optimizer step per
