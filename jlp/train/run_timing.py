@@ -8,7 +8,10 @@ evaluation, logging, checkpoint saves and compilation excluded (the data-paralle
 excluded `compile_seconds` and `save_seconds`. A step's seconds are therefore `batch_size /
 throughput`. The first interval still warms caches and the data prefetcher, so its rows can be left
 out (`after_step`). Time to accuracy is the steps to the first evaluation that reaches the target
-times the median seconds per step: the training time, without compilation and evaluation.
+times the mean seconds per step of the intervals up to it (their summed seconds over their steps):
+the training time, without compilation and evaluation, with every step's cost counted, including
+a cost that only some intervals carry (DiLoCo's outer sync every H steps), which a median of the
+intervals leaves out.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["seconds_per_step", "steps_to_accuracy", "time_to_accuracy"]
+__all__ = ["mean_seconds_per_step", "seconds_per_step", "steps_to_accuracy",
+           "time_to_accuracy"]
 
 
 def seconds_per_step(rows: Sequence[dict[str, Any]], batch_size: int, after_step: int) -> float:
@@ -32,6 +36,27 @@ def seconds_per_step(rows: Sequence[dict[str, Any]], batch_size: int, after_step
   return float(np.median(times))
 
 
+def mean_seconds_per_step(rows: Sequence[dict[str, Any]], batch_size: int, after_step: int,
+                          until_step: int | None = None) -> float:
+  """Wall seconds per step of the intervals logged after `after_step` up to `until_step` (None:
+  all): their summed seconds (steps x batch_size / throughput each, an interval being the steps
+  since the previous logged row) over their steps. ValueError if there are none."""
+  logged = sorted((r for r in rows if r.get("throughput")), key=lambda r: r["step"])
+  seconds = steps = 0.0
+  previous = 0
+  for r in logged:
+    if after_step < r["step"] and (until_step is None or r["step"] <= until_step):
+      n = r["step"] - previous
+      seconds += n * batch_size / r["throughput"]
+      steps += n
+    previous = r["step"]
+  if not steps:
+    raise ValueError(f"after_step={after_step} is not allowed with until_step={until_step}; "
+                     "expected a logged row with a throughput between them (rows end at step "
+                     f"{logged[-1]['step'] if logged else None}).")
+  return seconds / steps
+
+
 def steps_to_accuracy(rows: Sequence[dict[str, Any]], target: float) -> int | None:
   """The step of the first evaluation with eval_accuracy >= target; None if none reaches it."""
   for r in rows:
@@ -42,6 +67,9 @@ def steps_to_accuracy(rows: Sequence[dict[str, Any]], target: float) -> int | No
 
 def time_to_accuracy(rows: Sequence[dict[str, Any]], target: float, batch_size: int,
                      after_step: int) -> float | None:
-  """Training seconds to `target`: steps_to_accuracy x seconds_per_step; None if not reached."""
+  """Training seconds to `target`: steps_to_accuracy x the mean seconds per step of the intervals
+  after `after_step` up to that step (`mean_seconds_per_step`); None if not reached."""
   steps = steps_to_accuracy(rows, target)
-  return None if steps is None else steps * seconds_per_step(rows, batch_size, after_step)
+  if steps is None:
+    return None
+  return steps * mean_seconds_per_step(rows, batch_size, after_step, until_step=steps)
