@@ -18,13 +18,14 @@ chunk. At a tick the device runs its action with a `lax.switch` over (stage, kin
      with the chunk's state, which it then replaces (BatchNorm statistics, RNG counters) after
      stashing the state it ran with; the last stage also evaluates loss_fn on micro-batch m's
      targets (the mini-batch's metrics are the means over its micro-batches). It runs under
-     `jax.vjp` and keeps the forward's residuals (`_Residuals`: those that depend on the input, in
-     a ring per dtype sized like the stash; the others are the weights, input, state or targets,
-     kept anyway, or functions of them that B recomputes);
+     `jax.vjp` and keeps the forward's residuals (`jlp.pipeline.residuals.Residuals`: those that
+     depend on the input, in a ring per dtype sized like the stash; the others are the weights,
+     input, state or targets, kept anyway, or functions of them that B recomputes);
   B  the full backward from those residuals (the vjp function rebuilt from them), no forward:
      returns the input gradient and the weight gradient, which is added to the chunk's sum;
   I  the input-gradient half of B (the weight gradient is not computed); it keeps what its W needs
-     of its own work (`_Split`: the results of its dots that the weight gradient reads);
+     of its own work (`jlp.pipeline.residuals.Split`: the results of its dots that the weight
+     gradient reads);
   W  the weight-gradient half, at a later tick, from what F and I kept and the received output
      gradient. I + W is B's arithmetic, each dot once, and gives B's bits.
 
@@ -46,7 +47,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -55,6 +55,7 @@ from jax import lax
 from jlp.pipeline.buffers import Layout, write_slot
 from jlp.pipeline.packing import Packer
 from jlp.pipeline.program import DATA, STAGE, PipelineState, stage_steps
+from jlp.pipeline.residuals import KEEP, REDO, Residuals, depends, split_backward
 from jlp.pipeline.schedule_data import Overlap, Schedule
 from jlp.pipeline.sync_modes import SyncMode
 from jlp.sync import SYNC_REPORT
@@ -337,8 +338,8 @@ class FlushProgram:
     return out, vjp_fn, aux
 
   def _backward_core(self, s, res, params, stashed, recv_x, x_in, y_in, kept, recv_g):
-    """Stage s's backward from F's kept residuals (`_Residuals`): (weight gradient, input
-    gradient; None at stage 0), packed."""
+    """Stage s's backward from F's kept residuals (`Residuals`): (weight gradient, input gradient;
+    None at stage 0), packed."""
     param_packer, _, state_packer = self.packers
     w, st = param_packer.unpack(s, params), state_packer.unpack(s, stashed)
     x = x_in if s == 0 else self.layout.unpack_act(s - 1, recv_x)
@@ -543,156 +544,11 @@ class FlushProgram:
                 opt=write(carry["opt"], new_opt))
 
 
-_DOTS = ("dot_general", "conv_general_dilated")
-
-
-def _live(eqns: Sequence[Any], outvars: Sequence[Any], given: set[Any] = frozenset()
-          ) -> tuple[set[int], set[Any]]:
-  """(the indices of the equations that `outvars` need, the vars of `given` they read): a
-  backward walk that takes the vars of `given` as inputs (effects kept)."""
-  is_var = lambda v: isinstance(v, jax.extend.core.Var)
-  live = {v for v in outvars if is_var(v)}
-  needed = set()
-  for k in range(len(eqns) - 1, -1, -1):
-    eqn = eqns[k]
-    if eqn.effects or any(is_var(v) and v in live and v not in given for v in eqn.outvars):
-      needed.add(k)
-      live.update(v for v in eqn.invars if is_var(v))
-  return needed, live & given
-
-
-def _run(eqns: Sequence[Any], env: dict[Any, Any], outvars: Sequence[Any]) -> list[Any]:
-  """Evaluates `eqns` (of one jaxpr, in order) from `env` (var -> value); the values of
-  `outvars`: the equations as a jaxpr of their free variables, run by `jaxpr_as_fun`."""
-  core = jax.extend.core
-  defined = {v for eqn in eqns for v in eqn.outvars}
-  free = list(dict.fromkeys(v for v in [*(v for eqn in eqns for v in eqn.invars), *outvars]
-                            if isinstance(v, core.Var) and v not in defined))
-  effects = frozenset().union(*(eqn.effects for eqn in eqns))
-  jaxpr = core.Jaxpr([], free, list(outvars), list(eqns), effects)
-  return list(core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, []))(*[env[v] for v in free]))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Split:
-  """A stage's backward (its jaxpr from the kept values to (weight gradient, input gradient),
-  packed) cut into I and W: I runs the equations the input gradient needs and keeps the results
-  of its dots (dot_general, convolutions) that the weight gradient reads (in ZB's terms: the
-  layers' output gradients, before the activation's derivative), W runs what the weight gradient
-  needs from those. So I + W does each of B's dots once; W redoes only I's elementwise steps
-  after a kept dot, so that each gradient comes from the same operations as in B (the same bits:
-  fused into a reduction, an elementwise step read back from a buffer rounded differently)."""
-  consts: tuple[Any, ...]
-  jaxpr: Any  # jax.extend.core.Jaxpr: (the backward's flat inputs) -> (gw leaves, gx)
-  num_gw: int  # the first num_gw outputs are the weight gradient's leaves
-  i_eqns: tuple[int, ...]
-  w_eqns: tuple[int, ...]
-  carried: tuple[Any, ...]  # the vars I keeps for W
-
-  def _env(self, args: Sequence[Any]) -> dict[Any, Any]:
-    env = dict(zip(self.jaxpr.constvars, self.consts, strict=True))
-    env.update(zip(self.jaxpr.invars, args, strict=True))
-    return env
-
-  def input_half(self, args: Sequence[Any]) -> tuple[Any, list[Any]]:
-    """(the input gradient, the values kept for W)."""
-    eqns = [self.jaxpr.eqns[k] for k in self.i_eqns]
-    out = _run(eqns, self._env(args), [*self.jaxpr.outvars[self.num_gw:], *self.carried])
-    return out[0], out[1:]
-
-  def weight_half(self, args: Sequence[Any], carried: Sequence[Any]) -> list[Any]:
-    """The weight gradient's leaves, from the values I kept."""
-    env = self._env(args)
-    env.update(zip(self.carried, carried, strict=True))
-    return _run([self.jaxpr.eqns[k] for k in self.w_eqns], env,
-                self.jaxpr.outvars[:self.num_gw])
-
-
-def _split_backward(closed: Any, num_gw: int) -> _Split | None:
-  """The `_Split` of a backward's closed jaxpr, None where W would need none of I's values (no
-  shared work) or they hold PRNG keys."""
-  jaxpr = closed.jaxpr
-  eqns = jaxpr.eqns
-  i_set, _ = _live(eqns, jaxpr.outvars[num_gw:])
-  dots = {v for k in i_set if eqns[k].primitive.name in _DOTS for v in eqns[k].outvars}
-  w_set, read = _live(eqns, jaxpr.outvars[:num_gw], dots)
-  carried = tuple(v for k in sorted(i_set) for v in eqns[k].outvars if v in read)
-  if not carried or any(jnp.issubdtype(v.aval.dtype, jax.dtypes.extended) for v in carried):
-    return None
-  return _Split(tuple(closed.consts), jaxpr, num_gw, tuple(sorted(i_set)), tuple(sorted(w_set)),
-                carried)
-
-
-KEEP, REDO = -1, -2  # `_Residuals.sources`: a residual kept by F / recomputed in B from the weights
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Residuals:
-  """What F keeps of each stage's forward for B, I and W: the leaves of the stage's `jax.vjp`
-  function (its residuals) that depend on the stage's input. Of the others, those that are one of
-  the values kept anyway (the weights, which do not change within a mini-batch, the input, the
-  stashed state, the targets) are taken from there, and the rest, functions of the weights, state
-  and targets only (a slice of stacked weights, a cast or quantized weight, one-hot targets), are
-  recomputed in B from those (the rest of that forward is dead code there). Found once per stage
-  from its forward's jaxpr (`_residual_specs`); the kept leaves are packed into one ring per
-  dtype, sized like the state stash (a value lives from F to the last of B, I and W)."""
-  treedefs: tuple[Any, ...]  # per stage: the vjp function's pytree structure
-  # per stage, per leaf: its index among the leaves of (weights, input, state, targets), KEEP or
-  # REDO
-  sources: tuple[tuple[int, ...], ...]
-  keys: tuple[tuple[Any, ...], ...]  # per stage, per KEEP leaf: its PRNG key impl, None: not a key
-  packer: Packer  # per stage its KEEP leaves (keys as their key data)
-  # Zero-bubble schedules (with I and W actions): per stage its backward cut into I and W (None:
-  # none, I and W each run the whole backward and drop half), and the values I keeps for W.
-  splits: tuple[_Split | None, ...] = ()
-  carried: Packer | None = None
-
-  def keep(self, s: int, vjp_fn: Any) -> dict[str, jax.Array]:
-    """Stage s's kept residuals of `vjp_fn` as the packer's {dtype: [L]} buffers."""
-    leaves = jax.tree.leaves(vjp_fn)
-    sources = self.sources[s]
-    if len(leaves) != len(sources):
-      raise ValueError(f"stage {s}: a forward with {len(leaves)} residuals is not allowed; "
-                       f"expected {len(sources)} (its jaxpr's).")
-    kept = [leaf for leaf, src in zip(leaves, sources, strict=True) if src == KEEP]
-    kept = [a if impl is None else jax.random.key_data(a)
-            for a, impl in zip(kept, self.keys[s], strict=True)]
-    for a, (dtype, _, _) in zip(kept, self.packer.layouts[s], strict=True):
-      if np.dtype(a.dtype).name != dtype:
-        raise ValueError(f"stage {s}: a residual of dtype {a.dtype} is not allowed; expected "
-                         f"{dtype} (its jaxpr's).")
-    return self.packer.pack(s, kept)
-
-  def restore(self, s: int, kept: dict[str, jax.Array], known: Any,
-              forward: Callable[[], Any]) -> Any:
-    """Stage s's vjp function from its kept buffers, `known` = (weights, input, state, targets)
-    and, for the REDO leaves, `forward()`: the stage's forward under `jax.vjp` again (its vjp
-    function)."""
-    known = jax.tree.leaves(known)
-    stored = iter(a if impl is None else jax.random.wrap_key_data(a, impl=impl)
-                  for a, impl in zip(self.packer.unpack(s, kept), self.keys[s], strict=True))
-    redo = jax.tree.leaves(forward()) if REDO in self.sources[s] else None
-    leaves = [next(stored) if src == KEEP else redo[k] if src == REDO else known[src]
-              for k, src in enumerate(self.sources[s])]
-    return jax.tree.unflatten(self.treedefs[s], leaves)
-
-
-def _depends(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
-  """Per output of `jaxpr` (a jax.extend.core.Jaxpr), whether it depends on an input marked in
-  `inputs` (an equation's outputs depend on all its inputs: conservative for nested jaxprs)."""
-  marked = {v for v, m in zip(jaxpr.invars, inputs, strict=True) if m}
-  is_var = lambda v: isinstance(v, jax.extend.core.Var)
-  for eqn in jaxpr.eqns:
-    if any(is_var(v) and v in marked for v in eqn.invars):
-      marked.update(v for v in eqn.outvars if is_var(v))
-  return [is_var(v) and v in marked for v in jaxpr.outvars]
-
-
 def _residual_specs(program: FlushProgram, carry: dict[str, Any], x_in: Any, y_in: Any
-                    ) -> _Residuals:
-  """Every stage's `_Residuals` layout, from the jaxpr of its forward under `jax.vjp` (x_in,
+                    ) -> Residuals:
+  """Every stage's `Residuals` layout, from the jaxpr of its forward under `jax.vjp` (x_in,
   y_in: one micro-batch's input and targets as jax.ShapeDtypeStructs), and where the schedule has
-  I actions, each stage's backward cut into I and W (`_Split`)."""
+  I actions, each stage's backward cut into I and W (`Split`)."""
   param_packer, _, state_packer = program.packers
   row = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
   params, state = row(carry["params"]), row(carry["model_state"])
@@ -718,7 +574,7 @@ def _residual_specs(program: FlushProgram, carry: dict[str, Any], x_in: Any, y_i
     closed = jax.make_jaxpr(probe)(*args)
     # The input's leaves among the jaxpr's inputs: recv_x (stage 0: x_in).
     marks = [jax.tree.map(lambda _, k=k: k == (3 if s == 0 else 2), a) for k, a in enumerate(args)]
-    on_x = iter(_depends(closed.jaxpr, jax.tree.leaves(marks)))
+    on_x = iter(depends(closed.jaxpr, jax.tree.leaves(marks)))
     avals = iter(closed.out_avals)
     src, stage_keys, stage_kept = [], [], []
     key_of = iter(found["keys"])
@@ -737,7 +593,7 @@ def _residual_specs(program: FlushProgram, carry: dict[str, Any], x_in: Any, y_i
     sources.append(tuple(src))
     keys.append(tuple(stage_keys))
     kept.append(stage_kept)
-  res = _Residuals(tuple(treedefs), tuple(sources), tuple(keys), Packer(kept))
+  res = Residuals(tuple(treedefs), tuple(sources), tuple(keys), Packer(kept))
   if not (program.tables.kind == I).any():
     return res
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
@@ -749,7 +605,7 @@ def _residual_specs(program: FlushProgram, carry: dict[str, Any], x_in: Any, y_i
               recv_x)
       core = functools.partial(program._backward_core, s, res)  # pylint: disable=protected-access
       closed, (gw, _) = jax.make_jaxpr(core, return_shape=True)(*args)
-      split = _split_backward(closed, len(jax.tree.leaves(gw)))
+      split = split_backward(closed, len(jax.tree.leaves(gw)))
     splits.append(split)
     carried.append([] if split is None else [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                                              for v in split.carried])
