@@ -68,8 +68,10 @@ def steps_to_accuracy(rows: Sequence[dict[str, Any]], target: float) -> int | No
 def time_to_accuracy(rows: Sequence[dict[str, Any]], target: float, batch_size: int,
                      after_step: int) -> float | None:
   """Training seconds to `target`: steps_to_accuracy x the mean seconds per step of the intervals
-  after `after_step` up to that step (`mean_seconds_per_step`); None if not reached."""
+  after `after_step` up to that step (`mean_seconds_per_step`; all of them when the target is
+  reached by `after_step`); None if not reached."""
   steps = steps_to_accuracy(rows, target)
   if steps is None:
     return None
-  return steps * mean_seconds_per_step(rows, batch_size, after_step, until_step=steps)
+  return steps * mean_seconds_per_step(rows, batch_size, after_step if steps > after_step else 0,
+                                       until_step=steps)

@@ -23,6 +23,8 @@ def test_time_to_accuracy_is_steps_times_the_mean_seconds_per_step_up_to_it():
   assert run_timing.mean_seconds_per_step(ROWS, 128, after_step=5, until_step=15) == 1.5
   assert run_timing.time_to_accuracy(ROWS, 0.97, 128, after_step=5) == 15 * 1.5
   assert run_timing.time_to_accuracy(ROWS, 0.995, 128, after_step=5) is None
+  # Reached within the warm-up interval: that interval is all there is to time it by.
+  assert run_timing.time_to_accuracy(ROWS, 0.5, 128, after_step=5) == 5 * 12.8
 
 
 def test_a_cost_that_only_some_intervals_carry_counts_in_the_time_to_accuracy():
