@@ -88,10 +88,11 @@ class FlushTables:
   grad_slot: np.ndarray
   act_shifts: tuple[int, ...]  # device d sends to (d + shift) mod D; 0: to itself
   grad_shifts: tuple[int, ...]
-  # The distinct shifts other than 0 (one ppermute each) and [T, len]: whether any device sends
-  # on the shift at the tick.
+  # The distinct shifts other than 0 (one ppermute each); [T, len]: whether any device sends on
+  # the shift at the tick; per shift, the (sender, receiver) pairs of the devices that ever send.
   send_shifts: tuple[int, ...]
   sends: np.ndarray
+  send_pairs: tuple[tuple[tuple[int, int], ...], ...]
   x_slots: int
   g_slots: int
   w_slots: int
@@ -187,10 +188,15 @@ def flush_tables(schedule: Schedule, shared: Sequence[tuple[int, int]] = ()) -> 
           grad_slot[t, d] = chunk_of[s - 1] * g_slots + m % g_slots
   send_shifts = tuple(sorted({k for k in act_shifts + grad_shifts if k}))
   sends = np.zeros((T, len(send_shifts)), bool)
+  send_pairs = []
   for n, k in enumerate(send_shifts):
+    senders = np.zeros(D, bool)
     for channel, shifts in ((act_channel, act_shifts), (grad_channel, grad_shifts)):
       if k in shifts:
-        sends[:, n] |= (channel == shifts.index(k)).any(axis=1)
+        on = channel == shifts.index(k)  # [T, D]
+        sends[:, n] |= on.any(axis=1)
+        senders |= on.any(axis=0)
+    send_pairs.append(tuple((int(d), int(d + k) % D) for d in np.flatnonzero(senders)))
   partner = np.full((D, v), -1, np.int32)
   for i, j in shared:
     partner[place[i], chunk_of[i]] = chunk_of[j]
@@ -200,7 +206,7 @@ def flush_tables(schedule: Schedule, shared: Sequence[tuple[int, int]] = ()) -> 
       row_stage=tuple(int(s) for s in stage_of.reshape(-1)), kind=kind, chunk=chunk, micro=micro,
       act_channel=act_channel, act_slot=act_slot, grad_channel=grad_channel, grad_slot=grad_slot,
       act_shifts=act_shifts, grad_shifts=grad_shifts, send_shifts=send_shifts, sends=sends,
-      x_slots=x_slots, g_slots=g_slots,
+      send_pairs=tuple(send_pairs), x_slots=x_slots, g_slots=g_slots,
       w_slots=w_slots, overlaps=any(isinstance(item, Overlap) for row in schedule.ticks
                                     for item in row), partner=partner)
 
@@ -489,20 +495,14 @@ class FlushProgram:
     rendezvous of the devices, the cost that dominates a tick on emulated devices. Every device
     issues the same collectives; the tables say which sends carry a value."""
     tab = self.tables
-    D = tab.num_devices
     L = act_out.shape[0]
     routes = (("recv_x", act_out, "act_channel", "act_slot", tab.act_shifts),
               ("recv_g", grad_out, "grad_channel", "grad_slot", tab.grad_shifts))
     meta = jnp.stack([own["act_channel"] + 1, own["act_slot"], own["grad_channel"] + 1,
                       own["grad_slot"]]).astype(jnp.float32)
     arrived = {}  # shift: ({route: value}, the sender's meta)
-    for shift in tab.send_shifts:
+    for shift, pairs in zip(tab.send_shifts, tab.send_pairs, strict=True):
       users = [r for r, (*_, shifts) in enumerate(routes) if shift in shifts]
-      senders = sorted({d for r in users for d in range(D) if np.any(
-          getattr(tab, routes[r][2])[:, d] == routes[r][4].index(shift))})
-      pairs = [(d, (d + shift) % D) for d in senders]
-      # At a tick where no device sends on the shift (the same on every device: a row of the
-      # static table), no collective is issued at all.
       got = lax.cond(sends[shift], lambda payload, pairs=pairs: lax.ppermute(payload, STAGE, pairs),
                      jnp.zeros_like, jnp.concatenate([routes[r][1] for r in users] + [meta]))
       arrived[shift] = ({r: got[i * L:(i + 1) * L] for i, r in enumerate(users)},

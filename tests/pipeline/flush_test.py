@@ -399,6 +399,10 @@ def test_a_tick_issues_a_collective_only_on_the_shifts_it_sends_on(mesh):
   np.testing.assert_array_equal(tables.sends[:, 0], ticks <= M + D - 3)
   np.testing.assert_array_equal(tables.sends[:, 1],
                                 (ticks >= M + D - 1) & (ticks <= 2 * (M + D - 1) - 2))
+  # Only the devices that send take part: no activation leaves the last device, no gradient the
+  # first.
+  assert tables.send_pairs == (tuple((d, d + 1) for d in range(D - 1)),
+                               tuple((d, d - 1) for d in range(1, D)))
   # 1F1B-flush's steady state sends both ways at once.
   assert flush_tables(Schedule.named("1f1b_flush", D, M)).sends.all(axis=1).any()
   stages, params = _model(D)
