@@ -374,11 +374,9 @@ def _accuracy_runs(bandwidth: str) -> dict[str, dict]:
   for name, args in ACCURACY_RUNS.items():
     rows, config = _train(bandwidth, name, [*args, f"--config.stop_at_accuracy={_TARGET.value}"])
     steps = run_timing.steps_to_accuracy(rows, _TARGET.value)
-    # the mean up to the target (a cost only some steps carry, DiLoCo's outer syncs, counts),
-    # after the first interval unless the target is reached in it
-    warmup = config["log_every"] if steps is None or steps > config["log_every"] else 0
-    per_step = run_timing.mean_seconds_per_step(rows, config["batch_size"], warmup,
-                                                until_step=steps)
+    # the mean up to the target: a cost only some steps carry (DiLoCo's outer syncs) counts
+    per_step = run_timing.seconds_per_step_to(rows, steps, config["batch_size"],
+                                              config["log_every"])
     out[name] = {"steps": steps, "s_per_step": per_step,
                  "seconds": None if steps is None else steps * per_step,
                  "curve": [(r["step"] * per_step, r["eval_accuracy"]) for r in rows

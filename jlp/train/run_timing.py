@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["mean_seconds_per_step", "seconds_per_step", "steps_to_accuracy",
-           "time_to_accuracy"]
+__all__ = ["mean_seconds_per_step", "seconds_per_step", "seconds_per_step_to",
+           "steps_to_accuracy", "time_to_accuracy"]
 
 
 def seconds_per_step(rows: Sequence[dict[str, Any]], batch_size: int, after_step: int) -> float:
@@ -65,13 +65,18 @@ def steps_to_accuracy(rows: Sequence[dict[str, Any]], target: float) -> int | No
   return None
 
 
+def seconds_per_step_to(rows: Sequence[dict[str, Any]], steps: int | None, batch_size: int,
+                        after_step: int) -> float:
+  """`mean_seconds_per_step` of the intervals after `after_step` up to step `steps` (None: the
+  whole run), or of all of them up to it when `steps` is within the first `after_step` steps."""
+  if steps is not None and steps <= after_step:
+    after_step = 0
+  return mean_seconds_per_step(rows, batch_size, after_step, until_step=steps)
+
+
 def time_to_accuracy(rows: Sequence[dict[str, Any]], target: float, batch_size: int,
                      after_step: int) -> float | None:
   """Training seconds to `target`: steps_to_accuracy x the mean seconds per step of the intervals
-  after `after_step` up to that step (`mean_seconds_per_step`; all of them when the target is
-  reached by `after_step`); None if not reached."""
+  after `after_step` up to that step (`seconds_per_step_to`); None if not reached."""
   steps = steps_to_accuracy(rows, target)
-  if steps is None:
-    return None
-  return steps * mean_seconds_per_step(rows, batch_size, after_step if steps > after_step else 0,
-                                       until_step=steps)
+  return None if steps is None else steps * seconds_per_step_to(rows, steps, batch_size, after_step)

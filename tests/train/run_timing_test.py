@@ -25,6 +25,8 @@ def test_time_to_accuracy_is_steps_times_the_mean_seconds_per_step_up_to_it():
   assert run_timing.time_to_accuracy(ROWS, 0.995, 128, after_step=5) is None
   # Reached within the warm-up interval: that interval is all there is to time it by.
   assert run_timing.time_to_accuracy(ROWS, 0.5, 128, after_step=5) == 5 * 12.8
+  # Not reached: the whole run after the warm-up (steps 6-20 at 2, 1 and 4 s).
+  assert run_timing.seconds_per_step_to(ROWS, None, 128, after_step=5) == (10 + 5 + 20) / 15
 
 
 def test_a_cost_that_only_some_intervals_carry_counts_in_the_time_to_accuracy():
