@@ -124,7 +124,7 @@ from jlp.compression import ops
 from jlp.compression import transport
 from jlp.compression import powersgd
 from jlp.compression.base import Compressor, is_sparse
-from jlp.compression.leaves import leaf_specs, state_form
+from jlp.compression.leaves import leaf_specs, nonfinite_count, state_form
 from jlp.compression.transport import Codec
 from jlp.numerics.opaque import opaque_zero
 
@@ -540,10 +540,6 @@ def _coders(compressor: Compressor, topology: str, w: int) -> list[Compressor]:
   return [compressor] + [compressor.server(m) for m in range(2, w + 1)]
 
 
-def _nonfinite(x: jax.Array) -> jax.Array:
-  return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
-
-
 def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: Any = None, *,
                     topology: str = "ps", min_size: int = DEFAULT_MIN_SIZE,
                     plan: dict[str, tuple[bool, int]] | None = None,
@@ -574,8 +570,8 @@ def sync_with_bytes(tree: Any, axis_name: Any, compressor: Compressor, state: An
   flat, treedef = jax.tree.flatten(tree)
   out = [jnp.asarray(x, jnp.float32) for x in flat]
   plain = [i for i, r in enumerate(routes) if not r.compress and r.size > 0]
-  counts = [_nonfinite(out[leaf.index]) for leaf in leaves]
-  counts.append(sum((_nonfinite(out[i]) for i in plain), jnp.zeros((), jnp.int32)))
+  counts = [nonfinite_count(out[leaf.index]) for leaf in leaves]
+  counts.append(sum((nonfinite_count(out[i]) for i in plain), jnp.zeros((), jnp.int32)))
   plain_size = sum(routes[i].size for i in plain)
   moved = fixed = transport.ring_allreduce_bytes(plain_size, w)
   if plain:

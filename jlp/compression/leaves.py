@@ -1,6 +1,7 @@
 """What a compressed sync sees of a gradient pytree, shared by CaSync (`jlp.compression.casync`)
-and PowerSGD (`jlp.compression.powersgd`): its float32 leaves by path (`leaf_specs`), and whether a
-state is one rank's or its shard_map block (`state_form`)."""
+and PowerSGD (`jlp.compression.powersgd`): its float32 leaves by path (`leaf_specs`), whether a
+state is one rank's or its shard_map block (`state_form`), and a leaf's count of NaNs and
+infinities (`nonfinite_count`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jlp._checks import invalid
 
-__all__ = ["leaf_specs", "state_form"]
+__all__ = ["leaf_specs", "nonfinite_count", "state_form"]
+
+
+def nonfinite_count(x: jax.Array) -> jax.Array:
+  """int32: the number of NaNs and infinities in x, counted only where there is one. x * 0 sums
+  to zero over finite x and to NaN otherwise: one float reduction, where XLA:CPU ran the int32
+  count over a 1536 x 1536 leaf as a materialized int32 copy and a reduce-window (inside a
+  PowerSGD sync of 8 devices, the largest op after the dots)."""
+  def none(x):
+    # typed like the count (varying over the shard_map axes x varies over)
+    return jnp.sum(x.reshape(-1)[:0] != 0, dtype=jnp.int32)
+  return lax.cond(jnp.isfinite(jnp.sum(x * 0)), none,
+                  lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32), x)
 
 
 def leaf_specs(tree: Any) -> list[tuple[str, tuple[int, ...]]]:

@@ -135,8 +135,8 @@ def test_two_steps_match_reference(rank):
 
 
 def test_wire_bytes():
-  """r(n+m)*4 bytes per compressed leaf in two psums, the dense leaves by the ring all-reduce,
-  and the bookkeeping psum; before start_iter every leaf by the ring all-reduce."""
+  """r(n+m)*4 bytes per compressed leaf in two psums, the dense leaves in P's psum, and the
+  bookkeeping psum; before start_iter every leaf by the ring all-reduce."""
   comp = jc.PowerSGD(rank=2, start_iter=1)
   _, state = stacked_state(comp, SHAPES)
   fn = runner(comp, SHAPES)
@@ -144,8 +144,7 @@ def test_wire_bytes():
   _, _, after = fn(grads(SHAPES, 1), state)
   # rank 2: a (16, 12) and c (8, 27) compressed; b (16) and s (3, 3) dense.
   book = transport.psum_bytes(4 * 3, W)
-  dense = transport.ring_allreduce_bytes(16 + 9, W)
-  low = (dense + transport.psum_bytes(4 * 2 * (16 + 8), W)
+  low = (transport.psum_bytes(4 * (2 * (16 + 8) + 16 + 9), W)
          + transport.psum_bytes(4 * 2 * (12 + 27), W))
   assert float(after["payload_bytes"][0]) == pytest.approx(low)
   assert float(after["wire_bytes"][0]) == pytest.approx(low + book)
@@ -153,6 +152,55 @@ def test_wire_bytes():
   assert float(before["wire_bytes"][0]) == pytest.approx(full + book)
   # the payload itself: r (n + m) floats per compressed leaf
   assert 2 * (16 + 12) * 4 + 2 * (8 + 27) * 4 == 504
+
+
+def test_a_compressed_call_is_three_psums():
+  """The bookkeeping psum, P's (the dense leaves with it, as torch's hook batches them) and Q's:
+  no ring of ppermutes for the dense leaves (a latency per hop on a slow link)."""
+  comp = jc.PowerSGD(rank=2, start_iter=0)
+  _, state = stacked_state(comp, SHAPES)
+
+  def body(g, s):
+    out, s, _ = jc.sync_with_bytes(jax.tree.map(lambda x: x[0], g), "r", comp, s,
+                                   topology="allreduce")
+    return jax.tree.map(lambda x: x[None], out), s
+  closed = jax.make_jaxpr(jax.shard_map(body, mesh=mesh(), in_specs=P("r"), out_specs=P("r")))(
+      grads(SHAPES), state)
+
+  def subjaxprs(eqn):
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+          yield sub.jaxpr
+        elif hasattr(sub, "eqns"):
+          yield sub
+
+  def collectives(jaxpr):  # in order, nested calls included, a cond's branches not
+    found = []
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name.replace("psum_invariant", "psum")  # jax's name under shard_map
+      if name in ("psum", "ppermute", "all_gather", "all_to_all"):
+        found.append(name)
+      elif eqn.primitive.name != "cond":
+        for sub in subjaxprs(eqn):
+          found += collectives(sub)
+    return found
+
+  def conds(jaxpr):
+    found = []
+    for eqn in jaxpr.eqns:
+      found += [eqn] if eqn.primitive.name == "cond" else []
+      for sub in subjaxprs(eqn):
+        found += conds(sub)
+    return found
+
+  # the step's cond (the others count non-finite values, no collective)
+  (cond,) = [c for c in conds(closed.jaxpr)
+             if any(collectives(branch.jaxpr) for branch in c.params["branches"])]
+  plain, compressed = (branch.jaxpr for branch in cond.params["branches"])
+  assert collectives(compressed) == ["psum", "psum"]
+  assert "ppermute" in collectives(plain)  # before start_iter: the float32 ring of every leaf
+  assert collectives(closed.jaxpr) == ["psum"]  # the bookkeeping, outside the cond
 
 
 def test_linearity_w_ranks_equal_one_rank_on_the_mean():
