@@ -33,7 +33,8 @@ with `experiments.train`, and reads each run's metrics (`jlp.train.run_timing`):
     reaching --target: steps, seconds per step (the mean of the steps up to the target, after the
     first interval: an outer sync every H steps counts at its share), training seconds to the
     target; writes WORKDIR/time_to_accuracy.md and time_to_accuracy.png.
---sections picks the parts (sync, pipelines, accuracy); --train_override adds
+--sections picks the parts (sync, pipelines, accuracy), --accuracy_run the time-to-accuracy runs
+(repeated; default all); --train_override adds
 --config.FIELD=VALUE arguments to every training run (the tests shrink the model with it).
 """
 
@@ -62,6 +63,9 @@ _SECTIONS = flags.DEFINE_multi_enum("sections", ["sync", "pipelines", "accuracy"
                                     ["sync", "pipelines", "accuracy"], "Parts of the study to run.")
 _ACCURACY_BANDWIDTHS = flags.DEFINE_list("accuracy_bandwidths", ["100mbit"],
                                          "Bandwidths of the time-to-accuracy runs.")
+_ACCURACY_RUNS = flags.DEFINE_multi_string(
+    "accuracy_run", None, "Names of ACCURACY_RUNS to run (repeat the flag; default all; the "
+    "ratios are against 'float32 ring' when it runs).")
 _HEARTBEAT_TIMEOUT = flags.DEFINE_float(
     "heartbeat_timeout", 600.0, "The training runs' --heartbeat_timeout: longer than a compile of "
     "their largest program on loaded cores (a host's heartbeat waits for it).")
@@ -372,6 +376,8 @@ def _accuracy_runs(bandwidth: str) -> dict[str, dict]:
   from jlp.train import run_timing  # pylint: disable=g-import-not-at-top
   out = {}
   for name, args in ACCURACY_RUNS.items():
+    if _ACCURACY_RUNS.value and name not in _ACCURACY_RUNS.value:
+      continue
     rows, config = _train(bandwidth, name, [*args, f"--config.stop_at_accuracy={_TARGET.value}"])
     steps = run_timing.steps_to_accuracy(rows, _TARGET.value)
     # the mean up to the target: a cost only some steps carry (DiLoCo's outer syncs) counts
@@ -405,7 +411,7 @@ def _accuracy_table(results: dict[str, dict]) -> str:
   lines = [f"| bandwidth | run | steps to {_TARGET.value:g} | s / step | seconds to "
            f"{_TARGET.value:g} (vs float32) |", "| --- | --- | --- | --- | --- |"]
   for b, runs in results.items():
-    base = runs["float32 ring"]["seconds"]
+    base = runs.get("float32 ring", {}).get("seconds")
     for name, r in runs.items():
       if r["seconds"] is None:
         seconds = "not reached"
@@ -481,6 +487,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   size = _elements(_SIZE.value)
+  for name in _ACCURACY_RUNS.value or ():
+    if name not in ACCURACY_RUNS:
+      raise app.UsageError(f"--accuracy_run={name!r} is not allowed; expected one of "
+                           f"{list(ACCURACY_RUNS)}.")
   if _HOST_OUT.value:
     _host(size)
     return

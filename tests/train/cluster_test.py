@@ -257,6 +257,17 @@ def test_the_cluster_study_writes_its_table(tmp_path):
   assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
 
 
+def test_the_cluster_study_refuses_an_unknown_accuracy_run(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "experiments.cluster_study", "--sections=accuracy",
+                        "--accuracy_run=float32 ring", "--accuracy_run=PowerSGD rank 3",
+                        f"--workdir={tmp_path / 'study'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert "--accuracy_run='PowerSGD rank 3' is not allowed; expected one of" in out.stderr
+  assert "'PowerSGD rank 4 (start_iter 2)'" in out.stderr
+  assert not (tmp_path / "study").exists()  # refused before any work
+
+
 def test_hetero_sleeps_with_probability_one_tenth(monkeypatch):
   """--hetero=h (JLP_HETERO): before a step the host sleeps h seconds with probability 0.1."""
   from jlp.train import loop_common  # pylint: disable=g-import-not-at-top
