@@ -343,9 +343,11 @@ class FlushProgram:
       out, vjp_fn, aux = jax.vjp(f, w, x, has_aux=True)
     return out, vjp_fn, aux
 
-  def _backward_core(self, s, res, params, stashed, recv_x, x_in, y_in, kept, recv_g):
+  def _backward_core(self, s, res, params, stashed, recv_x, x_in, y_in, kept, recv_g, *,
+                     pack_weights: bool = True):
     """Stage s's backward from F's kept residuals (`Residuals`): (weight gradient, input gradient;
-    None at stage 0), packed."""
+    None at stage 0), packed (with pack_weights=False the weight gradient is the stage's pytree:
+    what ZB's W returns, packed into the gradient sum as B's is)."""
     param_packer, _, state_packer = self.packers
     w, st = param_packer.unpack(s, params), state_packer.unpack(s, stashed)
     x = x_in if s == 0 else self.layout.unpack_act(s - 1, recv_x)
@@ -353,7 +355,7 @@ class FlushProgram:
                          lambda: self._stage_vjp(s, w, x, st, y_in)[1])
     last = s == self.tables.num_stages - 1
     got = vjp_fn(jnp.ones((), jnp.float32) if last else self.layout.unpack_act(s, recv_g))
-    return (param_packer.pack(s, got[0]),
+    return (param_packer.pack(s, got[0]) if pack_weights else got[0],
             None if s == 0 else self.layout.pack_act(s - 1, got[1]))
 
   def _action(self, carry, bufs, stage, kind, c, m, x_in, y_in, res):
@@ -432,7 +434,7 @@ class FlushProgram:
             return zeros_act, gx, model_state, no_metrics, put("iw", res.carried.pack(s, carried))
           if split is not None and argnums == (0,):  # W: from what its I kept
             gw = split.weight_half(jax.tree.leaves(args), res.carried.unpack(s, slot_of("iw")))
-            gw = jax.tree.unflatten(jax.tree.structure(bufs["grads"]), gw)
+            gw = param_packer.pack(s, jax.tree.unflatten(param_packer.treedefs[s], gw))
             return zeros_act, zeros_act, model_state, no_metrics, add_grad(s, gw)
           gw, gx = self._backward_core(s, res, *args)
           out = add_grad(s, gw) if 0 in argnums else rings
@@ -603,7 +605,10 @@ def _residual_specs(program: FlushProgram, carry: dict[str, Any], x_in: Any, y_i
     if s > 0:
       args = (params, state, recv_x, x_in, y_in, jax.tree.map(sds, res.packer.zeros((), xp=jnp)),
               recv_x)
-      core = functools.partial(program._backward_core, s, res)  # pylint: disable=protected-access
+      # The weight gradient as the stage's leaves: W packs them into the sum as B does (packed
+      # inside the cut, XLA:CPU built a zeroed buffer the size of the weights per W).
+      core = functools.partial(program._backward_core, s, res,  # pylint: disable=protected-access
+                               pack_weights=False)
       closed, (gw, _) = jax.make_jaxpr(core, return_shape=True)(*args)
       split = split_backward(closed, len(jax.tree.leaves(gw)))
     splits.append(split)
