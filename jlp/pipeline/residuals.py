@@ -54,8 +54,8 @@ def _run(eqns: Sequence[Any], env: dict[Any, Any], outvars: Sequence[Any]) -> li
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Split:
-  """A stage's backward (its jaxpr from the kept values to (weight gradient, input gradient),
-  packed) cut into I and W: I runs the equations the input gradient needs and keeps the results
+  """A stage's backward (its jaxpr from the kept values to the weight gradient's leaves and the
+  packed input gradient) cut into I and W: I runs the equations the input gradient needs and keeps the results
   of its dots (dot_general, convolutions) that the weight gradient reads (in ZB's terms: the
   layers' output gradients, before the activation's derivative), W runs what the weight gradient
   needs from those. So I + W does each of B's dots once; W redoes only I's elementwise steps

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -167,14 +168,6 @@ def test_a_compressed_call_is_three_psums():
   closed = jax.make_jaxpr(jax.shard_map(body, mesh=mesh(), in_specs=P("r"), out_specs=P("r")))(
       grads(SHAPES), state)
 
-  def subjaxprs(eqn):
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-          yield sub.jaxpr
-        elif hasattr(sub, "eqns"):
-          yield sub
-
   def collectives(jaxpr):  # in order, nested calls included, a cond's branches not
     found = []
     for eqn in jaxpr.eqns:
@@ -182,7 +175,7 @@ def test_a_compressed_call_is_three_psums():
       if name in ("psum", "ppermute", "all_gather", "all_to_all"):
         found.append(name)
       elif eqn.primitive.name != "cond":
-        for sub in subjaxprs(eqn):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
           found += collectives(sub)
     return found
 
@@ -190,7 +183,7 @@ def test_a_compressed_call_is_three_psums():
     found = []
     for eqn in jaxpr.eqns:
       found += [eqn] if eqn.primitive.name == "cond" else []
-      for sub in subjaxprs(eqn):
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         found += conds(sub)
     return found
 
