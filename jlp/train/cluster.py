@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["MAX_HOSTS", "ClusterError", "HostSpec", "can_make_namespaces", "check_bandwidth",
            "launch", "remove_leftovers", "tbf_burst"]
@@ -157,9 +157,15 @@ class HostSpec:
 
 
 class Network:
-  """The bridge, namespaces, veths and hosts files of one launch (module docstring)."""
+  """The bridge, namespaces, veths and hosts files of one launch (module docstring).
 
-  def __init__(self, hosts: int, bandwidth: str | None):
+  stop_requested: polled after each thing the set-up makes; when it returns True the set-up
+  removes what it made and raises KeyboardInterrupt. The launcher's signal handler only sets
+  what it polls: an exception raised from the handler could land between a command that made
+  a namespace and the line that records it, and leave the namespace behind."""
+
+  def __init__(self, hosts: int, bandwidth: str | None,
+               stop_requested: Callable[[], bool] = lambda: False):
     self.run_id = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
     self.name = f"{PREFIX}{self.run_id}"
     self.bridge = f"{self.name}br"
@@ -168,31 +174,37 @@ class Network:
                   for i in range(hosts)]
     self.bandwidth = bandwidth
     self.state_file = os.path.join(STATE_DIR, f"{self.name}.json")
+    self._stop_requested = stop_requested
     self._made: list[tuple[str, str]] = []  # what to remove, in reverse order
+
+  def _made_one(self, kind: str, name: str) -> None:
+    self._made.append((kind, name))
+    if self._stop_requested():
+      raise KeyboardInterrupt
 
   def __enter__(self) -> "Network":
     try:
       os.makedirs(STATE_DIR, mode=0o700, exist_ok=True)
       with _open_new(self.state_file, "w") as f:
         json.dump({"pid": os.getpid(), "started": _start_time(os.getpid())}, f)
-      self._made.append(("file", self.state_file))
+      self._made_one("file", self.state_file)
       _run("ip", "link", "add", self.bridge, "type", "bridge")
-      self._made.append(("link", self.bridge))
+      self._made_one("link", self.bridge)
       _no_ipv6(self.bridge)
       _run("ip", "link", "set", self.bridge, "up")
       hosts_file = "127.0.0.1 localhost\n" + "".join(
           f"{h.address} {h.hostname}\n" for h in self.hosts)
       for h in self.hosts:
         _run("ip", "netns", "add", h.namespace)
-        self._made.append(("netns", h.namespace))
+        self._made_one("netns", h.namespace)
         etc = f"/etc/netns/{h.namespace}"
         os.makedirs(etc, exist_ok=True)
-        self._made.append(("dir", etc))
+        self._made_one("dir", etc)
         with _open_new(os.path.join(etc, "hosts"), "w") as f:
           f.write(hosts_file)
         outside, inside = f"{self.name}v{h.index}", f"{self.name}i{h.index}"
         _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-        self._made.append(("link", outside))
+        self._made_one("link", outside)
         _no_ipv6(outside)
         _run("ip", "link", "set", inside, "netns", h.namespace)
         _run("ip", "link", "set", outside, "master", self.bridge)
@@ -493,14 +505,13 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
   if echo is not None and hasattr(echo, "isatty") and echo.isatty():
     env[ENV_PROGRESS_BAR] = "1"
 
-  network = Network(hosts, rate) if namespaces else None
   signals = {"got": None}
+  network = (Network(hosts, rate, stop_requested=lambda: signals["got"] is not None)
+             if namespaces else None)
 
   def forward(signum, _frame):
     if signals["got"] is None:
       signals["got"] = signum
-    if signals.get("setting_up"):
-      raise KeyboardInterrupt  # stop the set-up; the teardown below removes what it made
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
   procs: list[subprocess.Popen] = []
@@ -508,10 +519,9 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
   held_port = None
   beats = [os.path.join(workdir, f"host{i}.heartbeat") for i in range(hosts)]
   try:
-    signals["setting_up"] = True
     try:
       if network is not None:
-        network.__enter__()
+        network.__enter__()  # polls signals["got"] after each thing it makes
         specs = network.hosts
         coordinator = f"{specs[0].address}:{COORDINATOR_PORT}"
         with _open_new(os.path.join(workdir, "network.json"), "w") as f:
@@ -522,11 +532,11 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
         held_port = _reserve_port()
         specs = [HostSpec(i, None, "localhost", "127.0.0.1") for i in range(hosts)]
         coordinator = f"127.0.0.1:{held_port.getsockname()[1]}"
+      if signals["got"] is not None:
+        raise KeyboardInterrupt
     except KeyboardInterrupt:
       raise ClusterError("interrupted while setting up the network; what it made is removed",
                          code=128 + (signals["got"] or signal.SIGINT)) from None
-    finally:
-      signals["setting_up"] = False
     argv = _python_argv(target, args)
     for h in specs:
       path = os.path.join(workdir, f"host{h.index}.log")
