@@ -8,10 +8,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # eager initialisers and steps once), fresh each session so suite timings do not depend on earlier
 # runs. One directory per xdist worker: jax writes a cache entry in place, without a lock, so a
 # worker reading an entry another one is writing can load a truncated executable and abort.
+# The process that makes the directory (xdist's controller, or the only process) removes it at
+# exit: a suite run leaves about 120 MB there.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   os.environ["JLP_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jlp-tests-xla-cache-")
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  atexit.register(shutil.rmtree, os.environ["JLP_TEST_XLA_CACHE"], ignore_errors=True)
 if "JLP_TEST_XLA_CACHE" in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
       os.environ["JLP_TEST_XLA_CACHE"], os.environ.get("PYTEST_XDIST_WORKER", "main"))
