@@ -497,7 +497,11 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
       [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f] +
       [f"--xla_force_host_platform_device_count={devices_per_host}"])
   env["JAX_PLATFORMS"] = "cpu"
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # hosts compile at once: no shared cache
+  # JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR, when set): a directory per
+  # host, DIR/host{i}, as the hosts of a start compile at once and jax writes an entry in place,
+  # without a lock. A restart, or the same command run again to resume, then loads what each
+  # host compiled before instead of compiling it again.
+  cache_dir = env.pop("JAX_COMPILATION_CACHE_DIR", None)
   env[ENV_NUM_PROCESSES] = str(hosts)
   env[ENV_HEARTBEAT_TIMEOUT] = str(max(1, int(heartbeat_timeout)))
   if hetero:
@@ -546,7 +550,7 @@ def launch(target: str, args: Sequence[str], *, hosts: int, devices_per_host: in
     while True:
       outcome = _attempt(argv, specs, network, env, coordinator, workdir, logs, procs,
                          pid_files, beats, echo, on_start, signals, float(heartbeat_timeout),
-                         restarts)
+                         restarts, cache_dir)
       if outcome is None:
         return 0
       if isinstance(outcome, int):
@@ -649,7 +653,7 @@ def _what(code: int, noted: int) -> str:
 
 
 def _attempt(argv, specs, network, env, coordinator, workdir, logs, procs, pid_files, beats,
-             echo, on_start, signals, timeout, restarts):
+             echo, on_start, signals, timeout, restarts, cache_dir):
   """Starts every host, watches them to the end: None when all exit 0, an exit status after a
   signal to the launcher, else an _Outcome."""
   procs.clear()
@@ -662,6 +666,8 @@ def _attempt(argv, specs, network, env, coordinator, workdir, logs, procs, pid_f
   for h in specs:
     host_env = dict(env, **{ENV_COORDINATOR: coordinator, ENV_PROCESS_ID: str(h.index),
                             ENV_HEARTBEAT: beats[h.index]})
+    if cache_dir is not None:
+      host_env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cache_dir, f"host{h.index}")
     command = network.command(h, argv) if network is not None else argv
     proc = subprocess.Popen(command, env=host_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)

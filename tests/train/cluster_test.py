@@ -337,6 +337,30 @@ def test_a_rerun_keeps_the_earlier_logs_and_no_pid_files(tmp_path):
   assert not list(work.glob("*.pid"))
 
 
+def test_each_host_keeps_its_own_compilation_cache_across_starts(tmp_path, monkeypatch):
+  """With JAX_COMPILATION_CACHE_DIR set, host i compiles into DIR/host{i} (hosts that start
+  together must not write one directory: jax writes an entry without a lock), and the same
+  command started again loads its program from there instead of compiling it (the launcher
+  used to drop the variable: every start compiled everything again)."""
+  cache = tmp_path / "cache"
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  script = _script(tmp_path, (
+      "import jax, jax.numpy as jnp\n"
+      "hits = []\n"
+      "jax.monitoring.register_event_listener(lambda e, **_: hits.append(e))\n"
+      "jax.jit(lambda x: jnp.sin(x) * 3 + HOST)(jnp.ones(7)).block_until_ready()\n"
+      "print('cache', os.environ.get('JAX_COMPILATION_CACHE_DIR'),\n"
+      "      '/jax/compilation_cache/cache_hits' in hits)\n"))
+  work = tmp_path / "w"
+  for start, hit in ((0, False), (1, True)):
+    assert cluster.launch(script, [], hosts=2, devices_per_host=1, bandwidth="none",
+                          workdir=str(work), namespaces=False) == 0, start
+    for i in range(2):
+      assert f"cache {cache / f'host{i}'} {hit}" in (work / f"host{i}.log").read_text(), (start, i)
+  assert sorted(p.name for p in cache.iterdir()) == ["host0", "host1"]
+
+
 def test_pid_files_name_the_process_and_its_start(tmp_path):
   """While the hosts run, host{i}.pid holds the pid and the process's start time, so that nobody
   signals a stranger that got the pid after the host exited."""
