@@ -85,6 +85,7 @@ def div_float(a: jax.Array, b: jax.Array) -> jax.Array:
   return a / lax.optimization_barrier(b)
 
 
+@jax.jit
 def div_bits(a: jax.Array, b: jax.Array) -> jax.Array:
   """Bits of fl32(a / b) for float32 bit patterns `a` (finite) and `b` (finite, nonzero).
 
@@ -107,6 +108,7 @@ def div_bits(a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.where((a & ABS) == 0, sign, out)
 
 
+@jax.jit
 def mul_bits(a: jax.Array, b: jax.Array) -> jax.Array:
   """Bits of fl32(a · b) for finite float32 bit patterns `a` and `b`.
 
