@@ -11,7 +11,11 @@ when the role is None) and g = dL/dy:
 
 where x̃ = q_x(lhs), w̃ = q_w(rhs) when `cfg.bwd_from_fwd` (BFPsim's
 BFPConv2dFunction, docs/bfp.md#layer-roles: the backward GEMMs re-quantize the saved
-forward operands) or the raw lhs, rhs otherwise. Without an accumulator the
+forward operands) or the raw lhs, rhs otherwise. Where q_dgrad_w(rhs) is q_w(rhs) bit for bit
+(`dgrad_w_is_w`: the same deterministic format, or TransformerEngine's and DeepSeek-V3's square
+weight tiles taken along either axis of the 2-D weight), the forward's w̃ is what the backward
+keeps and uses, as TE keeps one quantized weight for both GEMMs: one cast fewer per layer to
+compile and run, the same bits. Without an accumulator the
 two backward GEMMs are the vjp (`jax.linear_transpose`: the same transpose
 rule, without re-running the forward) of the underlying lax op at the
 substituted operands, so every dimension_numbers, stride,
@@ -76,6 +80,7 @@ rounded to `accum` (plain or Kahan). The k order is part of the result:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Sequence
@@ -85,7 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jlp.formats import BFPFormat, FloatFormat, Format
+from jlp.formats import BFPFormat, BlockScaledFormat, FloatFormat, Format, NVFP4Format
 from jlp.gemm import accum as accum_lib
 from jlp.gemm import fp8_delayed
 from jlp.gemm.config import GemmQuant, ROLES, matrix_shape
@@ -441,19 +446,46 @@ def _qbilinear(lhs, rhs, key, widths, probe, kind, params, cfg):
   return _qbilinear_fwd(lhs, rhs, key, widths, probe, kind, params, cfg)[0]
 
 
+def dgrad_w_is_w(cfg: GemmQuant, w_ndim: int, widths: Any = None) -> bool:
+  """Whether role dgrad_w's cast of a weight of rank `w_ndim` gives role w's values bit for bit,
+  so that the forward's quantized weight serves the input gradient (with cfg.bwd_from_fwd the
+  backward re-quantizes w̃ instead, BFPsim's order). True when both roles are deterministic
+  (no stochastic rounding, no traced width) and either equal, or NVFP4 / block-scaled formats
+  with a square 2-D block that differ only in which axis of the 2-D weight (or its matrix view)
+  the block's second entry runs along: a square block tiles a matrix and its transpose alike,
+  and a value depends only on its block (and, for NVFP4, on the tensor's amax), so the two
+  casts are the same function (TE's NVFP4 and DeepSeek-V3's 128 x 128 weight tiles)."""
+  w, d = cfg.w, cfg.dgrad_w
+  if w is None or d is None or cfg.bwd_from_fwd or is_stochastic(w) or is_stochastic(d):
+    return False
+  if widths is not None and ("w" in widths or "dgrad_w" in widths):
+    return False
+  if cfg.views("w") != cfg.views("dgrad_w"):
+    return False
+  if d == w:
+    return True
+  return (isinstance(w, (NVFP4Format, BlockScaledFormat)) and type(d) is type(w)
+          and (w_ndim == 2 or cfg.views("w")) and w.block[0] == w.block[1]
+          and not getattr(w, "rht", False) and dataclasses.replace(d, axis=w.axis) == w
+          and w.axis in (-2, -1, 0, 1) and d.axis in (-2, -1, 0, 1))
+
+
 def _qbilinear_fwd(lhs, rhs, key, widths, probe, kind, params, cfg):
   xq = _q(cfg, "x", lhs, key, widths)
   wq = _q(cfg, "w", rhs, key, widths)
   y = _q(cfg, "y", _forward_gemm(kind, params, cfg, xq, wq), key, widths)
-  res = (xq, wq, key) if cfg.bwd_from_fwd else (lhs, rhs, key)
+  if cfg.bwd_from_fwd:
+    res = (xq, wq, key)
+  else:
+    res = (lhs, wq if dgrad_w_is_w(cfg, rhs.ndim, widths) else rhs, key)
   return y, res + (widths, probe)
 
 
 def _qbilinear_bwd(kind, params, cfg, res, g):
   x_t, w_t, key, widths, probe = res
   g = g.astype(jnp.float32)
-  dlhs = _dlhs_gemm(kind, params, cfg, _q(cfg, "dgrad_dy", g, key, widths),
-                    _q(cfg, "dgrad_w", w_t, key, widths), x_t)
+  w_d = w_t if dgrad_w_is_w(cfg, w_t.ndim, widths) else _q(cfg, "dgrad_w", w_t, key, widths)
+  dlhs = _dlhs_gemm(kind, params, cfg, _q(cfg, "dgrad_dy", g, key, widths), w_d, x_t)
   dlhs = _q(cfg, "dgrad_out", dlhs, key, widths)
   drhs = _drhs_gemm(kind, params, cfg, _q(cfg, "wgrad_x", x_t, key, widths),
                     _q(cfg, "wgrad_dy", g, key, widths), w_t)

@@ -17,6 +17,8 @@ References (never the code under test):
     followed by a float32 col2im in (kh, kw) order. q = references.round_to_format.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -519,3 +521,77 @@ def test_block_scaled_and_nvfp4_formats_are_roles():
   with pytest.raises(ValueError, match=r"x=\{\} is not allowed; expected None, a FloatFormat, "
                                        r"BFPFormat, MXFormat, NVFP4Format, BlockScaledFormat"):
     GemmQuant(x={})
+
+
+# ----------------------------------------------------------------------------- dgrad_w = w
+
+
+def _casts(fn, *args) -> int:
+  """How many NVFP4 / block-scaled casts (calls of their jitted XLA path) the lowered program of
+  fn(*args) makes."""
+  return len(re.findall(r"call @_quantize_xla", jax.jit(fn).lower(*args).as_text()))
+
+
+def test_which_dgrad_w_casts_are_w_s():
+  from jlp.gemm.qdot import dgrad_w_is_w  # pylint: disable=import-outside-toplevel
+  from jlp.nn import recipes  # pylint: disable=import-outside-toplevel
+  square = lambda fmt, axis, **kw: GemmQuant(w=fmt(axis=-2, **kw), dgrad_w=fmt(axis=axis, **kw),
+                                             bwd_from_fwd=False, matrix_view=True)
+  nv = lambda **kw: jlp.NVFP4Format((16, 16), **kw)
+  bs = lambda **kw: jlp.BlockScaledFormat(block=(128, 128), **kw)
+  for cfg, rank, want in [
+      (recipes.recipe_gemm("nvfp4"), 4, True),  # TE's 16 x 16 weight tiles, on the 2-D view
+      (recipes.recipe_gemm("deepseek_fp8"), 4, True),  # DeepSeek-V3's 128 x 128
+      (recipes.recipe_gemm("mxfp8"), 4, False),  # 1 x 32 blocks along different axes
+      (recipes.recipe_gemm("mxfp4"), 2, False),  # stochastic rounding in the backward
+      (square(nv, -1), 2, True), (square(bs, 0), 2, True), (square(nv, -2), 2, True),
+      (square(nv, -1, rounding="stochastic"), 2, False),
+      (square(nv, -1).replace(matrix_view=False), 4, False),  # axes of a 4-D kernel
+      (GemmQuant(w=jlp.BlockScaledFormat(block=(1, 128), axis=-2),
+                 dgrad_w=jlp.BlockScaledFormat(block=(1, 128), axis=-1), bwd_from_fwd=False), 2,
+       False),
+      (GemmQuant(w=FMT, dgrad_w=FMT, bwd_from_fwd=False), 4, True),
+      (GemmQuant(w=FMT, dgrad_w=FMT), 4, False),  # bwd_from_fwd: dgrad_w casts w̃ again
+      (GemmQuant(w=FMT, bwd_from_fwd=False), 2, False)]:
+    assert dgrad_w_is_w(cfg, rank) is want, cfg
+  bfp = BFPFormat(3, (1, 4))
+  assert dgrad_w_is_w(GemmQuant(w=bfp, dgrad_w=bfp, bwd_from_fwd=False), 2)
+  assert not dgrad_w_is_w(GemmQuant(w=bfp, dgrad_w=bfp, bwd_from_fwd=False), 2,
+                          widths={"w": jnp.int32(3)})
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "deepseek_fp8"])
+def test_square_weight_tiles_are_the_same_cast_along_either_axis(recipe):
+  """The premise of reusing w̃: on the 2-D view of conv kernels and dense weights, whole and
+  partial tiles, both recipes' w and dgrad_w casts give the same bits."""
+  from jlp.gemm.config import matrix_shape  # pylint: disable=import-outside-toplevel
+  from jlp.nn import recipes  # pylint: disable=import-outside-toplevel
+  cfg = recipes.recipe_gemm(recipe, accumulator=False)
+  rng = np.random.default_rng(11)
+  for shape in [(3, 3, 64, 128), (3, 3, 128, 64), (1, 1, 64, 128), (300, 200), (17, 33),
+                (5, 3, 20, 24)]:
+    w = (rng.standard_normal(shape) * 10.0 ** rng.integers(-30, 30, shape)).astype(np.float32)
+    w.flat[::97] = 0.0
+    view = jnp.asarray(w.reshape(matrix_shape(w.shape)))
+    ref.assert_same_bits(jlp.quantize(view, cfg.dgrad_w), jlp.quantize(view, cfg.w))
+
+
+def test_the_backward_keeps_the_quantized_weight_instead_of_casting_it_again():
+  """TE's NVFP4 weight roles on a conv: the input gradient uses q_w(w) (one weight cast in
+  forward and backward, was two), and equals the module docstring's formula with the dgrad_w
+  cast of the raw weight."""
+  kw, x, w, g = conv_operands("nhwc-s2-same", 8)
+  w = jnp.concatenate([w] * 8, axis=-1)  # 16 output channels: whole and partial 16 x 16 tiles
+  cfg = GemmQuant(w=jlp.NVFP4Format((16, 16), axis=-2), dgrad_w=jlp.NVFP4Format((16, 16), axis=-1),
+                  bwd_from_fwd=False, matrix_view=True)
+  y = jax.eval_shape(lambda a, b: lax.conv_general_dilated(a, b, **kw), x, w)
+  g = jnp.asarray(np.random.default_rng(12).standard_normal(y.shape), jnp.float32)
+  XSHAPE[:] = [jnp.zeros_like(x), jnp.zeros_like(w)]
+  fn = lambda a, b: qconv(a, b, cfg=cfg, **kw)
+  assert _casts(lambda x, w, g: run(fn, x, w, g), x, w, g) == 1
+  ops = conv_ops(**kw)
+  want = jax.jit(lambda x, w, g: (ops["fwd"](x, _view_q(w, cfg.w)),
+                                  ops["dlhs"](g, _view_q(w, cfg.dgrad_w))))(x, w, g)
+  got = run(fn, x, w, g)
+  for name, gt, wt in zip("yx", got, want):
+    np.testing.assert_allclose(gt, wt, rtol=1e-6, atol=1e-6, err_msg=name)
