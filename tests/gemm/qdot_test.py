@@ -581,7 +581,7 @@ def test_the_backward_keeps_the_quantized_weight_instead_of_casting_it_again():
   forward and backward, was two), and equals the module docstring's formula with the dgrad_w
   cast of the raw weight."""
   kw, x, w, g = conv_operands("nhwc-s2-same", 8)
-  w = jnp.concatenate([w] * 8, axis=-1)  # 16 output channels: whole and partial 16 x 16 tiles
+  w = jnp.concatenate([w] * 8, axis=-1)  # the (27, 32) view: whole and partial 16 x 16 tiles
   cfg = GemmQuant(w=jlp.NVFP4Format((16, 16), axis=-2), dgrad_w=jlp.NVFP4Format((16, 16), axis=-1),
                   bwd_from_fwd=False, matrix_view=True)
   y = jax.eval_shape(lambda a, b: lax.conv_general_dilated(a, b, **kw), x, w)
