@@ -392,6 +392,7 @@ class Pipeline:
     self._metric_names: tuple[str, ...] | None = None
     self._fill = FillCache()
     self._compiled: dict[Any, Any] = {}
+    self._layouts: dict[Any, Layout] = {}
 
   # -- state -------------------------------------------------------------------------------------
   @property
@@ -571,6 +572,16 @@ class Pipeline:
       B, rows = self.check_batches(xs, ys)
     else:
       B, rows = num_batches, int(np.shape(jax.tree.leaves(xs)[0])[1]) // self.num_pipelines
+    self._require_init()
+    # Tracing the stages' shapes costs a run of a small model as much as its compute; the
+    # structures are fixed from the first init on, so a layout depends on the batches' shapes only.
+    key = (B, rows, jax.tree.structure((xs, ys)),
+           tuple((np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves((xs, ys))))
+    if key not in self._layouts:
+      self._layouts[key] = self._new_layout(xs, ys, B, rows)
+    return self._layouts[key]
+
+  def _new_layout(self, xs: Any, ys: Any, B: int, rows: int) -> Layout:
     param_packer, _, state_packer = self._require_init()
     M, S = self.num_microbatches, self.num_stages
     micro = rows // M
