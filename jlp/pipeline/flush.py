@@ -104,6 +104,16 @@ class FlushTables:
     return self.kind.shape[0]
 
 
+def _write_row_if(pred: jax.Array, ring: Any, row: Any, slot: jax.Array) -> Any:
+  """`ring` (a pytree of [K, ...] buffers) with `row` written at `slot` where `pred`, else as it
+  was. As a `lax.cond`, a tick that writes nothing moves no bytes (a ring's row is as large as a
+  micro-batch's activations); the untaken branch returns the ring itself, which XLA:CPU updates
+  in place without copying."""
+  return lax.cond(pred, lambda ring, row, slot: jax.tree.map(
+      lambda a, r: lax.dynamic_update_index_in_dim(a, r, slot, 0), ring, row),
+                  lambda ring, row, slot: ring, ring, row, slot)
+
+
 def _ring(items: list[tuple[int, int, int, int, int]]) -> int:
   """The smallest K such that no two items (device, chunk, m, first tick, last tick) alive at once
   on one (device, chunk) share m mod K."""
@@ -280,14 +290,12 @@ class FlushProgram:
     micro = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((micro_rows,) + a.shape[1:], a.dtype), tree)
     res = None if self.remat else _residual_specs(self, carry, micro(x_b), micro(y_b))
-    # The rings have one row more than their slots: where a write goes that is none (what an
-    # action or a tick's exchange writes unconditionally, to no slot; nothing reads it).
-    bufs = dict(recv_x=jnp.zeros((v * tab.x_slots + 1, act_len), jnp.float32),
-                recv_g=jnp.zeros((v * tab.g_slots + 1, act_len), jnp.float32),
+    bufs = dict(recv_x=jnp.zeros((v * tab.x_slots, act_len), jnp.float32),
+                recv_g=jnp.zeros((v * tab.g_slots, act_len), jnp.float32),
                 stash=state_packer.zeros((v * tab.w_slots,), xp=jnp),
-                res={} if res is None else res.packer.zeros((v * tab.w_slots + 1,), xp=jnp),
+                res={} if res is None else res.packer.zeros((v * tab.w_slots,), xp=jnp),
                 iw={} if res is None or res.carried is None else res.carried.zeros(
-                    (v * tab.w_slots + 1,), xp=jnp),
+                    (v * tab.w_slots,), xp=jnp),
                 grads=jax.tree.map(jnp.zeros_like, carry["params"]),
                 sums={name: jnp.float32(0) for name in self.layout.metric_names})
     stage_of = jnp.asarray(tab.stage_of)[device]
@@ -368,9 +376,9 @@ class FlushProgram:
     gradient sums go through the switch (only B and W change them), so what is as large as the
     weights is never read at a traced index, zeroed or rewritten at a tick that does not need it.
     F's residuals ("res") and what an I keeps for its W ("iw") do not: XLA copies a ring that
-    a branch returns unchanged, so the switch returns the row to write (zeros where the action
-    writes none) and it is written after the switch, to its slot or else to the ring's last row,
-    which nothing reads."""
+    a branch of the switch returns unchanged, so the switch returns the row to write (zeros where
+    the action writes none), and a two-way `lax.cond` after it writes the row to its slot only at
+    the ticks of F (res) and I (iw) (`_write_row_if`)."""
     tab = self.tables
     param_packer, _, state_packer = self.packers
     S, M = tab.num_stages, tab.num_microbatches
@@ -474,9 +482,8 @@ class FlushProgram:
     is_f = kind == F
     bufs = dict(bufs, grads=new_rings["grads"])
     for name, when in (("res", kind == F), ("iw", kind == I)):
-      row = jnp.where(when, w_slot, tab.stages_per_device * tab.w_slots)
-      bufs[name] = {dtype: lax.dynamic_update_index_in_dim(a, new_rings[name][dtype], row, 0)
-                    for dtype, a in bufs[name].items()}
+      if bufs[name]:  # none with remat, and "iw" only for ZB's split backwards
+        bufs[name] = _write_row_if(when, bufs[name], new_rings[name], w_slot)
     bufs["stash"] = write_slot(bufs["stash"], w_slot, model_state, is_f)
     carry = dict(carry, model_state=write(carry["model_state"], jax.tree.map(
         lambda new, old: jnp.where(is_f, new, old), new_state, model_state)))
@@ -518,9 +525,7 @@ class FlushProgram:
           values, sender = arrived[shift]
           got = values[r]
           channel, slot = sender[2 * r].astype(jnp.int32), sender[2 * r + 1].astype(jnp.int32)
-        # Not on this channel: written to the ring's last row, which nothing reads.
-        slot = jnp.where(channel == k + 1, slot, bufs[name].shape[0] - 1)
-        bufs[name] = lax.dynamic_update_index_in_dim(bufs[name], got, slot, 0)
+        bufs[name] = _write_row_if(channel == k + 1, bufs[name], got, slot)
     return bufs
 
   def _update(self, carry, stage, c, grads, b, global_batch):
