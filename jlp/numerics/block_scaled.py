@@ -98,6 +98,7 @@ from jlp.numerics.bit_max import fold_rows, max_rows
 from jlp.numerics.float_cast import (ABS, FRAC, INF, QNAN, cast_bits, float_bits, from_bits,
                                      to_bits, u32)
 from jlp.numerics.ieee_f32 import div_bits, div_float, mul_bits
+from jlp.numerics.shared import shared_jit
 
 _ONE = float_bits(1.0)
 _FLT_MAX = float_bits(float(jnp.finfo(jnp.float32).max))
@@ -281,6 +282,18 @@ def block_scaled_quantize(x: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   return _quantize_xla(x, fmt=fmt)
 
 
+@shared_jit(static_argnames=("fmt", "rows", "cols"))
+def _integer_ops(m: jax.Array, amax: jax.Array, *, fmt: BlockScaledFormat, rows: int,
+                 cols: int) -> jax.Array:
+  """Bits of the cast of the matrix m (float32, blocks of rows x cols) with block maxima `amax`,
+  in the integer operations (`block_values`, `apply_block_values`; exact on every backend).
+  Compiled once per program for each shape (`shared_jit`): the float path's fallback, called
+  inside its `lax.cond`, where the call's boundary changes nothing around it."""
+  per_block = lax.optimization_barrier(block_values(amax, fmt))  # once per block
+  full = [_broadcast_blocks(v, m.shape, rows, cols) for v in per_block]
+  return apply_block_values(to_bits(m), *full, fmt)
+
+
 @jax.jit(static_argnames=("fmt",))
 def _quantize_xla(x: jax.Array, *, fmt: BlockScaledFormat) -> jax.Array:
   """`block_scaled_quantize` of a non-empty x (jitted: the casts of one shape and format in a
@@ -291,9 +304,7 @@ def _quantize_xla(x: jax.Array, *, fmt: BlockScaledFormat) -> jax.Array:
 
   # The branches take m, not its bits (a bitcast outside lax.cond can make XLA:CPU copy).
   def integer_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
-    per_block = lax.optimization_barrier(block_values(amax, fmt))  # once per block
-    full = [_broadcast_blocks(v, m.shape, rows, cols) for v in per_block]
-    return apply_block_values(to_bits(m), *full, fmt)
+    return _integer_ops(m, amax, fmt=fmt, rows=rows, cols=cols)
 
   def float_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
     # XLA:CPU runs a fused loop inside a conditional on one thread, and copies a branch's

@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from jlp.numerics.float_cast import ABS, FRAC, HIDDEN, INF, SIGN, u32
+from jlp.numerics.shared import shared_jit
 
 __all__ = ["div_bits", "div_float", "ieee_add", "mul_bits"]
 
@@ -85,7 +86,7 @@ def div_float(a: jax.Array, b: jax.Array) -> jax.Array:
   return a / lax.optimization_barrier(b)
 
 
-@jax.jit
+@shared_jit
 def div_bits(a: jax.Array, b: jax.Array) -> jax.Array:
   """Bits of fl32(a / b) for float32 bit patterns `a` (finite) and `b` (finite, nonzero).
 
@@ -108,7 +109,7 @@ def div_bits(a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.where((a & ABS) == 0, sign, out)
 
 
-@jax.jit
+@shared_jit
 def mul_bits(a: jax.Array, b: jax.Array) -> jax.Array:
   """Bits of fl32(a · b) for finite float32 bit patterns `a` and `b`.
 

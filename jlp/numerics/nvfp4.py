@@ -60,9 +60,9 @@ per-tensor and per-tile values too) and otherwise, chosen by `lax.cond`, with th
 operations above (`_quantize_rows_looped` for compat=None: a loop over the steps, one division
 and one product each); tiles along a non-minor axis are handled in place (no transposition).
 It runs on chunks of a fixed number of tiles (`_tiles_in_chunks`, after the tensor's amax), in
-one jitted chunk program per format and tile shape: the casts of a program share it, so XLA
-compiles a cast's code about once instead of once per cast site (issue 38). The Pallas kernel
-always uses the integer operations (`quantize_rows`). Both give the same bits.
+one chunk program per format and tile shape (`jlp.numerics.shared.shared_jit`): the casts of a
+program call it, so XLA compiles a cast's code once per program, not once per cast site. The
+Pallas kernel always uses the integer operations (`quantize_rows`). Both give the same bits.
 
 References:
   NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, 2025.
@@ -90,6 +90,7 @@ from jlp.numerics.ieee_f32 import div_float, ieee_add
 from jlp.numerics.float_cast import (ABS, INF, QNAN, SIGN, cast_bits, float_bits, from_bits,
                                      to_bits, u32)
 from jlp.numerics.mx import ldexp_bits
+from jlp.numerics.shared import shared_jit
 
 __all__ = ["HADAMARD_SIGNS", "encode", "hadamard_transform", "nvfp4_encode", "nvfp4_quantize"]
 
@@ -642,14 +643,14 @@ def nvfp4_quantize(x: jax.Array, fmt: NVFP4Format, rbits: jax.Array | None = Non
 _TILE_CHUNK_ELEMENTS = 1 << 17
 
 
-@jax.jit(static_argnames=("fmt",))
+@shared_jit(static_argnames=("fmt",))
 def _tiles_chunk(u: jax.Array, r: jax.Array | None, amax: jax.Array, *,
                  fmt: NVFP4Format) -> jax.Array:
   """Bits of the quantized tiles u (uint32 (C, P, B), axis 1 along a tile; draws alike) of a
   tensor with max |x| bits `amax` (1, 1): the float operations where they are exact for this
   chunk (`_float_ops`; its conditions are per tile, given the amax), else the integer ones
   (`_quantize_rows_looped`, or `quantize_rows` for torchao's formats), chosen by `lax.cond`.
-  Jitted: traced once per format and chunk shape."""
+  Traced once per format and chunk shape, and compiled once per program (`shared_jit`)."""
   c, p, b = u.shape
   exact, bits = _float_ops(u.reshape(c, 1, p, b), fmt,
                            None if r is None else r.reshape(c, 1, p, b), amax)
@@ -669,7 +670,7 @@ def _tiles_chunk(u: jax.Array, r: jax.Array | None, amax: jax.Array, *,
   return jnp.where(exact, bits.reshape(c, p, b), fallback)
 
 
-@jax.jit(static_argnames=("exact",))
+@shared_jit(static_argnames=("exact",))
 def _rht_amax_chunk(u: jax.Array, *, exact: bool) -> tuple[jax.Array, jax.Array]:
   """(max |t| bits (1, 1), whether no nonzero |x| is below 2^-90) of the transform t of the
   tiles u (uint32 (C, 16, B), axis 1 along a tile): in float32 operations, or with `exact` in

@@ -1,0 +1,83 @@
+"""jlp.numerics.shared.shared_jit: the casts' inner computations stay calls in the compiled program
+(XLA compiles them apart from the code around them), and the calls give the bits of the same
+computations inlined (the previous compilation, restored here by re-jitting them plainly)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jlp
+from jlp.formats import BlockScaledFormat, NVFP4Format
+from jlp.numerics import block_scaled, ieee_f32, mx, nvfp4
+
+NVFP4 = NVFP4Format()
+NVFP4_RHT = NVFP4Format(rht=True)
+BLOCK = BlockScaledFormat("float8_e4m3fn", (1, 128))
+BLOCK_TILES = BlockScaledFormat("float8_e4m3fn", (128, 128))
+
+
+def _called(fn, *args) -> list[str]:
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return re.findall(r" call\(.*?to_apply=%?([A-Za-z_]+)", text)
+
+
+def test_casts_are_calls_in_the_compiled_program():
+  xs = [jnp.ones(s, jnp.float32) for s in ((64, 32), (32, 64), (48, 16))]
+  called = _called(lambda xs: [jlp.quantize(x, NVFP4) for x in xs], xs)
+  assert "_tiles_chunk" in called and "div_bits" in called and "mul_bits" in called, called
+  called = _called(lambda xs: [jlp.quantize(x, f) for x in xs for f in (BLOCK, BLOCK_TILES)], xs)
+  assert "_integer_ops" in called, called
+
+
+def _inputs():
+  """Values the float path takes and values that need the integer fallback: subnormals, a
+  tensor whose amax is below 2^-60 (nvfp4), tiles that mix 2^100 and 2^-100 (block scaling)."""
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal((256, 256)) * 2.0 ** rng.integers(-20, 20, (256, 256))).astype(np.float32)
+  x[:8] = rng.standard_normal((8, 256)).astype(np.float32) * np.float32(1e-39)
+  x[8:16, ::2] = 2.0 ** 100
+  x[8:16, 1::2] = 2.0 ** -100
+  tiny = (rng.standard_normal((64, 32)) * 2.0 ** -80).astype(np.float32)
+  return [jnp.asarray(x), jnp.asarray(tiny)]
+
+
+@pytest.fixture
+def inlined(monkeypatch):
+  """The shared functions re-jitted without the inline option (XLA inlines them again)."""
+  def use_plain():
+    plain = {
+        "tiles": jax.jit(nvfp4._tiles_chunk.__wrapped__, static_argnames=("fmt",)),
+        "rht": jax.jit(nvfp4._rht_amax_chunk.__wrapped__, static_argnames=("exact",)),
+        "ops": jax.jit(block_scaled._integer_ops.__wrapped__,
+                       static_argnames=("fmt", "rows", "cols")),
+        "div": jax.jit(ieee_f32.div_bits.__wrapped__),
+        "mul": jax.jit(ieee_f32.mul_bits.__wrapped__)}
+    shared = {"div_bits": ieee_f32.div_bits, "mul_bits": ieee_f32.mul_bits}
+    for module in (ieee_f32, block_scaled, mx, nvfp4):  # and the modules that import them
+      for name, key in (("div_bits", "div"), ("mul_bits", "mul")):
+        if getattr(module, name, None) is shared[name]:
+          monkeypatch.setattr(module, name, plain[key])
+    monkeypatch.setattr(nvfp4, "_tiles_chunk", plain["tiles"])
+    monkeypatch.setattr(nvfp4, "_rht_amax_chunk", plain["rht"])
+    monkeypatch.setattr(block_scaled, "_integer_ops", plain["ops"])
+    jax.clear_caches()
+  yield use_plain
+  jax.clear_caches()
+
+
+def test_calls_give_the_inlined_bits(inlined):
+  def casts(xs):
+    return [jlp.quantize(x, f) for x in xs for f in (NVFP4, NVFP4_RHT, BLOCK, BLOCK_TILES)]
+
+  xs = _inputs()
+  shared = [np.asarray(a).view(np.uint32) for a in jax.jit(casts)(xs)]
+  assert "_tiles_chunk" in _called(casts, xs)
+  inlined()
+  called = _called(casts, xs)
+  assert "_tiles_chunk" not in called and "_integer_ops" not in called, called
+  plain = [np.asarray(a).view(np.uint32) for a in jax.jit(casts)(xs)]
+  for k, (a, b) in enumerate(zip(shared, plain, strict=True)):
+    np.testing.assert_array_equal(a, b, err_msg=f"cast {k}")
