@@ -90,6 +90,7 @@ from jlp.formats import INT8, FloatFormat, MXFormat
 from jlp.numerics.float_cast import (ABS, FRAC, HIDDEN, INF, QNAN, SIGN, cast_bits, float_bits,
                                      from_bits, to_bits, u32)
 from jlp.numerics.ieee_f32 import div_bits, mul_bits
+from jlp.numerics.shared import shared_jit
 
 E8M0_MIN_EXP = -127
 E8M0_MAX_EXP = 127
@@ -415,4 +416,15 @@ def mx_quantize(x: jax.Array, fmt: MXFormat, rbits: jax.Array | None = None) -> 
     code = jnp.where(code == ZERO_BLOCK, _nearest_scale_codes(fmt)[0], code)
     return from_bits(_nearest_on_scaled_grid(to_bits(x), code, fmt))
 
-  return lax.cond(_scale_codes_on_scaled_grid(codes, fmt), nearest, general, x, codes)
+  general_call = lambda x, codes: _general_call(x, codes, fmt=fmt, axis=axis, block=block)
+  return lax.cond(_scale_codes_on_scaled_grid(codes, fmt), nearest, general_call, x, codes)
+
+
+@shared_jit(static_argnames=("fmt", "axis", "block"))
+def _general_call(x: jax.Array, codes: jax.Array, *, fmt: MXFormat, axis: int,
+                  block: int) -> jax.Array:
+  """`mx_quantize`'s general element operations (round to nearest, no draws) where the nearest
+  scale's grid does not hold: a call that XLA compiles on its own (`shared_jit`), inside the
+  `lax.cond`, whose boundary it already is."""
+  code = _broadcast_blocks(codes, x.shape, axis, block)
+  return from_bits(_mx_bits_given_scale(to_bits(x), code, fmt, None))

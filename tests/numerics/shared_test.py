@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import jlp
-from jlp.formats import BlockScaledFormat, NVFP4Format
+from jlp.formats import BlockScaledFormat, MXFormat, NVFP4Format
 from jlp.numerics import block_scaled, ieee_f32, mx, nvfp4
 
 NVFP4 = NVFP4Format()
 NVFP4_RHT = NVFP4Format(rht=True)
 BLOCK = BlockScaledFormat("float8_e4m3fn", (1, 128))
 BLOCK_TILES = BlockScaledFormat("float8_e4m3fn", (128, 128))
+MXFP8 = MXFormat("float8_e4m3fn", 32)
 
 
 def _called(fn, *args) -> list[str]:
@@ -30,11 +31,13 @@ def test_casts_are_calls_in_the_compiled_program():
   assert "_tiles_chunk" in called and "div_bits" in called and "mul_bits" in called, called
   called = _called(lambda xs: [jlp.quantize(x, f) for x in xs for f in (BLOCK, BLOCK_TILES)], xs)
   assert "_integer_ops" in called, called
+  assert "_general_call" in _called(lambda xs: [jlp.quantize(x, MXFP8) for x in xs], xs)
 
 
 def _inputs():
   """Values the float path takes and values that need the integer fallback: subnormals, a
-  tensor whose amax is below 2^-60 (nvfp4), tiles that mix 2^100 and 2^-100 (block scaling)."""
+  tensor whose amax is below 2^-60 (nvfp4), tiles that mix 2^100 and 2^-100 (block scaling,
+  and MX blocks off the nearest scale's grid)."""
   rng = np.random.default_rng(0)
   x = (rng.standard_normal((256, 256)) * 2.0 ** rng.integers(-20, 20, (256, 256))).astype(np.float32)
   x[:8] = rng.standard_normal((8, 256)).astype(np.float32) * np.float32(1e-39)
@@ -53,6 +56,7 @@ def inlined(monkeypatch):
         "rht": jax.jit(nvfp4._rht_amax_chunk.__wrapped__, static_argnames=("exact",)),
         "ops": jax.jit(block_scaled._integer_ops.__wrapped__,
                        static_argnames=("fmt", "rows", "cols")),
+        "mx": jax.jit(mx._general_call.__wrapped__, static_argnames=("fmt", "axis", "block")),
         "div": jax.jit(ieee_f32.div_bits.__wrapped__),
         "mul": jax.jit(ieee_f32.mul_bits.__wrapped__)}
     shared = {"div_bits": ieee_f32.div_bits, "mul_bits": ieee_f32.mul_bits}
@@ -63,6 +67,7 @@ def inlined(monkeypatch):
     monkeypatch.setattr(nvfp4, "_tiles_chunk", plain["tiles"])
     monkeypatch.setattr(nvfp4, "_rht_amax_chunk", plain["rht"])
     monkeypatch.setattr(block_scaled, "_integer_ops", plain["ops"])
+    monkeypatch.setattr(mx, "_general_call", plain["mx"])
     jax.clear_caches()
   yield use_plain
   jax.clear_caches()
@@ -70,14 +75,15 @@ def inlined(monkeypatch):
 
 def test_calls_give_the_inlined_bits(inlined):
   def casts(xs):
-    return [jlp.quantize(x, f) for x in xs for f in (NVFP4, NVFP4_RHT, BLOCK, BLOCK_TILES)]
+    return [jlp.quantize(x, f) for x in xs
+            for f in (NVFP4, NVFP4_RHT, BLOCK, BLOCK_TILES, MXFP8)]
 
   xs = _inputs()
   shared = [np.asarray(a).view(np.uint32) for a in jax.jit(casts)(xs)]
   assert "_tiles_chunk" in _called(casts, xs)
   inlined()
   called = _called(casts, xs)
-  assert "_tiles_chunk" not in called and "_integer_ops" not in called, called
+  assert not {"_tiles_chunk", "_integer_ops", "_general_call"} & set(called), called
   plain = [np.asarray(a).view(np.uint32) for a in jax.jit(casts)(xs)]
   for k, (a, b) in enumerate(zip(shared, plain, strict=True)):
     np.testing.assert_array_equal(a, b, err_msg=f"cast {k}")
