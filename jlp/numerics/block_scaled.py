@@ -282,16 +282,37 @@ def block_scaled_quantize(x: jax.Array, fmt: BlockScaledFormat) -> jax.Array:
   return _quantize_xla(x, fmt=fmt)
 
 
-@shared_jit(static_argnames=("fmt", "rows", "cols"))
-def _integer_ops(m: jax.Array, amax: jax.Array, *, fmt: BlockScaledFormat, rows: int,
+# The integer fallback runs on chunks of about this many elements (whole blocks, at least one).
+_FALLBACK_CHUNK_ELEMENTS = 1 << 17
+
+
+@shared_jit(static_argnames=("fmt",))
+def _blocks_chunk(u: jax.Array, amax: jax.Array, *, fmt: BlockScaledFormat) -> jax.Array:
+  """`block_scaled_bits` of K blocks, one per row of the bit patterns u (K, B), with their max
+  |x| bits `amax` (K, 1): the integer operations (exact on every backend). Compiled once per
+  program for each format and chunk shape (`shared_jit`)."""
+  return block_scaled_bits(u, amax, fmt)
+
+
+def _integer_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat, rows: int,
                  cols: int) -> jax.Array:
-  """Bits of the cast of the matrix m (float32, blocks of rows x cols) with block maxima `amax`,
-  in the integer operations (`block_values`, `apply_block_values`; exact on every backend).
-  Compiled once per program for each shape (`shared_jit`): the float path's fallback, called
-  inside its `lax.cond`, where the call's boundary changes nothing around it."""
-  per_block = lax.optimization_barrier(block_values(amax, fmt))  # once per block
-  full = [_broadcast_blocks(v, m.shape, rows, cols) for v in per_block]
-  return apply_block_values(to_bits(m), *full, fmt)
+  """Bits of the cast of the matrix m (float32, blocks of rows x cols, zero-padded to whole
+  blocks) with the blocks' max |x| bits `amax` (R/r, 1, C/c, 1), in the integer operations: the
+  float path's fallback. The blocks are laid out one per row and cast in chunks of a fixed number
+  of blocks (`lax.map` over `_blocks_chunk`; padding blocks have amax 0 and are dropped), so every
+  cast of a format with this block shape runs the same chunk program."""
+  num_r, _, num_c, _ = amax.shape
+  size = rows * cols
+  u = jnp.pad(to_bits(m), ((0, num_r * rows - m.shape[0]), (0, num_c * cols - m.shape[1])))
+  blocks = u.reshape(num_r, rows, num_c, cols).transpose(0, 2, 1, 3).reshape(-1, size)
+  per_chunk = max(1, _FALLBACK_CHUNK_ELEMENTS // size)
+  count = -(-blocks.shape[0] // per_chunk)
+  extra = count * per_chunk - blocks.shape[0]
+  blocks = jnp.pad(blocks, ((0, extra), (0, 0))).reshape(count, per_chunk, size)
+  maxima = jnp.pad(amax.reshape(-1, 1), ((0, extra), (0, 0))).reshape(count, per_chunk, 1)
+  out = lax.map(lambda b: _blocks_chunk(b[0], b[1], fmt=fmt), (blocks, maxima))
+  out = out.reshape(-1, size)[:num_r * num_c].reshape(num_r, num_c, rows, cols)
+  return out.transpose(0, 2, 1, 3).reshape(num_r * rows, num_c * cols)[:m.shape[0], :m.shape[1]]
 
 
 @jax.jit(static_argnames=("fmt",))
@@ -304,7 +325,7 @@ def _quantize_xla(x: jax.Array, *, fmt: BlockScaledFormat) -> jax.Array:
 
   # The branches take m, not its bits (a bitcast outside lax.cond can make XLA:CPU copy).
   def integer_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
-    return _integer_ops(m, amax, fmt=fmt, rows=rows, cols=cols)
+    return _integer_ops(m, amax, fmt, rows, cols)
 
   def float_ops(m: jax.Array, amax: jax.Array) -> jax.Array:
     # XLA:CPU runs a fused loop inside a conditional on one thread, and copies a branch's

@@ -11,8 +11,9 @@ third of the time, with the same bits: BENCHMARKS.md, "Casts behind calls").
 Use it only where the call's boundary cannot change what XLA computes around it: a call is a
 fusion boundary, and XLA:CPU sums a float32 reduction in an order that depends on what it fuses
 with. The functions behind it here are integer bit operations (`ieee_f32`), run as the body of a
-loop over chunks, a boundary already (`nvfp4`'s chunk programs), or run inside a `lax.cond`
-branch (`block_scaled`'s integer fallback, `mx`'s general rounding). A whole cast called from a model is not: with
+loop over chunks, a boundary already (`nvfp4`'s chunk programs and `block_scaled`'s integer
+fallback, itself inside a `lax.cond` branch), or run inside a `lax.cond` branch (`mx`'s general
+rounding). A whole cast called from a model is not: with
 `block_scaled`'s whole cast behind a call, a ResNet18 step's BatchNorm gradients came out in
 other bits.
 """

@@ -30,7 +30,7 @@ def test_casts_are_calls_in_the_compiled_program():
   called = _called(lambda xs: [jlp.quantize(x, NVFP4) for x in xs], xs)
   assert "_tiles_chunk" in called and "div_bits" in called and "mul_bits" in called, called
   called = _called(lambda xs: [jlp.quantize(x, f) for x in xs for f in (BLOCK, BLOCK_TILES)], xs)
-  assert "_integer_ops" in called, called
+  assert "_blocks_chunk" in called, called
   assert "_general_call" in _called(lambda xs: [jlp.quantize(x, MXFP8) for x in xs], xs)
 
 
@@ -54,8 +54,7 @@ def inlined(monkeypatch):
     plain = {
         "tiles": jax.jit(nvfp4._tiles_chunk.__wrapped__, static_argnames=("fmt",)),
         "rht": jax.jit(nvfp4._rht_amax_chunk.__wrapped__, static_argnames=("exact",)),
-        "ops": jax.jit(block_scaled._integer_ops.__wrapped__,
-                       static_argnames=("fmt", "rows", "cols")),
+        "blocks": jax.jit(block_scaled._blocks_chunk.__wrapped__, static_argnames=("fmt",)),
         "mx": jax.jit(mx._general_call.__wrapped__, static_argnames=("fmt", "axis", "block")),
         "div": jax.jit(ieee_f32.div_bits.__wrapped__),
         "mul": jax.jit(ieee_f32.mul_bits.__wrapped__)}
@@ -66,7 +65,7 @@ def inlined(monkeypatch):
           monkeypatch.setattr(module, name, plain[key])
     monkeypatch.setattr(nvfp4, "_tiles_chunk", plain["tiles"])
     monkeypatch.setattr(nvfp4, "_rht_amax_chunk", plain["rht"])
-    monkeypatch.setattr(block_scaled, "_integer_ops", plain["ops"])
+    monkeypatch.setattr(block_scaled, "_blocks_chunk", plain["blocks"])
     monkeypatch.setattr(mx, "_general_call", plain["mx"])
     jax.clear_caches()
   yield use_plain
@@ -83,7 +82,7 @@ def test_calls_give_the_inlined_bits(inlined):
   assert "_tiles_chunk" in _called(casts, xs)
   inlined()
   called = _called(casts, xs)
-  assert not {"_tiles_chunk", "_integer_ops", "_general_call"} & set(called), called
+  assert not {"_tiles_chunk", "_blocks_chunk", "_general_call"} & set(called), called
   plain = [np.asarray(a).view(np.uint32) for a in jax.jit(casts)(xs)]
   for k, (a, b) in enumerate(zip(shared, plain, strict=True)):
     np.testing.assert_array_equal(a, b, err_msg=f"cast {k}")
