@@ -289,9 +289,10 @@ _FALLBACK_CHUNK_ELEMENTS = 1 << 17
 @shared_jit(static_argnames=("fmt",))
 def _blocks_chunk(u: jax.Array, amax: jax.Array, *, fmt: BlockScaledFormat) -> jax.Array:
   """`block_scaled_bits` of K blocks, one per row of the bit patterns u (K, B), with their max
-  |x| bits `amax` (K, 1): the integer operations (exact on every backend). Compiled once per
-  program for each format and chunk shape (`shared_jit`)."""
-  return block_scaled_bits(u, amax, fmt)
+  |x| bits `amax` (K, 1): the integer operations (exact on every backend). Traced once per format
+  and chunk shape; a call in the compiled program (`shared_jit`)."""
+  per_block = lax.optimization_barrier(block_values(amax, fmt))  # once per block, not element
+  return apply_block_values(u, *per_block, fmt)
 
 
 def _integer_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat, rows: int,
@@ -300,7 +301,7 @@ def _integer_ops(m: jax.Array, amax: jax.Array, fmt: BlockScaledFormat, rows: in
   blocks) with the blocks' max |x| bits `amax` (R/r, 1, C/c, 1), in the integer operations: the
   float path's fallback. The blocks are laid out one per row and cast in chunks of a fixed number
   of blocks (`lax.map` over `_blocks_chunk`; padding blocks have amax 0 and are dropped), so every
-  cast of a format with this block shape runs the same chunk program."""
+  cast of a format with this block shape calls the same chunk program."""
   num_r, _, num_c, _ = amax.shape
   size = rows * cols
   u = jnp.pad(to_bits(m), ((0, num_r * rows - m.shape[0]), (0, num_c * cols - m.shape[1])))

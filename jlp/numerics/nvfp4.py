@@ -60,9 +60,9 @@ per-tensor and per-tile values too) and otherwise, chosen by `lax.cond`, with th
 operations above (`_quantize_rows_looped` for compat=None: a loop over the steps, one division
 and one product each); tiles along a non-minor axis are handled in place (no transposition).
 It runs on chunks of a fixed number of tiles (`_tiles_in_chunks`, after the tensor's amax), in
-one chunk program per format and tile shape (`jlp.numerics.shared.shared_jit`): the casts of a
-program call it, so XLA compiles a cast's code once per program, not once per cast site. The
-Pallas kernel always uses the integer operations (`quantize_rows`). Both give the same bits.
+one chunk program per format and tile shape, traced once and called from every cast site: XLA
+compiles the calls apart from the code around them (`jlp.numerics.shared.shared_jit`), far
+faster than inlined copies. The Pallas kernel always uses the integer operations (`quantize_rows`). Both give the same bits.
 
 References:
   NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, 2025.
@@ -650,7 +650,7 @@ def _tiles_chunk(u: jax.Array, r: jax.Array | None, amax: jax.Array, *,
   tensor with max |x| bits `amax` (1, 1): the float operations where they are exact for this
   chunk (`_float_ops`; its conditions are per tile, given the amax), else the integer ones
   (`_quantize_rows_looped`, or `quantize_rows` for torchao's formats), chosen by `lax.cond`.
-  Traced once per format and chunk shape, and compiled once per program (`shared_jit`)."""
+  Traced once per format and chunk shape; a call in the compiled program (`shared_jit`)."""
   c, p, b = u.shape
   exact, bits = _float_ops(u.reshape(c, 1, p, b), fmt,
                            None if r is None else r.reshape(c, 1, p, b), amax)
