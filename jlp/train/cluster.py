@@ -121,7 +121,10 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
   out = subprocess.run(argv, capture_output=True, text=True, check=False,
                        start_new_session=True)
   if check and out.returncode:
-    raise ClusterError(f"`{' '.join(argv)}` failed: {out.stderr.strip() or out.stdout.strip()}")
+    said = out.stderr.strip() or out.stdout.strip() or (
+        f"killed by {signal.Signals(-out.returncode).name}" if out.returncode < 0
+        else f"exit status {out.returncode}, nothing printed")
+    raise ClusterError(f"`{' '.join(argv)}` failed: {said}")
   return out
 
 
@@ -219,12 +222,16 @@ class Network:
                    "latency", "100ms")
           _run("tc", "qdisc", "add", "dev", outside, *shape)
           _run(*ns, "tc", "qdisc", "add", "dev", "eth0", *shape)
-    except BaseException:
+    except BaseException as e:
       with _signals_held():
         left = self.close()
       if left:
         raise ClusterError(f"could not remove {' '.join(left)} after a failed set-up; run "
                            "`python -m experiments.cluster --cleanup`") from None
+      if isinstance(e, ClusterError) and self._stop_requested():
+        # A command that fails once a stop is requested fails because of it (a Ctrl-C reached
+        # it too; seen in CI as an `ip` that printed nothing): the stop is what happened.
+        raise KeyboardInterrupt from None
       raise
     return self
 

@@ -582,6 +582,31 @@ def test_a_signal_right_after_a_namespace_or_link_is_made_leaves_nothing(tmp_pat
 
 
 @NEEDS_ROOT
+def test_a_command_that_fails_after_a_signal_is_the_interruption(tmp_path, monkeypatch):
+  """SIGINT, then the next set-up command fails, as an `ip` that the Ctrl-C reached did in CI
+  (exit 1 with "`ip link set ... netns ...` failed: " and nothing after it). The launcher reports
+  the interruption (exit 130) and leaves nothing; a command that fails without a signal is still
+  its own error, which now says how it ended when it printed nothing."""
+  before_ns, before_links = _netns(), _links()
+  real_run = cluster._run
+
+  def interrupted_run(*argv, **kw):
+    if argv[:4] == ("ip", "link", "set", argv[3]) and "netns" in argv:
+      os.kill(os.getpid(), signal.SIGINT)
+      return real_run("sh", "-c", "kill -INT $$", **kw)
+    return real_run(*argv, **kw)
+  monkeypatch.setattr(cluster, "_run", interrupted_run)
+  with pytest.raises(cluster.ClusterError, match="interrupted while setting up") as info:
+    cluster.launch("experiments.no_such_module", [], hosts=2, devices_per_host=1,
+                   bandwidth="100mbit", workdir=str(tmp_path / "w"))
+  assert info.value.code == 130
+  assert not [n for n in _netns() - before_ns if n.startswith("jlp")]
+  assert not [n for n in _links() - before_links if n.startswith("jlp")]
+  with pytest.raises(cluster.ClusterError, match=r"failed: killed by SIGINT$"):
+    real_run("sh", "-c", "kill -INT $$")
+
+
+@NEEDS_ROOT
 def test_hosts_reach_nothing_of_the_machine(tmp_path):
   """A listener on every address of the machine ([::], dual stack): from a host, no address of
   the machine's interfaces answers, over IPv4 or IPv6 (the bridge had an IPv6 link-local
