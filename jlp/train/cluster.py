@@ -229,8 +229,9 @@ class Network:
         raise ClusterError(f"could not remove {' '.join(left)} after a failed set-up; run "
                            "`python -m experiments.cluster --cleanup`") from None
       if isinstance(e, ClusterError) and self._stop_requested():
-        # A command that fails once a stop is requested fails because of it (a Ctrl-C reached
-        # it too; seen in CI as an `ip` that printed nothing): the stop is what happened.
+        # A command that fails once a stop is requested is taken to fail because of it (a
+        # Ctrl-C can reach it too: a full test run saw an `ip` fail that way, printing nothing);
+        # the stop is what happened.
         raise KeyboardInterrupt from None
       raise
     return self
