@@ -117,6 +117,13 @@ from jlp.sync import SYNC_REPORT, GradSync
 __all__ = ["Pipeline", "PipelineState", "pipeline_mesh"]
 
 
+def _shape_key(tree: Any) -> tuple[Any, tuple[Any, ...]]:
+  """The structure, shapes and dtypes of a pytree of arrays (or ShapeDtypeStructs): what a
+  layout or a compiled program of the batches depends on."""
+  return jax.tree.structure(tree), tuple(
+      (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree))
+
+
 def _put(value: Any, sharding: NamedSharding) -> jax.Array:
   """`value` (host data that every process computes alike) laid out as `sharding`; each process
   writes only its own devices' shards. `jax.device_put` of host data onto devices of several
@@ -575,8 +582,7 @@ class Pipeline:
     self._require_init()
     # Tracing the stages' shapes costs a run of a small model as much as its compute; the
     # structures are fixed from the first init on, so a layout depends on the batches' shapes only.
-    key = (B, rows, jax.tree.structure((xs, ys)),
-           tuple((np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves((xs, ys))))
+    key = (B, rows, _shape_key((xs, ys)))
     if key not in self._layouts:
       self._layouts[key] = self._new_layout(xs, ys, B, rows)
     return self._layouts[key]
@@ -855,9 +861,7 @@ class Pipeline:
         clocks[:, s] = np.maximum(clocks[:, s], finish_of(first + p)[:, s])
     times = np.array([time_of(first + p) for p in done], np.float64)
 
-    shapes = lambda tree: (jax.tree.structure(tree), tuple(
-        (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
-    key = ("gpipe", shapes((xs, ys)), B)
+    key = ("gpipe", _shape_key((xs, ys)), B)
     if key not in self._compiled:
       self._compiled[key] = self._build(layout, state)
     # The host keeps the clocks: the program neither reads nor changes them.
@@ -925,9 +929,7 @@ class Pipeline:
                         mode, self._tables, self.num_pipelines, layout, remat=self.remat)
 
   def _flush_compiled(self, layout: Layout, xs: Any, ys: Any):
-    shapes = lambda tree: (jax.tree.structure(tree), tuple(
-        (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
-    key = ("flush", shapes((xs, ys)), layout.num_batches)
+    key = ("flush", _shape_key((xs, ys)), layout.num_batches)
     if key not in self._compiled:
       per = P(DATA, STAGE)
       state_spec = PipelineState(P(), per, per, per, per, per, P(), P(), {})
@@ -1086,9 +1088,7 @@ class Pipeline:
       layout = self._layout(shapes(state.inflight["xs"]), shapes(state.inflight["ys"]),
                             num_batches=0)
     layout = dataclasses.replace(layout, num_batches=B)
-    shape_key = lambda tree: (jax.tree.structure(tree), tuple(
-        (np.shape(a), np.dtype(a.dtype)) for a in jax.tree.leaves(tree)))
-    key = ("1f1b", shape_key((xs, ys)), B, len(tables.kind))
+    key = ("1f1b", _shape_key((xs, ys)), B, len(tables.kind))
     if key not in self._compiled:
       self._compiled[key] = self._build(layout, state)
     program_state = state._replace(virtual_time=None, inflight={

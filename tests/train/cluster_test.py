@@ -557,6 +557,18 @@ def test_a_ctrl_c_during_the_set_up_removes_what_it_made(tmp_path):
   assert not [n for n in _netns() - before if n.startswith("jlp")]
 
 
+def _assert_an_interrupted_set_up_leaves_nothing(tmp_path, hosts):
+  """`launch` (with `cluster._run` patched to interrupt it) reports the interruption while
+  setting up, exits 130 and leaves no jlp namespace or link."""
+  before_ns, before_links = _netns(), _links()
+  with pytest.raises(cluster.ClusterError, match="interrupted while setting up") as info:
+    cluster.launch("experiments.no_such_module", [], hosts=hosts, devices_per_host=1,
+                   bandwidth="100mbit", workdir=str(tmp_path / "w"))
+  assert info.value.code == 130
+  assert not [n for n in _netns() - before_ns if n.startswith("jlp")]
+  assert not [n for n in _links() - before_links if n.startswith("jlp")]
+
+
 @NEEDS_ROOT
 @pytest.mark.parametrize("made", ["netns", "link"])
 def test_a_signal_right_after_a_namespace_or_link_is_made_leaves_nothing(tmp_path, monkeypatch,
@@ -564,7 +576,6 @@ def test_a_signal_right_after_a_namespace_or_link_is_made_leaves_nothing(tmp_pat
   """SIGINT the instant `ip netns add` (or `ip link add`) of host 1 returns. The launcher's
   handler raised KeyboardInterrupt there, before the namespace was recorded for removal, and
   left it behind (seen once in CI); now the set-up stops at its next check, with all recorded."""
-  before_ns, before_links = _netns(), _links()
   real_run = cluster._run
 
   def run_then_interrupt(*argv, **kw):
@@ -573,22 +584,16 @@ def test_a_signal_right_after_a_namespace_or_link_is_made_leaves_nothing(tmp_pat
       os.kill(os.getpid(), signal.SIGINT)
     return out
   monkeypatch.setattr(cluster, "_run", run_then_interrupt)
-  with pytest.raises(cluster.ClusterError, match="interrupted while setting up") as info:
-    cluster.launch("experiments.no_such_module", [], hosts=3, devices_per_host=1,
-                   bandwidth="100mbit", workdir=str(tmp_path / "w"))
-  assert info.value.code == 130
-  assert not [n for n in _netns() - before_ns if n.startswith("jlp")]
-  assert not [n for n in _links() - before_links if n.startswith("jlp")]
+  _assert_an_interrupted_set_up_leaves_nothing(tmp_path, hosts=3)
 
 
 @NEEDS_ROOT
 def test_a_command_that_fails_after_a_signal_is_the_interruption(tmp_path, monkeypatch):
   """SIGINT, then the next set-up command dies of a SIGINT too, as an `ip` did in a full run of
   the suite (the launcher exited 1 with "`ip link set ... netns ...` failed: " and nothing
-  after it). The launcher reports
-  the interruption (exit 130) and leaves nothing; a command that fails without a signal is still
-  its own error, which now says how it ended when it printed nothing."""
-  before_ns, before_links = _netns(), _links()
+  after it). The launcher reports the interruption (exit 130) and leaves nothing; a command that
+  fails without a signal is still its own error, which now says how it ended when it printed
+  nothing."""
   real_run = cluster._run
 
   def interrupted_run(*argv, **kw):
@@ -597,12 +602,7 @@ def test_a_command_that_fails_after_a_signal_is_the_interruption(tmp_path, monke
       return real_run("sh", "-c", "kill -INT $$", **kw)
     return real_run(*argv, **kw)
   monkeypatch.setattr(cluster, "_run", interrupted_run)
-  with pytest.raises(cluster.ClusterError, match="interrupted while setting up") as info:
-    cluster.launch("experiments.no_such_module", [], hosts=2, devices_per_host=1,
-                   bandwidth="100mbit", workdir=str(tmp_path / "w"))
-  assert info.value.code == 130
-  assert not [n for n in _netns() - before_ns if n.startswith("jlp")]
-  assert not [n for n in _links() - before_links if n.startswith("jlp")]
+  _assert_an_interrupted_set_up_leaves_nothing(tmp_path, hosts=2)
   with pytest.raises(cluster.ClusterError, match=r"failed: killed by SIGINT$"):
     real_run("sh", "-c", "kill -INT $$")
 
