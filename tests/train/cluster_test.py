@@ -542,11 +542,14 @@ def test_signals_during_the_teardown_leave_nothing(tmp_path, signum, code):
 @NEEDS_ROOT
 def test_a_ctrl_c_during_the_set_up_removes_what_it_made(tmp_path):
   """Ctrl-C while 24 hosts' namespaces are being made: one line saying so, exit 130, nothing
-  left (it exited 1 with an empty message)."""
+  left (it exited 1 with an empty message). The launcher's names start with jlp and its pid
+  (`cluster.Network`): a test on another worker that makes namespaces at the same time must not
+  pass for it (that sent the Ctrl-C while the launcher was still importing)."""
   before = _netns()
   launcher = _cli(tmp_path / "w", "experiments.no_such_module", hosts=24, bandwidth="100mbit")
+  ours = f"{cluster.PREFIX}{launcher.pid % 10000:04d}"
   deadline = time.monotonic() + 60
-  while not [n for n in _netns() - before if n.startswith("jlp")]:
+  while not [n for n in _netns() - before if n.startswith(ours)]:
     assert time.monotonic() < deadline
     time.sleep(0.02)
   os.killpg(launcher.pid, signal.SIGINT)
@@ -554,19 +557,21 @@ def test_a_ctrl_c_during_the_set_up_removes_what_it_made(tmp_path):
   assert launcher.returncode == 130, err[-2000:]
   assert err.strip().splitlines()[-1] == (
       "error: interrupted while setting up the network; what it made is removed")
-  assert not [n for n in _netns() - before if n.startswith("jlp")]
+  assert not [n for n in _netns() - before if n.startswith(ours)]
 
 
 def _assert_an_interrupted_set_up_leaves_nothing(tmp_path, hosts):
   """`launch` (with `cluster._run` patched to interrupt it) reports the interruption while
-  setting up, exits 130 and leaves no jlp namespace or link."""
+  setting up, exits 130 and leaves no namespace or link of its own (named jlp and this process's
+  pid, `cluster.Network`; other workers' tests make theirs at the same time)."""
+  ours = f"{cluster.PREFIX}{os.getpid() % 10000:04d}"
   before_ns, before_links = _netns(), _links()
   with pytest.raises(cluster.ClusterError, match="interrupted while setting up") as info:
     cluster.launch("experiments.no_such_module", [], hosts=hosts, devices_per_host=1,
                    bandwidth="100mbit", workdir=str(tmp_path / "w"))
   assert info.value.code == 130
-  assert not [n for n in _netns() - before_ns if n.startswith("jlp")]
-  assert not [n for n in _links() - before_links if n.startswith("jlp")]
+  assert not [n for n in _netns() - before_ns if n.startswith(ours)]
+  assert not [n for n in _links() - before_links if n.startswith(ours)]
 
 
 @NEEDS_ROOT
