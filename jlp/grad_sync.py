@@ -122,6 +122,10 @@ class GradSync:
       raise invalid("node_map", self.node_map, f"one of {NODE_MAPS}")
     if not isinstance(self.axis_name, str) or not self.axis_name:
       raise invalid("axis_name", self.axis_name, "a mesh axis name such as 'data'")
+    if self.algorithm == "psum" and (fmt is not None or self.kahan or self.uses_emulation):
+      raise invalid("algorithm", self.algorithm,
+                     "'sequential' or 'ring' with fmt, kahan or emulated nodes (psum is XLA's "
+                     "float32 all-reduce of real devices)")
     # Which values cross devices as the format's codes (raises for an impossible "packed").
     packed_wire(fmt, self.algorithm, self.aps, self.wire)
     self._check_compression()
@@ -211,6 +215,7 @@ class GradSync:
       ring:        W-1 hops of one chunk per leaf, then one all_gather of each leaf's reduced
                    chunk: (W-1) * 4 * sum(C) * 2 (3 with Kahan: the compensation travels too),
                    C = ceil(size / W) per leaf
+      psum:        counted as the float32 ring (XLA picks its all-reduce's algorithm)
       emulated nodes, form="flat":  the all_gather of the N stacked nodes: (W-1) * 4 * N * n
       emulated nodes, form="cpd":   the local fold sends nothing; then as above over W devices
     with n = sum(sizes). APS's exponent agreement (one pmax of one scalar per leaf) is not

@@ -9,7 +9,8 @@ precision all-reduce (docs/cpd.md#all-reduce) or with a HiPress compressor (docs
                name such as "e4m3"; CPD's numerics: FloatFormat(4, 3, compat="cpd")).
   algorithm    "sequential" (CPD: all_gather, then a fold in rank order with a cast after each add)
                or "ring" (reduce-scatter + all-gather over ppermute, every value on the wire in
-               fmt).
+               fmt), or "psum" (XLA's float32 all-reduce, `lax.psum`: fmt None, no Kahan, real
+               devices only).
   kahan        Kahan-compensated fold (docs/cpd.md#sums).
   aps          False, True (APS with exact exponents, docs/cpd.md#aps) or "cpd" (CPD's log2/ceil
                rule).

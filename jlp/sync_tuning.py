@@ -11,13 +11,15 @@ cores, so on a real cluster those prices are off by 1.3-9x (BENCHMARKS.md). Here
     supports, at a few sizes and partition counts, and fits the planner's coefficients to them
     by non-negative least squares: per topology a `CostModel` whose formulas (SeCoPa's,
     `jlp.compression.secopa`) reproduce those timings; a line for the uncompressed float32 ring
-    all-reduce (what CaSync sends its uncompressed leaves with, all of them packed into one); and,
-    for topology "allreduce" (PowerSGD), a line in the synced elements. A `SyncFit` is saved as
+    all-reduce (what CaSync sends its uncompressed leaves with, all of them packed into one); one
+    for XLA's own float32 all-reduce (`lax.psum`); and, for topology "allreduce" (PowerSGD), a
+    line in the synced elements. A `SyncFit` is saved as
     JSON and reused on the same cluster (`SyncFit.load(path, cluster=...)`: None when it was made
     on another one), like NCCL's tuning or Horovod's autotune cache.
   * `rank_plans` prices, for a gradient pytree, every plan the compressor can run: per topology
     (each leaf compressed into its best K, or left to the float32 ring when that is cheaper), and
-    "don't compress" (every leaf on the float32 ring). Cheapest first.
+    "don't compress" twice: every leaf on the float32 ring ("float32") or summed by `lax.psum`
+    ("psum"). Cheapest first.
   * `autotune` times the highest ranked plans (at most `limit`) on the live devices, with
     gradient-shaped data, and keeps the fastest; every process takes process 0's choice.
 
@@ -49,11 +51,13 @@ from jlp.compression.base import invalid
 from jlp.compression.secopa import CostModel, LinearCost, leaf_sizes
 from jlp.sync import GradSync, reduce_gradients
 
-__all__ = ["FLOAT32", "Plan", "SyncFit", "autotune", "cluster_key", "fit_sync_costs",
+__all__ = ["FLOAT32", "PSUM", "Plan", "SyncFit", "autotune", "cluster_key", "fit_sync_costs",
            "plan_sync", "rank_plans"]
 
 #: The plan that compresses nothing: every leaf summed by the float32 ring all-reduce.
 FLOAT32 = "float32"
+#: The plan that compresses nothing and sums with XLA's own all-reduce (`lax.psum`).
+PSUM = "psum"
 
 
 def cluster_key(devices: Sequence[Any] | None = None) -> str:
@@ -73,6 +77,8 @@ class SyncFit:
     whole compressed syncs on `num_nodes` devices).
   float32: the float32 ring all-reduce of x elements, ms.
   allreduce: topology "allreduce" (PowerSGD): its sync of x elements, ms; None if not fitted.
+  psum: XLA's float32 all-reduce (`lax.psum`) of x elements, ms; None if not fitted (a fit
+    saved before it was timed).
   samples: (label, elements, measured ms) the fit was made from.
   """
   compressor: str
@@ -82,6 +88,7 @@ class SyncFit:
   float32: LinearCost
   allreduce: LinearCost | None = None
   samples: tuple[tuple[str, int, float], ...] = ()
+  psum: LinearCost | None = None
 
   def model(self, topology: str) -> CostModel:
     return dict(self.models)[topology]
@@ -97,6 +104,8 @@ class SyncFit:
       return self.float32(size)
     if label == "allreduce":
       return self.allreduce(size)
+    if label == PSUM:
+      return self.psum(size)
     topology, k = _parse(label)
     codec = base.get(self.compressor) if codec is None else codec
     return _compressed_cost(self.model(topology), topology, size, k, self.num_nodes, codec)
@@ -106,6 +115,7 @@ class SyncFit:
             "models": {t: m.to_dict() for t, m in self.models},
             "float32": self.float32.to_dict(),
             "allreduce": None if self.allreduce is None else self.allreduce.to_dict(),
+            "psum": None if self.psum is None else self.psum.to_dict(),
             "samples": [list(s) for s in self.samples]}
 
   @classmethod
@@ -116,6 +126,7 @@ class SyncFit:
                  models=tuple((t, CostModel.from_dict(m)) for t, m in data["models"].items()),
                  float32=LinearCost(**data["float32"]),
                  allreduce=None if data["allreduce"] is None else LinearCost(**data["allreduce"]),
+                 psum=None if data.get("psum") is None else LinearCost(**data["psum"]),
                  samples=tuple((str(a), int(b), float(c)) for a, b, c in data["samples"]))
     except (KeyError, TypeError, AttributeError) as e:
       raise ValueError(f"a sync fit of {sorted(data) if isinstance(data, Mapping) else data!r} "
@@ -192,13 +203,13 @@ def _coefficients(model: CostModel, topology: str, n: int) -> dict[str, float]:
 
 def fit_from_samples(samples: Sequence[tuple[str, int, float]], *, compressor: str,
                      num_nodes: int, cluster: str) -> SyncFit:
-  """A `SyncFit` from (label, elements, ms) samples of whole syncs: "float32" and "allreduce"
-  samples get a line each (least squares, slope and intercept >= 0); "ps, K=k" / "ring, K=k"
+  """A `SyncFit` from (label, elements, ms) samples of whole syncs: "float32", "psum" and
+  "allreduce" samples get a line each (least squares, slope and intercept >= 0); "ps, K=k" / "ring, K=k"
   samples, per topology, SeCoPa's coefficients by non-negative least squares."""
   codec = base.get(compressor)
   by_kind: dict[str, list[tuple[int, int, float]]] = {}
   for label, size, ms in samples:
-    if label in (FLOAT32, "allreduce"):
+    if label in (FLOAT32, PSUM, "allreduce"):
       by_kind.setdefault(label, []).append((0, size, ms))
     else:
       topology, k = _parse(label)
@@ -233,22 +244,23 @@ def fit_from_samples(samples: Sequence[tuple[str, int, float]], *, compressor: s
   return SyncFit(compressor=compressor, num_nodes=num_nodes, cluster=cluster,
                  models=tuple(models), float32=line(by_kind[FLOAT32]),
                  allreduce=line(by_kind["allreduce"]) if "allreduce" in by_kind else None,
+                 psum=line(by_kind[PSUM]) if PSUM in by_kind else None,
                  samples=tuple((str(a), int(b), float(c)) for a, b, c in samples))
 
 
 # -- plans ----------------------------------------------------------------------------------------
 class Plan(NamedTuple):
-  """One way to sync a gradient pytree: `label` ("float32", "ps", "ring", "allreduce"), the
-  GradSync fields that run it, and its predicted ms (nan: not priced)."""
+  """One way to sync a gradient pytree: `label` ("float32", "psum", "ps", "ring", "allreduce"),
+  the GradSync fields that run it, and its predicted ms (nan: not priced)."""
   label: str
-  topology: str | None  # None: float32 (no compression)
+  topology: str | None  # None: no compression (float32 ring, or psum for label "psum")
   leaf_plan: tuple[tuple[str, tuple[bool, int]], ...]  # CaSync's {keystr(path): (compress, K)}
   predicted_ms: float
 
   def grad_sync(self, compressor: base.Compressor, seed: int = 0) -> GradSync:
     """The `jlp.sync.GradSync` that runs this plan."""
     if self.topology is None:
-      return GradSync(algorithm="ring")
+      return GradSync(algorithm="psum" if self.label == PSUM else "ring")
     if self.topology == "allreduce":
       return GradSync(compression=compressor, topology="allreduce", min_size=0, seed=seed)
     return GradSync(compression=compressor, topology=self.topology, min_size=0,
@@ -257,7 +269,7 @@ class Plan(NamedTuple):
 
 def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None = None, *,
                num_nodes: int | None = None, min_size: int = 0) -> list[Plan]:
-  """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", and per
+  """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", "psum", and per
   topology the compressor runs ("ps", "ring": each leaf in its best K, or on the float32 ring
   when cheaper; "allreduce": the compressor's own routing). Without a fit, the CaSync plans
   are the sync's own rule on each topology (a leaf of more than `min_size` elements compressed
@@ -269,7 +281,8 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
     raise invalid("num_nodes", num_nodes, "the device count when no fit is given")
   total = sum(size for _, size in leaves)
   nan = float("nan")
-  plans = [Plan(FLOAT32, None, (), fit.float32(total) if fit else nan)]
+  plans = [Plan(FLOAT32, None, (), fit.float32(total) if fit else nan),
+           Plan(PSUM, None, (), fit.psum(total) if fit and fit.psum else nan)]
   for topology in codec.topologies:
     if topology == "allreduce":
       priced = fit is not None and fit.allreduce is not None
@@ -319,46 +332,83 @@ def _sync_program(sync: Any, tree: Any, mesh: Mesh, axis: str) -> Callable[[Any]
 
 
 def _device_tree(tree: Any, mesh: Mesh, axis: str, seed: int = 0) -> Any:
-  """`tree`'s shapes, standard-normal float32 values, one copy per device along `axis`."""
+  """`tree`'s shapes, float32 values, one copy per device along `axis`: per leaf one
+  standard-normal draw, which device d holds rotated by d elements (different values on every
+  device at the cost of one draw, not W)."""
   rng = np.random.default_rng(seed)
   sharding = NamedSharding(mesh, P(axis))
   w = mesh.devices.size
 
   def make(leaf):
-    shape = (w * int(leaf.shape[0]),) + tuple(leaf.shape[1:]) if leaf.shape else (w,)
-    host = rng.standard_normal(shape).astype(np.float32)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    one = rng.standard_normal(leaf.shape or (1,)).astype(np.float32)
+    rows = one.shape[0]
+
+    def shard(index):
+      start = index[0].start or 0
+      return np.roll(one, start // rows, axis=0)
+    return jax.make_array_from_callback((w * rows,) + one.shape[1:], sharding, shard)
   return jax.tree.map(make, tree)
 
 
-def time_sync_ms(sync: Any, tree: Any, *, mesh: Mesh | None = None, axis: str = "data",
-                 repeats: int = 3) -> float:
-  """Median wall ms of `sync` on a pytree shaped like `tree` (one copy per device: leaves of shape
-  [n, ...] become [W * n, ...] sharded along `axis`), after a compiling call."""
+def time_in_rounds(calls: Sequence[Callable[[], Any]], repeats: int, *,
+                   drop_above: float | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> list[list[float]]:
+  """Wall ms of each of `calls` (each runs a program to completion), in `repeats` rounds that call
+  every one once, in an order rotated by one from round to round. A change of load during the
+  timing (another process, another host's threads on the same cores) then falls on every call
+  alike, not on whichever was being timed then. With `drop_above`, a call slower than
+  `drop_above` times the fastest of the first round is not called again (it cannot be the
+  fastest; with several processes, process 0's first round decides). Every process of a
+  multi-host run calls them in the same order. Returns each call's times, in the order given."""
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    raise invalid("repeats", repeats, "an int >= 1")
+  times: list[list[float]] = [[] for _ in calls]
+  live = list(range(len(calls)))
+  for r in range(repeats):
+    for j in range(len(live)):
+      i = live[(j + r) % len(live)]
+      start = clock()
+      calls[i]()
+      times[i].append(1000 * (clock() - start))
+    if r == 0 and drop_above is not None and live:
+      fastest = min(times[i][0] for i in live)
+      keep = np.array([times[i][0] <= drop_above * fastest for i in live])
+      if jax.process_count() > 1:  # every process goes on calling the same programs
+        keep = multihost_utils.broadcast_one_to_all(keep)
+      live = [i for i, kept in zip(live, np.asarray(keep).tolist()) if kept]
+  return times
+
+
+def time_syncs_ms(syncs: Sequence[Any], tree: Any, *, mesh: Mesh | None = None,
+                  axis: str = "data", repeats: int = 3, drop_above: float | None = None,
+                  seed: int = 0) -> list[float]:
+  """Median wall ms of each of `syncs` on one pytree shaped like `tree` (one copy per device:
+  leaves of shape [n, ...] become [W * n, ...] sharded along `axis`): each compiled and called
+  once, then timed in rounds (`time_in_rounds`)."""
   mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
   flat = jax.tree.map(lambda a: jax.ShapeDtypeStruct((math.prod(a.shape),), jnp.float32), tree)
-  fn = _sync_program(sync, flat, mesh, axis)
-  data = _device_tree(flat, mesh, axis)
-  jax.block_until_ready(fn(data))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+  data = _device_tree(flat, mesh, axis, seed)
+  programs = [_sync_program(sync, flat, mesh, axis) for sync in syncs]
+  for fn in programs:
     jax.block_until_ready(fn(data))
-    times.append(1000 * (time.perf_counter() - start))
-  return statistics.median(times)
+  times = time_in_rounds([lambda fn=fn: jax.block_until_ready(fn(data)) for fn in programs],
+                         repeats, drop_above=drop_above)
+  return [statistics.median(t) for t in times]
 
 
 def fit_sync_costs(compressor: base.Compressor | str, *, sizes: Sequence[int] = (
     1 << 14, 1 << 16, 1 << 18), partitions: Sequence[int] | None = None,
                    mesh: Mesh | None = None, axis: str = "data", repeats: int = 3,
                    cluster: str | None = None,
-                   timer: Callable[[Any, Any], float] | None = None) -> SyncFit:
+                   timer: Callable[[Sequence[Any], Any], Sequence[float]] | None = None
+                   ) -> SyncFit:
   """Times whole syncs of one gradient of each size in `sizes` on the live devices and fits a
   `SyncFit` (module docstring): the float32 ring, and for each topology the compressor supports
   ("ps" / "ring" at each K in `partitions`, default 1, N/2 and N; "allreduce" once per size).
   With several processes every one fits process 0's timings (so all plan alike). `cluster`
   names the cluster in the fit (default `cluster_key()`; add what the devices do not tell, such
-  as the link's shaping). `timer(sync, tree) -> ms` replaces the timing (tests)."""
+  as the link's shaping). The syncs of one size are timed in rounds (`time_syncs_ms`);
+  `timer(syncs, tree) -> [ms]` replaces that timing (tests)."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
   if not isinstance(codec, base.Compressor):
     raise invalid("compressor", compressor, "a jlp.compression Compressor or a registered name")
@@ -372,23 +422,22 @@ def fit_sync_costs(compressor: base.Compressor | str, *, sizes: Sequence[int] = 
   ks = tuple(sorted({1, max(1, n // 2), n})) if partitions is None else tuple(partitions)
   if not ks or not all(isinstance(k, int) and 1 <= k <= n for k in ks):
     raise invalid("partitions", partitions, f"ints in [1, {n}]")
-  timer = timer or (lambda sync, tree: time_sync_ms(sync, tree, mesh=mesh, axis=axis,
-                                                    repeats=repeats))
+  timer = timer or (lambda syncs, tree: time_syncs_ms(syncs, tree, mesh=mesh, axis=axis,
+                                                      repeats=repeats))
   samples = []
   for size in sizes:
     tree = {"g": jax.ShapeDtypeStruct((size,), jnp.float32)}
-    samples.append((FLOAT32, size, timer(GradSync(algorithm="ring"), tree)))
+    labelled = [(FLOAT32, GradSync(algorithm="ring")), (PSUM, GradSync(algorithm="psum"))]
     for topology in codec.topologies:
       if topology == "allreduce":
-        sync = GradSync(compression=codec, topology="allreduce", min_size=0)
-        samples.append(("allreduce", size, timer(sync, tree)))
+        labelled.append(("allreduce", GradSync(compression=codec, topology="allreduce",
+                                               min_size=0)))
         continue
-      for k in ks:
-        if k > size:
-          continue
-        sync = GradSync(compression=codec, topology=topology, min_size=0,
-                        plan={"['g']": (True, k)})
-        samples.append((_label(topology, k), size, timer(sync, tree)))
+      labelled += [(_label(topology, k), GradSync(compression=codec, topology=topology,
+                                                  min_size=0, plan={"['g']": (True, k)}))
+                   for k in ks if k <= size]
+    ms = timer([sync for _, sync in labelled], tree)
+    samples += [(label, size, float(m)) for (label, _), m in zip(labelled, ms, strict=True)]
   if jax.process_count() > 1:
     ms = multihost_utils.broadcast_one_to_all(np.array([m for _, _, m in samples], np.float64))
     samples = [(label, size, float(m)) for (label, size, _), m in zip(samples, ms, strict=True)]
@@ -398,6 +447,10 @@ def fit_sync_costs(compressor: base.Compressor | str, *, sizes: Sequence[int] = 
 
 
 # -- autotune -------------------------------------------------------------------------------------
+#: A plan this many times slower than the fastest in autotune's first round is not timed again.
+DROP_ABOVE = 2.0
+
+
 class Autotuned(NamedTuple):
   """What `autotune` chose: the plan, the ms measured for each plan timed, and their labels in
   the order timed."""
@@ -426,19 +479,25 @@ def tree_digest(tree: Any) -> str:
 def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | None = None,
              limit: int = 4, min_size: int = 0, mesh: Mesh | None = None, axis: str = "data",
              repeats: int = 3, seed: int = 0,
-             timer: Callable[[Any, Any], float] | None = None) -> Autotuned:
+             timer: Callable[[Sequence[Any], Any], Sequence[float]] | None = None
+             ) -> Autotuned:
   """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit; their CaSync
   plans compress the leaves of more than `min_size` elements) on gradient-shaped data and keeps
   the fastest; with several processes every process takes process 0's choice.
-  `timer(sync, tree) -> ms` replaces the timing (tests)."""
+
+  The plans are timed in `repeats` rounds (`time_in_rounds`); a plan more than `DROP_ABOVE`
+  times slower than the fastest in the first round is not timed again, and its measured ms is
+  that first time. `timer(syncs, tree) -> [ms]` replaces the timing (tests)."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
   if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
     raise invalid("limit", limit, "an int >= 1")
   mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
   plans = rank_plans(tree, codec, fit, num_nodes=mesh.devices.size, min_size=min_size)[:limit]
-  timer = timer or (lambda sync, t: time_sync_ms(sync, t, mesh=mesh, axis=axis,
-                                                 repeats=repeats))
-  measured = {p.label: float(timer(p.grad_sync(codec, seed), tree)) for p in plans}
+  timer = timer or (lambda syncs, t: time_syncs_ms(syncs, t, mesh=mesh, axis=axis,
+                                                   repeats=repeats, drop_above=DROP_ABOVE,
+                                                   seed=seed))
+  ms = timer([p.grad_sync(codec, seed) for p in plans], tree)
+  measured = {p.label: float(m) for p, m in zip(plans, ms, strict=True)}
   best = min(range(len(plans)), key=lambda i: measured[plans[i].label])
   if jax.process_count() > 1:
     best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))

@@ -26,10 +26,12 @@ def _truth(encode_w=2e-6, ring_w=4e-5, gather_w=6e-5, intercept=0.5):
 
 
 def _samples(truth, codec, sizes=(1 << 14, 1 << 16, 1 << 18), ks=(1, 4, 8), float32=(4e-5, 1.0),
-             topologies=("ps", "ring")):
+             topologies=("ps", "ring"), psum=(6e-5, 1.5)):
   out = []
   for size in sizes:
     out.append(("float32", size, float32[0] * size + float32[1]))
+    if psum is not None:
+      out.append(("psum", size, psum[0] * size + psum[1]))
     for topology in topologies:
       costs = secopa.sync_costs(size, num_nodes=N, topology=topology, cost_model=truth,
                                 compressor=codec)
@@ -50,6 +52,7 @@ def test_the_fit_reproduces_secopas_formulas_at_unseen_sizes_and_partitions(code
       got = fit.predict(f"{topology}, K={k}", size)
       assert got == pytest.approx(want, rel=0.02), (topology, size, k)
   assert fit.predict("float32", 1 << 20) == pytest.approx(4e-5 * (1 << 20) + 1.0, rel=1e-6)
+  assert fit.predict("psum", 1 << 20) == pytest.approx(6e-5 * (1 << 20) + 1.5, rel=1e-6)
 
 
 def test_the_seed_per_operation_model_misprices_what_the_whole_sync_fit_gets():
@@ -68,9 +71,9 @@ def test_the_seed_per_operation_model_misprices_what_the_whole_sync_fit_gets():
   assert fit.predict(f"ring, K={N}", size) == pytest.approx(measured, rel=0.05)
 
 
-def _fit(ps_scale=1.0, ring_scale=1.0, float32=(4e-5, 1.0)):
+def _fit(ps_scale=1.0, ring_scale=1.0, float32=(4e-5, 1.0), psum=(6e-5, 1.5)):
   samples = []
-  for label, size, ms in _samples(_truth(), "onebit", float32=float32):
+  for label, size, ms in _samples(_truth(), "onebit", float32=float32, psum=psum):
     scale = ps_scale if label.startswith("ps") else ring_scale if label.startswith("ring") else 1
     samples.append((label, size, ms * scale))
   return st.fit_from_samples(samples, compressor="onebit", num_nodes=N, cluster="test")
@@ -86,7 +89,7 @@ def test_the_plan_picks_the_topology_that_is_much_faster():
     plans = st.rank_plans(GRADS, "onebit", _fit(ps_scale, ring_scale))
     assert plans[0].label == want, [(p.label, p.predicted_ms) for p in plans]
     assert [p.predicted_ms for p in plans] == sorted(p.predicted_ms for p in plans)
-    assert {p.label for p in plans} == {"float32", "ps", "ring"}
+    assert {p.label for p in plans} == {"float32", "psum", "ps", "ring"}
     leaf = dict(plans[0].leaf_plan)
     assert leaf["['big']"][0] and not leaf["['tiny']"][0]  # a 10-element leaf stays dense
     expected = plans[0].predicted_ms
@@ -102,11 +105,27 @@ def test_dont_compress_is_a_plan_and_wins_when_the_network_is_fast():
   plans = st.rank_plans(GRADS, "onebit", _fit(float32=(1e-8, 0.01)))
   assert plans[0].label == "float32" and plans[0].topology is None
   assert plans[0].grad_sync(st.base.get("onebit")) == GradSync(algorithm="ring")
+  # XLA's all-reduce is a plan of its own, priced by its own line.
+  plans = st.rank_plans(GRADS, "onebit", _fit(float32=(1e-8, 0.01), psum=(1e-9, 0.001)))
+  assert plans[0].label == "psum" and plans[0].topology is None
+  assert plans[0].grad_sync(st.base.get("onebit")) == GradSync(algorithm="psum")
+  assert plans[0].predicted_ms == pytest.approx(1e-9 * ((1 << 20) + (1 << 16) + 10) + 0.001)
+
+
+def test_a_fit_saved_before_psum_was_timed_loads_and_leaves_psum_unpriced(tmp_path):
+  fit = _fit(psum=None)
+  assert fit.psum is None
+  data = fit.to_dict()
+  del data["psum"]  # as written before psum was fitted
+  old = st.SyncFit.from_dict(data)
+  assert old == fit
+  plans = st.rank_plans(GRADS, "onebit", old)
+  assert plans[-1].label == "psum" and math.isnan(plans[-1].predicted_ms)
 
 
 def test_without_a_fit_every_plan_is_a_candidate_and_unpriced():
   plans = st.rank_plans(GRADS, "onebit", num_nodes=N)
-  assert {p.label for p in plans} == {"float32", "ps", "ring"}
+  assert {p.label for p in plans} == {"float32", "psum", "ps", "ring"}
   assert all(math.isnan(p.predicted_ms) for p in plans)
   # The sync's own rule on each topology: leaves above min_size compressed, in K = min(N, size).
   ps = next(p for p in st.rank_plans(GRADS, "onebit", num_nodes=N, min_size=1000)
@@ -115,19 +134,20 @@ def test_without_a_fit_every_plan_is_a_candidate_and_unpriced():
                                 "['tiny']": (False, 1)}
   powersgd = st.rank_plans({"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}, "powersgd",
                            num_nodes=N)
-  assert {p.label for p in powersgd} == {"float32", "allreduce"}
+  assert {p.label for p in powersgd} == {"float32", "psum", "allreduce"}
 
 
 def test_autotune_times_at_most_limit_plans_and_keeps_the_fastest():
   timed = []
-  ms = {"float32": 30.0, "ps": 10.0, "ring": 20.0}
+  ms = {"float32": 30.0, "psum": 25.0, "ps": 10.0, "ring": 20.0}
 
-  def timer(sync, tree):
-    label = "float32" if sync.compression is None else sync.topology
-    timed.append(label)
-    return ms[label]
+  def timer(syncs, tree):
+    labels = [sync.topology if sync.compression else "psum" if sync.algorithm == "psum"
+              else "float32" for sync in syncs]
+    timed.extend(labels)
+    return [ms[label] for label in labels]
   got = st.autotune(GRADS, "onebit", timer=timer, mesh=_mesh())
-  assert got.plan.label == "ps" and sorted(timed) == ["float32", "ps", "ring"]
+  assert got.plan.label == "ps" and sorted(timed) == ["float32", "ps", "psum", "ring"]
   assert got.measured_ms == ms
   timed.clear()
   # With a fit, only the `limit` best ranked are timed: here ring (predicted fastest) alone.
@@ -139,6 +159,55 @@ def test_autotune_times_at_most_limit_plans_and_keeps_the_fastest():
 def _mesh():
   from jax.sharding import Mesh
   return Mesh(np.array(jax.devices()), ("data",))
+
+
+class _LoadedClock:
+  """A fake clock for `time_in_rounds`: each call advances it by its cost, times 3 while the
+  clock is below `busy_until` (another process holding the cores)."""
+
+  def __init__(self, busy_until: float):
+    self.now, self.busy_until = 0.0, busy_until
+
+  def __call__(self) -> float:
+    return self.now
+
+  def run(self, cost: float):
+    return lambda: setattr(self, "now", self.now + cost * (3 if self.now < self.busy_until else 1))
+
+
+def test_rounds_spread_a_change_of_load_over_every_call():
+  """Call a costs 10, b 12; the cores are busy (3x) until t = 60. Timed one after the other, a's
+  three calls all fall in the busy time and b looks the faster; in rounds each sees the busy
+  time once and a is the faster. Times are in clock units x 1000 (ms of seconds)."""
+  clock = _LoadedClock(busy_until=60)
+  sequential = [st.time_in_rounds([call], 3, clock=clock)[0]
+                for call in (clock.run(10), clock.run(12))]
+  assert [float(np.median(t)) for t in sequential] == [30000, 12000]
+  clock = _LoadedClock(busy_until=60)
+  a, b = st.time_in_rounds([clock.run(10), clock.run(12)], 3, clock=clock)
+  assert (a, b) == ([30000, 10000, 10000], [36000, 12000, 12000])
+  assert np.median(a) < np.median(b)
+
+
+def test_rounds_drop_a_call_far_slower_than_the_fastest_after_the_first_round():
+  clock = _LoadedClock(busy_until=0)
+  calls = [clock.run(10), clock.run(25), clock.run(19)]
+  times = st.time_in_rounds(calls, 3, drop_above=2.0, clock=clock)
+  assert [len(t) for t in times] == [3, 1, 3] and times[1] == [25000]
+  with pytest.raises(ValueError, match="repeats"):
+    st.time_in_rounds(calls, 0)
+
+
+def test_the_timing_data_differs_per_device_and_is_drawn_once():
+  """`_device_tree` gives every device the leaf's one draw, rotated by the device's index."""
+  tree = {"a": jax.ShapeDtypeStruct((5,), jnp.float32), "b": jax.ShapeDtypeStruct((), jnp.float32)}
+  data = st._device_tree(tree, _mesh(), "data", seed=3)  # pylint: disable=protected-access
+  one = np.random.default_rng(3).standard_normal((5,)).astype(np.float32)
+  got = np.asarray(data["a"]).reshape(N, 5)
+  for d in range(N):
+    np.testing.assert_array_equal(got[d], np.roll(one, d))
+  assert data["a"].sharding.spec == jax.sharding.PartitionSpec("data")
+  assert np.asarray(data["b"]).shape == (N,)
 
 
 def test_a_fit_is_saved_and_reused_only_on_its_own_cluster(tmp_path):
@@ -159,7 +228,9 @@ def test_a_live_fit_and_autotune_on_the_test_devices():
   and autotune's choice a GradSync that sums like the float32 reference."""
   fit = st.fit_sync_costs("onebit", sizes=(1 << 10, 1 << 12), partitions=(N,), repeats=1)
   assert fit.num_nodes == len(jax.devices()) == N and set(fit.topologies) == {"ps", "ring"}
-  assert {label for label, _, _ in fit.samples} == {"float32", f"ps, K={N}", f"ring, K={N}"}
+  assert {label for label, _, _ in fit.samples} == {"float32", "psum", f"ps, K={N}",
+                                                     f"ring, K={N}"}
+  assert fit.psum is not None
   assert all(ms > 0 for _, _, ms in fit.samples)
   tree = {"a": jax.ShapeDtypeStruct((1 << 12,), jnp.float32)}
   chosen = st.autotune(tree, "onebit", fit=fit, limit=2, repeats=1)

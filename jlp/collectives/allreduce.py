@@ -36,6 +36,10 @@ by an `all_gather` of its own.
 With fmt=None the ring is a float32 ring, equal to `lax.psum` up to float32
 rounding (psum's own order is the backend's).
 
+algorithm="psum": `lax.psum` of every leaf (one call), XLA's own all-reduce, in float32 only
+(fmt=None, no Kahan, no APS): the uncompressed baseline a planner weighs the others against
+(`jlp.sync_tuning`). Its summation order is the backend's, so its bits are not the fold's.
+
 wire="packed" (the default where it applies, `packed_wire`): the values that cross devices are
 values of fmt (the ring's partial sums and compensations, its reduced chunks, and with APS the
 scaled gradients of the sequential gather), so they travel as fmt's codes, ceil(bits / 8) bytes
@@ -67,7 +71,7 @@ from jlp.formats import FloatFormat, as_format
 from jlp.numerics.float_cast import float_cast
 from jlp.numerics.sums import kahan_step, kahan_sum, sequential_sum
 
-ALGORITHMS = ("sequential", "ring")
+ALGORITHMS = ("sequential", "ring", "psum")
 
 
 def _invalid(field: str, given: Any, allowed: str) -> ValueError:
@@ -99,6 +103,9 @@ def check_options(fmt: Any, algorithm: Any, kahan: Any, aps: Any, mean: Any) -> 
                      "all-reduce formats are not supported)")
   if aps and fmt is None:
     raise _invalid("aps", aps, "False when fmt=None (APS scales to a low-precision format)")
+  if algorithm == "psum" and (fmt is not None or kahan):
+    raise _invalid("algorithm", algorithm, "'sequential' or 'ring' with a format or Kahan "
+                   "(psum is XLA's float32 all-reduce)")
   return fmt
 
 
@@ -257,7 +264,8 @@ def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None
     axis_name: a mesh axis of the enclosing shard_map.
     fmt: the wire/accumulation format (a FloatFormat or a name such as "e5m2";
       None: float32). Stochastic formats are rejected.
-    algorithm: "sequential" (all_gather + fold in rank order, CPD) or "ring".
+    algorithm: "sequential" (all_gather + fold in rank order, CPD), "ring" or "psum"
+      (`lax.psum`, float32 only).
     kahan: Kahan-compensated fold (the compensation travels in fmt in the ring).
     aps: False, True (exact guarded APS) or "cpd" (CPD's log2f rule, bugs included).
     mean: divide the float32 result by the number of ranks.
@@ -285,7 +293,9 @@ def allreduce(tree: Any, axis_name: Any, *, fmt: FloatFormat | str | None = None
         s = s / factors[i]
       return s / jnp.float32(n) if mean else s
     finishes.append(finish)
-  if algorithm == "sequential":
+  if algorithm == "psum":
+    out = [f(x) for f, x in zip(finishes, lax.psum(leaves, axis_name))]
+  elif algorithm == "sequential":
     sums = fold_leaves([p(g)[None] for p, g in zip(prepares, leaves)], fmt, kahan, axis_name,
                        codes=codes)
     out = [f(x) for f, x in zip(finishes, sums)]

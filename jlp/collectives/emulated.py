@@ -127,6 +127,9 @@ def emulated_allreduce(stacked_tree: Any, *, fmt: FloatFormat | str | None = Non
     The reduced tree, leaves without the node axis, identical on every device.
   """
   fmt = check_options(fmt, algorithm, kahan, aps, mean)
+  if algorithm == "psum":
+    raise _invalid("algorithm", algorithm, "'sequential' or 'ring' with emulated nodes (their "
+                   "sum is a fold in node order)")
   if form not in FORMS:
     raise _invalid("form", form, "one of " + ", ".join(map(repr, FORMS)))
   if not isinstance(cast_single, bool):

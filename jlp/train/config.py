@@ -58,7 +58,8 @@ Fields (see `base_config` for defaults):
                                 with "adamw" (its first-moment decay is adam_b1); adam_b1,
                                 adam_b2, adam_eps other than their defaults with "sgd".
   gradient sync (CPD)           grad_exp, grad_man (the all-reduce format; (8, 23) = float32),
-                                grad_algorithm ("sequential" | "ring"), use_aps, aps_mode
+                                grad_algorithm ("sequential" | "ring" | "psum": XLA's
+                                float32 all-reduce), use_aps, aps_mode
                                 ("exact" | "cpd"), use_kahan, emulate_nodes, emulate_form
                                 ("flat" | "cpd"), emulate_node_map ("unroll": fastest on CPU,
                                 compile time grows with emulate_nodes; "scan": one loop body,
@@ -98,8 +99,9 @@ Fields (see `base_config` for defaults):
                                 model with HiPress's seed cost model (4, 8 or 16 devices), or
                                 "autotune": before the first step, the plans this compressor can
                                 run (every topology it supports, K = devices; and no compression:
-                                the float32 ring) are timed on the live devices on gradient-shaped
-                                data and the fastest is kept (jlp.sync_tuning.autotune; with a
+                                the float32 ring) are timed as the run's train step on its first
+                                batch (from copies of the initial state, thrown away) and the
+                                fastest is kept (jlp.sync_tuning.autotune; with a
                                 whole-sync fit at compression.sync_fit, only the 4 it ranks
                                 highest, each leaf in its best K); the choice and its timings are
                                 printed and written to WORKDIR/sync_plan.json, which a resume
@@ -576,6 +578,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_grad_format(config)
   _check(config.grad_algorithm in ALGORITHMS, "grad_algorithm", config.grad_algorithm,
          f"one of {ALGORITHMS}")
+  _check(config.grad_algorithm != "psum" or (fmt is None and not config.use_kahan
+                                              and config.emulate_nodes == 1),
+         "grad_algorithm", config.grad_algorithm,
+         "'sequential' or 'ring' with a low-precision format (grad_exp, grad_man), use_kahan or "
+         "emulate_nodes > 1 ('psum' is XLA's float32 all-reduce of real devices)")
   _check(config.aps_mode in APS_MODES, "aps_mode", config.aps_mode, f"one of {APS_MODES}")
   _check(config.emulate_form in FORMS, "emulate_form", config.emulate_form, f"one of {FORMS}")
   _check(config.emulate_node_map in NODE_MAPS, "emulate_node_map", config.emulate_node_map,

@@ -51,6 +51,7 @@ import numpy as np
 from flax import nnx
 
 from jlp.nn import controller as bfp_controller, rules as nn_rules
+from jlp import sync_tuning
 from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
@@ -115,8 +116,17 @@ class Run:
   def steps_per_epoch(self) -> int:
     return max(1, self.train_pipe.steps_per_epoch)
 
-  def compile_step(self) -> None:
-    """(Re)builds the train and eval functions for the model's current graph (after a preset switch)."""
+  def train_step(self, sync: Any) -> TrainStep:
+    """The data-parallel train step of the model's current graph with gradient sync `sync`."""
+    config = self.config
+    return TrainStep(split_model(self.model)[0], self.optimizer, self.mesh, sync,
+                     loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
+                     unscale_grads=config.unscale_grads, donate=True,
+                     zse_report=self.report if self.quant.schedule is not None else None)
+
+  def compile_step(self, step_fn: TrainStep | None = None) -> None:
+    """(Re)builds the train and eval functions for the model's current graph (after a preset
+    switch); `step_fn`: a train step already built for it (`train_step(self.sync)`)."""
     config = self.config
     self.model.eval()
     eval_graphdef = split_model(self.model)[0]
@@ -128,10 +138,7 @@ class Run:
                                 loss_scale=float(config.loss_scale),
                                 unscale_grads=config.unscale_grads, donate=True)
     else:
-      self.step_fn = TrainStep(graphdef, self.optimizer, self.mesh, self.sync,
-                               loss_fn=recipe.loss_fn(config), loss_scale=float(config.loss_scale),
-                               unscale_grads=config.unscale_grads, donate=True,
-                               zse_report=self.report if self.quant.schedule is not None else None)
+      self.step_fn = step_fn or self.train_step(self.sync)
     task, classes = config.task, self.train_pipe.dataset.num_classes
     # DiLoCo: the outer params (the global model) with the replicas' mean BatchNorm statistics.
     view = self.step_fn.global_state if self.diloco is not None else lambda state: state
@@ -204,6 +211,42 @@ def _bfp_metrics(run: Run, zse: dict[str, dict[str, float]] | None) -> dict[str,
   return out
 
 
+class _StepTimer:
+  """compression.plan="autotune"'s timer (`jlp.sync_tuning.autotune`'s `timer`): each candidate
+  sync timed as this run's train step, on the run's first batch, each from its own copy of the
+  initial state (what the steps compute is thrown away: the run itself starts from the initial
+  state with the chosen sync, as a run configured with that sync would). The steps are timed in
+  rounds (`jlp.sync_tuning.time_in_rounds`). A sync timed apart from the step misjudges it: on
+  8 emulated devices with configs/digits_wide.py, the float32 ring all-reduce alone took 50-70 ms
+  against 67-88 ms for onebit's PS, but a run with it trained at 475 examples/s against 686. The
+  chosen sync's step, compiled here, is the run's."""
+
+  def __init__(self, run: Run, repeats: int = 3):
+    self.run, self.repeats = run, repeats
+    self.built: dict[Any, TrainStep] = {}
+
+  def __call__(self, syncs: Any, tree: Any) -> list[float]:
+    del tree  # the run's own gradients
+    run = self.run
+    with run.train_pipe.prefetch(0, 1, sharding=batch_sharding(run.mesh)) as batches:
+      batch = next(iter(batches))
+    states, steps = [], []
+    for sync in syncs:
+      if sync not in self.built:
+        self.built[sync] = run.train_step(sync)
+      steps.append(self.built[sync])
+      states.append(init_train_state(run.model, run.optimizer, run.mesh, sync)[1])
+
+    def call(i: int) -> None:
+      states[i] = steps[i](states[i], batch)[0]
+      jax.block_until_ready(states[i])
+    for i in range(len(syncs)):  # compiles
+      call(i)
+    times = sync_tuning.time_in_rounds([lambda i=i: call(i) for i in range(len(syncs))],
+                                       self.repeats, drop_above=sync_tuning.DROP_ABOVE)
+    return [float(np.median(t)) for t in times]
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        progress: bool | None = None,
                        config_changes: dict[str, tuple] | None = None,
@@ -216,9 +259,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   run = setup(config)
   manifests = {"train": run.train_pipe.dataset.manifest(), "eval": run.eval_pipe.dataset.manifest()}
   os.makedirs(workdir, exist_ok=True)
-  # compression.plan="autotune": the sync (and so the compression state's layout) is chosen here,
-  # or read back on a resume, before the state is made.
-  run.sync = recipe.autotune_sync(config, run.sync, split_model(run.model)[1], run.mesh, workdir)
   checkpoints = Checkpointer(workdir)
   start = checkpoints.latest_step() or 0
   data_changes = check_data(workdir, manifests, resuming=bool(start),
@@ -233,6 +273,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       run.quant.preset_at(0)
   run.report = run.quant.quantize(run.model, run.preset)
   run.model.train()
+  # compression.plan="autotune": the sync (and so the compression state's layout) is chosen here,
+  # by timing the candidates' train steps, or read back on a resume, before the state is made.
+  timer = _StepTimer(run)
+  run.sync = recipe.autotune_sync(config, run.sync, split_model(run.model)[1], run.mesh, workdir,
+                                  timer=timer)
   if run.diloco is not None:  # graphdef: compile_step
     _, state = init_diloco_state(run.model, run.diloco, run.mesh)
   else:
@@ -249,7 +294,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     if run.quant.controller is not None and saved_meta.get("controller"):
       run.quant.controller.load_state_dict(saved_meta["controller"])
     logger.info("resumed %s from step %d", workdir, start)
-  run.compile_step()
+  run.compile_step(timer.built.get(run.sync))
+  timer.built.clear()
   writer = MetricsWriter(workdir, resume_step=start or None, enabled=jax.process_index() == 0)
   record_start(config, workdir, start, config_changes, manifests, bool(data_changes), writer)
 

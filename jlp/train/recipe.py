@@ -24,6 +24,7 @@ import json
 import os
 import re
 import sys
+import time
 from typing import Any
 
 import jax
@@ -273,12 +274,14 @@ SYNC_PLAN_FILE = "sync_plan.json"
 
 
 def autotune_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any, mesh: Any,
-                  workdir: str) -> GradSync:
+                  workdir: str, timer: Any = None) -> GradSync:
   """With compression.plan="autotune", the sync `jlp.sync_tuning.autotune` finds fastest for
   gradients shaped like `params` on `mesh` (ranked by compression.sync_fit when given), written
   with its timings to WORKDIR/sync_plan.json; a later start of the run (a resume) reuses that
   choice without timing again when it was made for the same compressor, devices and gradient
-  shapes. `sync` itself otherwise. Prints one line."""
+  shapes. `sync` itself otherwise. Prints one line. `timer(syncs, tree) -> [ms]` times the
+  candidates (default: each sync alone, `jlp.sync_tuning.time_syncs_ms`; the data-parallel loop
+  times them as its train step)."""
   if sync.compression is None or config.compression.plan != AUTOTUNE:
     return sync
   path = os.path.join(workdir, SYNC_PLAN_FILE)
@@ -301,9 +304,11 @@ def autotune_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any
       if fit is None:
         raise _bad("compression.sync_fit", config.compression.sync_fit,
                    f"a fit made for compressor {config.compression.name!r} on {mesh.size} devices")
+    start = time.perf_counter()
     chosen = sync_tuning.autotune(params, sync.compression, fit=fit, min_size=sync.min_size,
-                                  mesh=mesh, axis=mesh.axis_names[0], seed=sync.seed)
-    how = "timed now"
+                                  mesh=mesh, axis=mesh.axis_names[0], seed=sync.seed,
+                                  timer=timer)
+    how = f"timed now in {time.perf_counter() - start:.1f} s"
     if jax.process_index() == 0:
       replace_file(path, lambda f: json.dump({"key": key, "choice": chosen.to_dict()}, f,
                                              indent=1))

@@ -4,13 +4,14 @@ rows of `python -m experiments.cluster_study`, which runs this on the cluster la
 Each case syncs one float32 gradient of `size` elements per device with
 `jlp.sync.reduce_gradients` (float32 `lax.psum` for the baseline), jitted inside one
 `jax.shard_map` over all devices; the compression state is a fresh one made inside the program
-(a memset of the residual, included in the time). The first call compiles; the median of the
-next `repeats` calls is reported, with the sync's `wire_bytes` (per device).
+(a memset of the residual, included in the time). Every case is compiled and called once, then
+timed in `repeats` rounds that call each case once (`jlp.sync_tuning.time_in_rounds`: a change of
+load during the timing falls on every case alike); the median is reported, with the sync's
+`wire_bytes` (per device).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import jax
@@ -20,6 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jlp.sync import GradSync, reduce_gradients
+from jlp.sync_tuning import time_in_rounds
 
 __all__ = ["CASES", "time_syncs"]
 
@@ -63,17 +65,14 @@ def time_syncs(size: int, repeats: int = 5,
   host = rng.standard_normal(W * size).astype(np.float32)
   x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("data")),
                                    lambda index: host[index])
-  rows = []
-  for name, sync in cases:
+  programs, wires = [], []
+  for _, sync in cases:
     fn = _program(sync, mesh, size)
     out, wire = fn(x)
     jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(x))
-      times.append(1000 * (time.perf_counter() - start))
-    wire_bytes = float(np.asarray(wire.addressable_shards[0].data)[0])
-    rows.append({"case": name, "ms": float(np.median(times)), "ms_all": times,
-                 "wire_bytes": wire_bytes})
-  return rows
+    programs.append(fn)
+    wires.append(float(np.asarray(wire.addressable_shards[0].data)[0]))
+  times = time_in_rounds([lambda fn=fn: jax.block_until_ready(fn(x)) for fn in programs],
+                         repeats)
+  return [{"case": name, "ms": float(np.median(t)), "ms_all": t, "wire_bytes": wire}
+          for (name, _), t, wire in zip(cases, times, wires, strict=True)]

@@ -145,6 +145,30 @@ def test_ring_float32_close_to_psum():
     assert np.allclose(g, s.astype(np.float64).sum(0), rtol=0, atol=1e-5)
 
 
+def test_psum_is_lax_psum_bit_for_bit_and_the_mean_divides_it():
+  """algorithm="psum" is XLA's all-reduce: the bits of `lax.psum` (an independent call of it),
+  then / W for the mean, and within float32 rounding of the float64 sum."""
+  ranks = random_ranks(8, SHAPES, seed=3)
+  stacked = [np.stack([r[i] for r in ranks]) for i in range(len(SHAPES))]
+  fn = jax.jit(jax.shard_map(lambda *xs: tuple(lax.psum(x[0], "r")[None] for x in xs),
+                             mesh=mesh_of(8), in_specs=P("r"), out_specs=P("r")))
+  psum = [np.asarray(o)[0] for o in fn(*stacked)]
+  for mean in (False, True):
+    got = reduced(ranks, algorithm="psum", mean=mean)
+    for g, p, s in zip(got, psum, stacked, strict=True):
+      ref.assert_same_bits(g, p / F32(8) if mean else p)
+      assert np.allclose(g, s.astype(np.float64).sum(0) / (8 if mean else 1), rtol=0, atol=1e-5)
+
+
+def test_psum_is_float32_of_real_devices_only():
+  for options in (dict(fmt="e5m2"), dict(kahan=True)):
+    with pytest.raises(ValueError, match="algorithm='psum'"):
+      on_ranks([[np.ones(3, F32)]] * 2, algorithm="psum", **options)
+  with pytest.raises(ValueError, match="algorithm='psum'"):
+    jax.shard_map(lambda x: emulated_allreduce(x, algorithm="psum", axis_name="r"),
+                  mesh=mesh_of(2), in_specs=P("r"), out_specs=P("r"))(np.ones((4, 3), F32))
+
+
 def fold_bound(x, fmt, factor=1.0):
   """The bound of the module docstring, per element; x [n, ...] float64, factor = 2^s (APS)."""
   n = x.shape[0]

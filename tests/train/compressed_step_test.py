@@ -220,7 +220,7 @@ def test_autotune_chooses_records_and_a_resume_reuses_the_choice(tmp_path, capsy
   out = capsys.readouterr().out
   saved = json.load(open(os.path.join(ref_dir, "sync_plan.json")))
   label = saved["choice"]["label"]
-  assert set(saved["choice"]["measured_ms"]) == {"float32", "ps", "ring"}
+  assert set(saved["choice"]["measured_ms"]) == {"float32", "psum", "ps", "ring"}
   assert f"autotune: {label} (" in out and "timed now" in out
   chosen = sync_tuning.Autotuned.from_dict(saved["choice"]).plan.grad_sync(jc.get("onebit"))
   run = data_parallel_loop.setup(c)
@@ -239,6 +239,48 @@ def test_autotune_chooses_records_and_a_resume_reuses_the_choice(tmp_path, capsy
   (_, ref_state), (_, state) = final_checkpoint(ref_dir), final_checkpoint(workdir)
   for k in ref_state:
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
+
+
+def test_autotune_times_the_candidates_as_train_steps_and_trains_as_the_chosen_plan(
+    tmp_path, monkeypatch):
+  """The loop's autotune times every candidate as the run's train step (never a sync alone), on
+  copies of the initial state: the run ends bit for bit where a run whose timer ranks the same
+  plan first without running a step ends. The chosen plan's step is built once (4 train steps
+  built for 4 candidates; the run keeps the chosen one's)."""
+  import json
+  from jlp import sync_tuning
+  c = compressed_config()
+  c.compression.plan = "autotune"
+  monkeypatch.setattr(sync_tuning, "time_syncs_ms", lambda *a, **k: pytest.fail("timed alone"))
+  built, timed = [], []
+  train_step = data_parallel_loop.Run.train_step
+  monkeypatch.setattr(data_parallel_loop.Run, "train_step",
+                      lambda self, sync: built.append(sync) or train_step(self, sync))
+  step_timer = data_parallel_loop._StepTimer.__call__  # pylint: disable=protected-access
+
+  def spy(self, syncs, tree):
+    timed.append(step_timer(self, syncs, tree))
+    return timed[-1]
+  monkeypatch.setattr(data_parallel_loop._StepTimer, "__call__", spy)
+  timed_dir, told_dir = str(tmp_path / "timed"), str(tmp_path / "told")
+  loop.train_and_evaluate(c, timed_dir, progress=False)
+  label = json.load(open(os.path.join(timed_dir, "sync_plan.json")))["choice"]["label"]
+  assert len(built) == 4 and len(timed) == 1 and all(ms > 0 for ms in timed[0])
+
+  def label_of(sync):
+    return sync.topology if sync.compression else "psum" if sync.algorithm == "psum" else \
+        "float32"
+  monkeypatch.setattr(data_parallel_loop._StepTimer, "__call__",
+                      lambda self, syncs, tree: [1.0 if label_of(s) == label else 2.0
+                                                 for s in syncs])
+  built.clear()
+  loop.train_and_evaluate(c, told_dir, progress=False)
+  assert json.load(open(os.path.join(told_dir, "sync_plan.json")))["choice"]["label"] == label
+  assert len(built) == 1
+  assert stable(read_metrics(timed_dir)) == stable(read_metrics(told_dir))
+  (_, want), (_, got) = final_checkpoint(told_dir), final_checkpoint(timed_dir)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_compressed_config_builds_the_sync(tmp_path):

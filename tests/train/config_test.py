@@ -79,6 +79,11 @@ INERT = [
     ({"adam_eps": 1e-6}, r"config.adam_eps=1e-06 is not allowed; expected 1e-08",
      {"optimizer": "adamw"}),
     ({"adam_eps": 1e-6, "use_lars": True}, r"config.adam_eps=1e-06 is not allowed", None),
+    ({"grad_algorithm": "psum", "grad_exp": 5, "grad_man": 2},
+     r"config.grad_algorithm='psum' is not allowed; expected 'sequential' or 'ring' with a "
+     r"low-precision format", {"grad_exp": 8, "grad_man": 23}),
+    ({"grad_algorithm": "psum", "emulate_nodes": 2},
+     r"config.grad_algorithm='psum' is not allowed", {"emulate_nodes": 1}),
     ({"stop_at_accuracy": 0.9, "eval_every": 0},
      r"config.stop_at_accuracy=0.9 is not allowed; expected 0 with eval_every=0",
      {"eval_every": 10}),

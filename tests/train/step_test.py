@@ -106,6 +106,9 @@ def _run(devices, sync, seeds, *, quant=None, loss_scale=1.0, lr=0.1):
     (dict(form="tree"), "form"),
     (dict(kahan=1), "kahan"),
     (dict(node_map="pmap"), "node_map"),
+    (dict(algorithm="psum", fmt="e4m3"), "algorithm"),
+    (dict(algorithm="psum", kahan=True), "algorithm"),
+    (dict(algorithm="psum", emulate_nodes=2), "algorithm"),
 ])
 def test_bad_sync_settings(kwargs, field):
   with pytest.raises(ValueError, match=f"^{field}="):

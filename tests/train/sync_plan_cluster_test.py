@@ -24,6 +24,7 @@ def _study(workdir, fits):
   out = subprocess.run([sys.executable, "-m", "experiments.cluster_study", "--sections=sync",
                         "--hosts=2", "--devices_per_host=2", "--bandwidths=100mbit",
                         "--size=256K", "--repeats=3", f"--sync_fits={fits}",
+                        "--sync_fit_sizes=64K,256K,1M",
                         f"--workdir={workdir}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-2000:]
