@@ -13,7 +13,11 @@ cores, so on a real cluster those prices are off by 1.3-9x (BENCHMARKS.md). Here
     `jlp.compression.secopa`) reproduce those timings; a line for the uncompressed float32 ring
     all-reduce (what CaSync sends its uncompressed leaves with, all of them packed into one); one
     for XLA's own float32 all-reduce (`lax.psum`); and, for topology "allreduce" (PowerSGD), a
-    line in the synced elements. A `SyncFit` is saved as
+    line in the synced elements. A label that was timed (a topology at one K, the float32 ring,
+    psum) is predicted from its own timings, interpolated in size (`SyncFit.predict`): SeCoPa's
+    formula cannot follow them on a real cluster (at 100 Mbit/s onebit's PS took 92 ms at K = 1,
+    142 at K = 4 and 58 at K = 8), so it prices only the K that were not timed, and a plan picks
+    its K among the timed ones. A `SyncFit` is saved as
     JSON and reused on the same cluster (`SyncFit.load(path, cluster=...)`: None when it was made
     on another one), like NCCL's tuning or Horovod's autotune cache.
   * `rank_plans` prices, for a gradient pytree, every plan the compressor can run: per topology
@@ -98,8 +102,13 @@ class SyncFit:
     return tuple(t for t, _ in self.models) + (("allreduce",) if self.allreduce else ())
 
   def predict(self, label: str, size: int, codec: base.Compressor | None = None) -> float:
-    """ms of one sync of `size` elements as the sample `label` ("float32", "allreduce",
-    "ps, K=4", "ring, K=8") runs it."""
+    """ms of one sync of `size` elements as the sample `label` ("float32", "psum",
+    "allreduce", "ps, K=4", "ring, K=8") runs it: the syncs timed with that label interpolated
+    in size (`_interpolate`) when there are two sizes of them, else the fitted line or SeCoPa
+    formula."""
+    measured = self.measured(label, size)
+    if measured is not None:
+      return measured
     if label == FLOAT32:
       return self.float32(size)
     if label == "allreduce":
@@ -109,6 +118,25 @@ class SyncFit:
     topology, k = _parse(label)
     codec = base.get(self.compressor) if codec is None else codec
     return _compressed_cost(self.model(topology), topology, size, k, self.num_nodes, codec)
+
+  def measured(self, label: str, size: int) -> float | None:
+    """The timed syncs of `label` interpolated at `size` (None: fewer than two sizes timed)."""
+    by_size: dict[int, list[float]] = {}
+    for name, elements, ms in self.samples:
+      if name == label:
+        by_size.setdefault(elements, []).append(ms)
+    if len(by_size) < 2:
+      return None
+    return _interpolate(sorted((x, statistics.mean(v)) for x, v in by_size.items()), size)
+
+  def partitions(self, topology: str) -> tuple[int, ...]:
+    """The partition counts K timed for `topology` at two sizes or more (what a plan picks
+    from: SeCoPa's formula prices the others, and on a real cluster misprices them)."""
+    sizes: dict[int, set[int]] = {}
+    for name, elements, _ in self.samples:
+      if name.startswith(f"{topology}, K="):
+        sizes.setdefault(_parse(name)[1], set()).add(elements)
+    return tuple(sorted(k for k, seen in sizes.items() if len(seen) >= 2))
 
   def to_dict(self) -> dict[str, Any]:
     return {"compressor": self.compressor, "num_nodes": self.num_nodes, "cluster": self.cluster,
@@ -156,6 +184,21 @@ class SyncFit:
       if want is not None and getattr(fit, name) != want:
         return None
     return fit
+
+
+def _interpolate(points: Sequence[tuple[int, float]], size: int) -> float:
+  """Piecewise-linear in size through `points` [(size, ms)] sorted by size; beyond them, the
+  nearest segment's line, its slope clamped at >= 0 (a noisy pair of timings must not predict
+  a larger sync as cheaper), and never below 0."""
+  xs = [float(x) for x, _ in points]
+  ys = [float(y) for _, y in points]
+  if xs[0] <= size <= xs[-1]:
+    return float(np.interp(size, xs, ys))
+  (x0, y0), (x1, y1) = ((xs[-2], ys[-2]), (xs[-1], ys[-1])) if size > xs[-1] else \
+      ((xs[0], ys[0]), (xs[1], ys[1]))
+  slope = max(0.0, (y1 - y0) / (x1 - x0))
+  end_x, end_y = (x1, y1) if size > xs[-1] else (x0, y0)
+  return max(0.0, end_y + slope * (size - end_x))
 
 
 def _parse(label: str) -> tuple[str, int]:
@@ -281,26 +324,28 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
     raise invalid("num_nodes", num_nodes, "the device count when no fit is given")
   total = sum(size for _, size in leaves)
   nan = float("nan")
-  plans = [Plan(FLOAT32, None, (), fit.float32(total) if fit else nan),
-           Plan(PSUM, None, (), fit.psum(total) if fit and fit.psum else nan)]
+  plans = [Plan(FLOAT32, None, (), fit.predict(FLOAT32, total) if fit else nan),
+           Plan(PSUM, None, (), fit.predict(PSUM, total) if fit and fit.psum else nan)]
   for topology in codec.topologies:
     if topology == "allreduce":
       priced = fit is not None and fit.allreduce is not None
-      plans.append(Plan("allreduce", "allreduce", (), fit.allreduce(total) if priced else nan))
+      plans.append(Plan("allreduce", "allreduce", (),
+                        fit.predict("allreduce", total) if priced else nan))
       continue
     entries, cost, dense = [], 0.0, 0
     for name, size in leaves:
       if size == 0:
         entries.append((name, (False, 1)))
         continue
-      ks = range(1, min(n, size) + 1)
       if fit is None or topology not in fit.topologies:
         entries.append((name, (True, min(n, size)) if size > min_size else (False, 1)))
         continue
-      costs = [_compressed_cost(fit.model(topology), topology, size, k, n, codec) for k in ks]
-      best = min(costs)
+      ks = [k for k in fit.partitions(topology) if k <= size] or range(1, min(n, size) + 1)
+      costs = {k: fit.predict(_label(topology, k), size, codec) for k in ks}
+      best_k = min(costs, key=costs.get)
+      best = costs[best_k]
       if best < fit.float32.w * size:
-        entries.append((name, (True, costs.index(best) + 1)))
+        entries.append((name, (True, best_k)))
         cost += best
       else:
         entries.append((name, (False, 1)))
@@ -308,7 +353,7 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
     if fit is None or topology not in fit.topologies:
       cost = nan
     elif dense:
-      cost += fit.float32(dense)
+      cost += fit.predict(FLOAT32, dense)
     plans.append(Plan(topology, topology, tuple(entries), cost))
   return sorted(plans, key=lambda p: (math.isnan(p.predicted_ms), p.predicted_ms))
 

@@ -71,6 +71,44 @@ def test_the_seed_per_operation_model_misprices_what_the_whole_sync_fit_gets():
   assert fit.predict(f"ring, K={N}", size) == pytest.approx(measured, rel=0.05)
 
 
+#: onebit's whole syncs on the namespaced cluster (4 hosts x 2 devices, 100 Mbit/s; the study's
+#: sync_fits of 2026-11-30): ms not in SeCoPa's shape (ps K=4 slower than K=1 and K=8 at 1M).
+CLUSTER_SAMPLES = [
+    ("float32", 65536, 43.96), ("psum", 65536, 43.67), ("ps, K=1", 65536, 10.22),
+    ("ps, K=4", 65536, 15.49), ("ps, K=8", 65536, 16.47), ("ring, K=1", 65536, 37.62),
+    ("ring, K=4", 65536, 29.13), ("ring, K=8", 65536, 34.51),
+    ("float32", 1048576, 669.60), ("psum", 1048576, 656.14), ("ps, K=1", 1048576, 91.56),
+    ("ps, K=4", 1048576, 142.19), ("ps, K=8", 1048576, 57.57), ("ring, K=1", 1048576, 439.33),
+    ("ring, K=4", 1048576, 166.98), ("ring, K=8", 1048576, 87.70),
+    ("float32", 4194304, 2628.25), ("psum", 4194304, 2544.84), ("ps, K=1", 4194304, 333.58),
+    ("ps, K=4", 4194304, 607.46), ("ps, K=8", 4194304, 190.33), ("ring, K=1", 4194304, 1725.63),
+    ("ring, K=4", 4194304, 651.12), ("ring, K=8", 4194304, 260.68)]
+
+
+def test_timed_syncs_are_predicted_from_their_timings_and_plans_pick_a_timed_k():
+  """SeCoPa's formula, fitted by NNLS to these timings, priced ps K=3 at 1M below the timed
+  K=8 (98 ms against 57.6), and the plan ran K=3 (99.7 ms measured). A timed label is now
+  predicted from its own timings (linear between sizes, beyond them the nearest segment with
+  its slope clamped at >= 0), a plan picks among the timed K, and SeCoPa's formula prices only
+  the K that were not timed."""
+  fit = st.fit_from_samples(CLUSTER_SAMPLES, compressor="onebit", num_nodes=N, cluster="test")
+  assert fit.predict("ps, K=8", 1 << 20) == pytest.approx(57.57)
+  assert fit.predict("ps, K=8", 5 << 19) == pytest.approx((57.57 + 190.33) / 2)  # midway
+  assert fit.predict("psum", 1 << 22) == pytest.approx(2544.84)
+  assert fit.predict("ring, K=8", 1 << 23) == pytest.approx(260.68 + (260.68 - 87.70) / 3 * 4)
+  assert fit.partitions("ps") == fit.partitions("ring") == (1, 4, 8)
+  codec = st.base.get("onebit")
+  assert fit.predict("ps, K=3", 1 << 20) == pytest.approx(st._compressed_cost(  # pylint: disable=protected-access
+      fit.model("ps"), "ps", 1 << 20, 3, N, codec))
+  plan = st.plan_sync({"g": jax.ShapeDtypeStruct((1 << 20,), jnp.float32)}, "onebit", fit)
+  assert (plan.label, dict(plan.leaf_plan)) == ("ps", {"['g']": (True, 8)})
+  assert plan.predicted_ms == pytest.approx(57.57)
+  # A noisy pair must not predict a bigger sync as the cheaper: the slope beyond is clamped.
+  noisy = st.fit_from_samples(CLUSTER_SAMPLES + [("float32", 8 << 20, 100.0)],
+                              compressor="onebit", num_nodes=N, cluster="test")
+  assert noisy.predict("float32", 16 << 20) == pytest.approx(100.0)
+
+
 def _fit(ps_scale=1.0, ring_scale=1.0, float32=(4e-5, 1.0), psum=(6e-5, 1.5)):
   samples = []
   for label, size, ms in _samples(_truth(), "onebit", float32=float32, psum=psum):

@@ -272,6 +272,17 @@ def test_the_cluster_study_refuses_an_unknown_accuracy_run(tmp_path):
   assert not (tmp_path / "study").exists()  # refused before any work
 
 
+@pytest.mark.parametrize("sizes, message", [
+    ("64K,1X", "--sync_fit_sizes='1X' is not allowed; expected a positive integer"),
+    ("1M,1M", "--sync_fit_sizes=1M,1M is not allowed; expected at least two distinct sizes")])
+def test_the_cluster_study_refuses_bad_fit_sizes(tmp_path, sizes, message):
+  out = subprocess.run([sys.executable, "-m", "experiments.cluster_study", "--sections=sync",
+                        f"--sync_fit_sizes={sizes}", f"--workdir={tmp_path / 'study'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and message in out.stderr
+  assert not (tmp_path / "study").exists()
+
+
 def test_hetero_sleeps_with_probability_one_tenth(monkeypatch):
   """--hetero=h (JLP_HETERO): before a step the host sleeps h seconds with probability 0.1."""
   from jlp.train import loop_common  # pylint: disable=g-import-not-at-top
