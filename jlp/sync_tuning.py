@@ -247,7 +247,8 @@ def _coefficients(model: CostModel, topology: str, n: int) -> dict[str, float]:
 def fit_from_samples(samples: Sequence[tuple[str, int, float]], *, compressor: str,
                      num_nodes: int, cluster: str) -> SyncFit:
   """A `SyncFit` from (label, elements, ms) samples of whole syncs: "float32", "psum" and
-  "allreduce" samples get a line each (least squares, slope and intercept >= 0); "ps, K=k" / "ring, K=k"
+  "allreduce" samples get a line each (least squares, slope and intercept >= 0); "ps, K=k" /
+  "ring, K=k"
   samples, per topology, SeCoPa's coefficients by non-negative least squares."""
   codec = base.get(compressor)
   by_kind: dict[str, list[tuple[int, int, float]]] = {}
@@ -313,7 +314,8 @@ class Plan(NamedTuple):
 def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None = None, *,
                num_nodes: int | None = None, min_size: int = 0) -> list[Plan]:
   """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", "psum", and per
-  topology the compressor runs ("ps", "ring": each leaf in its best K, or on the float32 ring
+  topology the compressor runs ("ps", "ring": each leaf in its best K, among the K the fit
+  timed when it timed any (`SyncFit.partitions`), or on the float32 ring
   when cheaper; "allreduce": the compressor's own routing). Without a fit, the CaSync plans
   are the sync's own rule on each topology (a leaf of more than `min_size` elements compressed
   into K = min(N, size) partitions, the rest on the float32 ring) and nothing is priced."""
@@ -378,8 +380,8 @@ def _sync_program(sync: Any, tree: Any, mesh: Mesh, axis: str) -> Callable[[Any]
 
 def _device_tree(tree: Any, mesh: Mesh, axis: str, seed: int = 0) -> Any:
   """`tree`'s shapes, float32 values, one copy per device along `axis`: per leaf one
-  standard-normal draw, which device d holds rotated by d elements (different values on every
-  device at the cost of one draw, not W)."""
+  standard-normal draw, which device d holds rolled by d along the leaf's first axis (different
+  values on every device at the cost of one draw, not W)."""
   rng = np.random.default_rng(seed)
   sharding = NamedSharding(mesh, P(axis))
   w = mesh.devices.size

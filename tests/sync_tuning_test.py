@@ -98,8 +98,8 @@ def test_timed_syncs_are_predicted_from_their_timings_and_plans_pick_a_timed_k()
   assert fit.predict("ring, K=8", 1 << 23) == pytest.approx(260.68 + (260.68 - 87.70) / 3 * 4)
   assert fit.partitions("ps") == fit.partitions("ring") == (1, 4, 8)
   codec = st.base.get("onebit")
-  assert fit.predict("ps, K=3", 1 << 20) == pytest.approx(st._compressed_cost(  # pylint: disable=protected-access
-      fit.model("ps"), "ps", 1 << 20, 3, N, codec))
+  formula = st._compressed_cost(fit.model("ps"), "ps", 1 << 20, 3, N, codec)  # pylint: disable=protected-access
+  assert fit.predict("ps, K=3", 1 << 20) == pytest.approx(formula)
   plan = st.plan_sync({"g": jax.ShapeDtypeStruct((1 << 20,), jnp.float32)}, "onebit", fit)
   assert (plan.label, dict(plan.leaf_plan)) == ("ps", {"['g']": (True, 8)})
   assert plan.predicted_ms == pytest.approx(57.57)

@@ -50,8 +50,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from jlp.nn import controller as bfp_controller, rules as nn_rules
 from jlp import sync_tuning
+from jlp.nn import controller as bfp_controller, rules as nn_rules
 from jlp.sync import SYNC_REPORT
 from jlp.train import recipe
 from jlp.train.checkpoint import Checkpointer
