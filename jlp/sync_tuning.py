@@ -334,29 +334,30 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
       plans.append(Plan("allreduce", "allreduce", (),
                         fit.predict("allreduce", total) if priced else nan))
       continue
-    entries, cost, dense = [], 0.0, 0
-    for name, size in leaves:
-      if size == 0:
-        entries.append((name, (False, 1)))
-        continue
-      if fit is None or topology not in fit.topologies:
-        entries.append((name, (True, min(n, size)) if size > min_size else (False, 1)))
-        continue
-      ks = [k for k in fit.partitions(topology) if k <= size] or range(1, min(n, size) + 1)
-      costs = {k: fit.predict(_label(topology, k), size, codec) for k in ks}
-      best_k = min(costs, key=costs.get)
-      best = costs[best_k]
-      if best < fit.float32.w * size:
-        entries.append((name, (True, best_k)))
-        cost += best
-      else:
-        entries.append((name, (False, 1)))
-        dense += size
     if fit is None or topology not in fit.topologies:
-      cost = nan
-    elif dense:
-      cost += fit.predict(FLOAT32, dense)
-    plans.append(Plan(topology, topology, tuple(entries), cost))
+      entries = tuple((name, (True, min(n, size)) if size and size > min_size else (False, 1))
+                      for name, size in leaves)
+      plans.append(Plan(topology, topology, entries, nan))
+      continue
+    best = {}  # a non-empty leaf's cheapest timed K and its ms
+    for name, size in leaves:
+      if size:
+        ks = [k for k in fit.partitions(topology) if k <= size] or range(1, min(n, size) + 1)
+        costs = {k: fit.predict(_label(topology, k), size, codec) for k in ks}
+        best[name] = min(costs.items(), key=lambda kv: kv[1])
+
+    def priced(compressed: set[str]) -> float:
+      dense = sum(size for name, size in leaves if name not in compressed)
+      return sum(best[name][1] for name in compressed) + (fit.predict(FLOAT32, dense)
+                                                          if dense else 0.0)
+    # HiPress's rule: a leaf is compressed when that costs less than adding it to the float32
+    # all-reduce of the dense leaves (the line's slope). Compressing every leaf instead saves
+    # that all-reduce whole (its intercept too): the cheaper of the two.
+    marginal = {name for name, size in leaves if size and best[name][1] < fit.float32.w * size}
+    chosen = min((marginal, set(best)), key=priced)
+    entries = tuple((name, (True, best[name][0]) if name in chosen else (False, 1))
+                    for name, _ in leaves)
+    plans.append(Plan(topology, topology, entries, priced(chosen)))
   return sorted(plans, key=lambda p: (math.isnan(p.predicted_ms), p.predicted_ms))
 
 
