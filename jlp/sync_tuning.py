@@ -56,7 +56,7 @@ from jlp.compression.secopa import CostModel, LinearCost, leaf_sizes
 from jlp.sync import GradSync, reduce_gradients
 
 __all__ = ["FLOAT32", "PSUM", "Plan", "SyncFit", "autotune", "cluster_key", "fit_sync_costs",
-           "plan_sync", "rank_plans"]
+           "plan_sync", "rank_plans", "time_in_rounds", "time_syncs_ms"]
 
 #: The plan that compresses nothing: every leaf summed by the float32 ring all-reduce.
 FLOAT32 = "float32"
