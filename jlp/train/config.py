@@ -99,9 +99,9 @@ Fields (see `base_config` for defaults):
                                 model with HiPress's seed cost model (4, 8 or 16 devices), or
                                 "autotune": before the first step, the plans this compressor can
                                 run (every topology it supports, K = devices; and no compression:
-                                the float32 ring) are timed as the run's train step on its first
-                                batch (from copies of the initial state, thrown away) and the
-                                fastest is kept (jlp.sync_tuning.autotune; with a
+                                the float32 ring and psum) are timed as the run's train step on
+                                its first batch (from copies of the initial state, thrown away)
+                                and the fastest is kept (jlp.sync_tuning.autotune; with a
                                 whole-sync fit at compression.sync_fit, only the 4 it ranks
                                 highest, each leaf in its best K); the choice and its timings are
                                 printed and written to WORKDIR/sync_plan.json, which a resume
