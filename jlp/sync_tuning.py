@@ -339,10 +339,11 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
                       for name, size in leaves)
       plans.append(Plan(topology, topology, entries, nan))
       continue
+    timed = fit.partitions(topology)
     best = {}  # a non-empty leaf's cheapest timed K and its ms
     for name, size in leaves:
       if size:
-        ks = [k for k in fit.partitions(topology) if k <= size] or range(1, min(n, size) + 1)
+        ks = [k for k in timed if k <= size] or range(1, min(n, size) + 1)
         costs = {k: fit.predict(_label(topology, k), size, codec) for k in ks}
         best[name] = min(costs.items(), key=lambda kv: kv[1])
 
@@ -354,10 +355,10 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
     # all-reduce of the dense leaves (the line's slope). Compressing every leaf instead saves
     # that all-reduce whole (its intercept too): the cheaper of the two.
     marginal = {name for name, size in leaves if size and best[name][1] < fit.float32.w * size}
-    chosen = min((marginal, set(best)), key=priced)
+    cost, chosen = min(((priced(s), s) for s in (marginal, set(best))), key=lambda o: o[0])
     entries = tuple((name, (True, best[name][0]) if name in chosen else (False, 1))
                     for name, _ in leaves)
-    plans.append(Plan(topology, topology, entries, priced(chosen)))
+    plans.append(Plan(topology, topology, entries, cost))
   return sorted(plans, key=lambda p: (math.isnan(p.predicted_ms), p.predicted_ms))
 
 

@@ -62,7 +62,8 @@ and one product each); tiles along a non-minor axis are handled in place (no tra
 It runs on chunks of a fixed number of tiles (`_tiles_in_chunks`, after the tensor's amax), in
 one chunk program per format and tile shape, traced once and called from every cast site: XLA
 compiles the calls apart from the code around them (`jlp.numerics.shared.shared_jit`), far
-faster than inlined copies. The Pallas kernel always uses the integer operations (`quantize_rows`). Both give the same bits.
+faster than inlined copies. The Pallas kernel always uses the integer operations
+(`quantize_rows`). Both give the same bits.
 
 References:
   NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, 2025.
