@@ -24,8 +24,9 @@ cores, so on a real cluster those prices are off by 1.3-9x (BENCHMARKS.md). Here
     (each leaf compressed into its best K, or left to the float32 ring when that is cheaper), and
     "don't compress" twice: every leaf on the float32 ring ("float32") or summed by `lax.psum`
     ("psum"). Cheapest first.
-  * `autotune` times the highest ranked plans (at most `limit`) on the live devices, with
-    gradient-shaped data, and keeps the fastest; every process takes process 0's choice.
+  * `autotune` times the highest ranked plans (at most `limit`; "don't compress" as psum only) on
+    the live devices, with gradient-shaped data, and keeps the fastest; every process takes
+    process 0's choice.
 
 Per-leaf costs add up (HiPress's assumption; jlp sends the uncompressed leaves as one all-reduce,
 priced by the float32 line of their total size).
@@ -532,7 +533,10 @@ def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | Non
              ) -> Autotuned:
   """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit; their CaSync
   plans compress the leaves of more than `min_size` elements) on gradient-shaped data and keeps
-  the fastest; with several processes every process takes process 0's choice.
+  the fastest; with several processes every process takes process 0's choice. "Don't compress"
+  is timed once, as "psum": the float32 ring sums the same float32 mean, it was never more than
+  5 % faster than psum in the cluster study (BENCHMARKS.md) and usually slower, and each
+  candidate costs the runner a train-step compile (about 1.5 s for digits_wide here).
 
   The plans are timed in `repeats` rounds (`time_in_rounds`); a plan more than `DROP_ABOVE`
   times slower than the fastest in the first round is not timed again, and its measured ms is
@@ -541,7 +545,8 @@ def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | Non
   if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
     raise invalid("limit", limit, "an int >= 1")
   mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
-  plans = rank_plans(tree, codec, fit, num_nodes=mesh.devices.size, min_size=min_size)[:limit]
+  plans = [plan for plan in rank_plans(tree, codec, fit, num_nodes=mesh.devices.size,
+                                      min_size=min_size) if plan.label != FLOAT32][:limit]
   timer = timer or (lambda syncs, t: time_syncs_ms(syncs, t, mesh=mesh, axis=axis,
                                                    repeats=repeats, drop_above=DROP_ABOVE,
                                                    seed=seed))

@@ -98,8 +98,8 @@ Fields (see `base_config` for defaults):
                                 "['conv1']['kernel'].value"), or "secopa": SeCoPa's plan for this
                                 model with HiPress's seed cost model (4, 8 or 16 devices), or
                                 "autotune": before the first step, the plans this compressor can
-                                run (every topology it supports, K = devices; and no compression:
-                                the float32 ring and psum) are timed as the run's train step on
+                                run (every topology it supports, K = devices; and no compression,
+                                as psum) are timed as the run's train step on
                                 its first batch (from copies of the initial state, thrown away)
                                 and the fastest is kept (jlp.sync_tuning.autotune; with a
                                 whole-sync fit at compression.sync_fit, only the 4 it ranks
