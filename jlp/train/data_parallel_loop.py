@@ -216,10 +216,11 @@ class _StepTimer:
   sync timed as this run's train step, on the run's first batch, each from its own copy of the
   initial state (what the steps compute is thrown away: the run itself starts from the initial
   state with the chosen sync, as a run configured with that sync would). The steps are timed in
-  rounds (`jlp.sync_tuning.time_in_rounds`). A sync timed apart from the step misjudges it: on
-  8 emulated devices with configs/digits_wide.py, the float32 ring all-reduce alone took 50-70 ms
-  against 67-88 ms for onebit's PS, but a run with it trained at 475 examples/s against 686. The
-  chosen sync's step, compiled here, is the run's."""
+  rounds (`jlp.sync_tuning.time_in_rounds`). A sync timed apart from the step can misjudge it:
+  on 8 emulated devices with configs/digits_wide.py under glibc's malloc, the float32 ring
+  all-reduce alone took 50-70 ms against 67-88 ms for onebit's PS, but a run with it trained at
+  475 examples/s against 686 (docs/hipress.md). The chosen sync's step, compiled here, is the
+  run's."""
 
   def __init__(self, run: Run, repeats: int = 3):
     self.run, self.repeats = run, repeats
