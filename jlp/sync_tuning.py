@@ -534,9 +534,10 @@ def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | Non
   """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit; their CaSync
   plans compress the leaves of more than `min_size` elements) on gradient-shaped data and keeps
   the fastest; with several processes every process takes process 0's choice. "Don't compress"
-  is timed once, as "psum": the float32 ring sums the same float32 mean, it was never more than
-  5 % faster than psum in the cluster study (BENCHMARKS.md) and usually slower, and each
-  candidate costs the runner a train-step compile (about 1.5 s for digits_wide here).
+  is timed once, as "psum": the float32 ring sums the same float32 mean, it took 0.87-1.65x
+  psum's time in the cluster study's rows (BENCHMARKS.md; at most 5 % faster on the shaped
+  links), and each candidate costs the runner a train-step compile (about 1.5 s for digits_wide
+  here). A run that wants the ring configures it (`GradSync(algorithm="ring")`).
 
   The plans are timed in `repeats` rounds (`time_in_rounds`); a plan more than `DROP_ABOVE`
   times slower than the fastest in the first round is not timed again, and its measured ms is
