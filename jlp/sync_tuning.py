@@ -249,8 +249,7 @@ def fit_from_samples(samples: Sequence[tuple[str, int, float]], *, compressor: s
                      num_nodes: int, cluster: str) -> SyncFit:
   """A `SyncFit` from (label, elements, ms) samples of whole syncs: "float32", "psum" and
   "allreduce" samples get a line each (least squares, slope and intercept >= 0); "ps, K=k" /
-  "ring, K=k"
-  samples, per topology, SeCoPa's coefficients by non-negative least squares."""
+  "ring, K=k" samples, per topology, SeCoPa's coefficients by non-negative least squares."""
   codec = base.get(compressor)
   by_kind: dict[str, list[tuple[int, int, float]]] = {}
   for label, size, ms in samples:
@@ -316,8 +315,8 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
                num_nodes: int | None = None, min_size: int = 0) -> list[Plan]:
   """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", "psum", and per
   topology the compressor runs ("ps", "ring": each leaf in its best K, among the K the fit
-  timed when it timed any (`SyncFit.partitions`), or on the float32 ring
-  when cheaper; "allreduce": the compressor's own routing). Without a fit, the CaSync plans
+  timed when it timed any (`SyncFit.partitions`), or on the float32 ring when cheaper;
+  "allreduce": the compressor's own routing). Without a fit, the CaSync plans
   are the sync's own rule on each topology (a leaf of more than `min_size` elements compressed
   into K = min(N, size) partitions, the rest on the float32 ring) and nothing is priced."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor

@@ -99,13 +99,12 @@ Fields (see `base_config` for defaults):
                                 model with HiPress's seed cost model (4, 8 or 16 devices), or
                                 "autotune": before the first step, the plans this compressor can
                                 run (every topology it supports, K = devices; and no compression,
-                                as psum) are timed as the run's train step on
-                                its first batch (from copies of the initial state, thrown away)
-                                and the fastest is kept (jlp.sync_tuning.autotune; with a
-                                whole-sync fit at compression.sync_fit, only the 4 it ranks
-                                highest, each leaf in its best K); the choice and its timings are
-                                printed and written to WORKDIR/sync_plan.json, which a resume
-                                reuses.
+                                as psum) are timed as the run's train step on its first batch
+                                (from copies of the initial state, thrown away) and the fastest
+                                is kept (jlp.sync_tuning.autotune; with a whole-sync fit at
+                                compression.sync_fit, only the 4 it ranks highest, each leaf in
+                                its best K); the choice and its timings are printed and written
+                                to WORKDIR/sync_plan.json, which a resume reuses.
   compression.sync_fit          "" or the path of a jlp.sync_tuning.SyncFit JSON (fitted from
                                 whole syncs on this cluster) that ranks autotune's candidates.
   Every step logs wire_bytes: the bytes one device sends for the gradient sync (jlp.train.step).
