@@ -168,7 +168,9 @@ def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
   assert int(state.step) == 3
 
 
-@pytest.mark.parametrize("sync", ["allreduce", "none"])
+# sync="none" in the slow tier: test_flush_completes_what_is_in_flight checks 1F1B with sync="none"
+# against the same oracle (and the allreduce case here the table's bubble and idle slots).
+@pytest.mark.parametrize("sync", ["allreduce", pytest.param("none", marks=pytest.mark.slow)])
 def test_1f1b_follows_the_weight_version_rule(mesh, sync):
   optimizer = optax.sgd(0.2, momentum=0.5)
   params = _params()
@@ -241,8 +243,18 @@ def _in_runs(pipe, state, xs, ys, lengths):
   return state, {k: np.concatenate([m[k] for m in parts]) for k in keys}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("sync", ["allreduce", "none", "preduce", "adpsgd", "hetpipe"])
+# Slow tier: 1F1B with sync="none" (its runs take the unaligned placement of preduce's and adpsgd's
+# cases without their events; fill_test's runs, retries and flushes of sync="none" and its
+# host-side test_a_pruned_fill_runs_and_drains_as_the_whole_one[none-...] cover the rest) and GPipe
+# with "allreduce" and "none" (GPipe keeps nothing in flight; preduce's and adpsgd's cases take the
+# fill's decisions across runs, hetpipe's the pulls counted over the runs; timeline_test's
+# test_decisions_do_not_depend_on_how_they_are_asked_for covers every GPipe sync's decisions).
+@pytest.mark.parametrize("sync,schedule", [
+    ("allreduce", "1f1b"), pytest.param("none", "1f1b", marks=pytest.mark.slow),
+    ("preduce", "1f1b"), ("adpsgd", "1f1b"), ("hetpipe", "1f1b"),
+    pytest.param("allreduce", "gpipe", marks=pytest.mark.slow),
+    pytest.param("none", "gpipe", marks=pytest.mark.slow),
+    ("preduce", "gpipe"), ("adpsgd", "gpipe"), ("hetpipe", "gpipe")])
 def test_runs_of_any_lengths_are_one_run(mesh, schedule, sync):
   """7 mini-batches as one run, as 7 runs of 1 and as runs of 5 and 2, each followed by the
   flush, under stalls (0.05 virtual s with probability 0.3 per op): bit-identical parameters,
@@ -301,6 +313,10 @@ def test_flush_completes_what_is_in_flight(mesh):
   assert list(metrics["batch"]) + list(rest["batch"]) == [8, 9]
 
 
+# Slow tier: test_flush_completes_what_is_in_flight trains a second 1F1B fill from the weights the
+# first left against the same per-pipeline oracle; the runs' virtual times going on across runs
+# are test_runs_of_any_lengths_are_one_run's (and fill_test's virtual spans).
+@pytest.mark.slow
 def test_1f1b_continues_across_runs_from_the_latest_weights(mesh):
   """Two runs of 3 mini-batches: the pipeline drains at the end of each run, so the second
   run's mini-batches restart the version rule from the weights the first one left."""
@@ -397,6 +413,10 @@ def test_hetpipe_pulls_the_server_copy(mesh):
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "hetpipe", pull_every=2))
 
 
+# Slow tier: test_syncs_see_each_stages_own_gradient[aps_e4m3] runs a GradSync format (e4m3 with
+# APS) inside the 1F1B pipeline and checks the update bit for bit against a direct
+# reduce_gradients.
+@pytest.mark.slow
 def test_low_precision_allreduce_inside_the_pipeline(mesh):
   """GradSync(fmt="e5m2"): with lr 1 and zero biases the first update of a bias is minus the
   reduced gradient, so every updated bias is an e5m2 value (ml_dtypes) close to the float32 mean
@@ -530,6 +550,11 @@ def test_bad_inputs_are_rejected(mesh):
     fresh.run(Pipeline(STAGES, loss_fn, optax.sgd(0.1), mesh).init([other] * S), xs, ys)
 
 
+# Slow tier: test_syncs_see_each_stages_own_gradient[onebit_ps] runs this GradSync (onebit, min_size
+# 0) in the pipeline and checks the update and each stage's residual state bit for bit against a
+# direct reduce_gradients; test_every_stage_draws_its_own_numbers carries a compressor's state
+# across two updates.
+@pytest.mark.slow
 def test_compressed_allreduce_inside_the_pipeline(mesh):
   """GradSync(compression="onebit"): each stage's gradient (one flat buffer) goes through HiPress's
   onebit with error feedback; the residual state lives per (pipeline, stage) and the first update
@@ -551,12 +576,15 @@ def test_compressed_allreduce_inside_the_pipeline(mesh):
   np.testing.assert_array_equal(got[S - 1]["b"][0], got[S - 1]["b"][1])  # one sum for both
 
 
-# Each schedule with one rule in the default tier (15-35 s a case here); the rest in the slow one.
+# Each schedule with one rule in the default tier (5-35 s a case here); the rest in the slow one.
+# Stochastic rounding runs with GPipe, whose backward also recomputes the forward from the stashed
+# stage state (1F1B's stashed-state recomputation: test_stateful_stages_recompute_with_the_stashed_
+# state; flush_test's V schedule runs it too): 1F1B with it compiles 3x longer than with BFP.
 @pytest.mark.parametrize("schedule,rule", [
-    ("1f1b", "e4m3_stochastic"), ("gpipe", "bfp"),
+    ("1f1b", "bfp"), ("gpipe", "e4m3_stochastic"),
     *[pytest.param(s, r, marks=pytest.mark.slow)
-      for s, r in (("gpipe", "e4m3"), ("1f1b", "e4m3"), ("gpipe", "e4m3_stochastic"),
-                   ("1f1b", "bfp"))]])
+      for s, r in (("gpipe", "e4m3"), ("1f1b", "e4m3"), ("1f1b", "e4m3_stochastic"),
+                   ("gpipe", "bfp"))]])
 def test_quantized_zoo_model_trains_in_a_pipeline(mesh, schedule, rule):
   """The digits CNN with quantized layers (jlp.nn rules: e4m3 weights; e4m3 inputs and weights
   with stochastic rounding, whose per-layer RNG counters live in the stage state; BFP inputs and
@@ -659,9 +687,28 @@ _STAGE_SYNCS = {
 
 
 # DGC's top-k on every stage compiles for a minute here: slow tier (onebit and TernGrad stay).
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "dgc_ps" else c
-                                  for c in sorted(_STAGE_SYNCS)])
-def test_syncs_see_each_stages_own_gradient(mesh, case):
+# Also slow: onebit_ring (onebit_ps keeps the compressed path with its per-stage state,
+# terngrad_ring the ring topology) and kahan_e5m2_ring (aps_e4m3 keeps the uncompressed format
+# path; Kahan ring sums are tests/collectives').
+_SLOW_STAGE_SYNCS = ("dgc_ps", "onebit_ring", "kahan_e5m2_ring")
+
+
+@pytest.fixture(scope="module")
+def recorded_stage_gradients(mesh):
+  """Per stage, each pipeline's gradient of one mini-batch (_data(1), _params()) as an
+  unsynchronised 1F1B run of the pipeline computes it (recorded by its optimizer): the same for
+  every case below, so it is run once."""
+  xs, ys = _data(1)
+  recorder = Pipeline(STAGES, loss_fn, _gradient_recorder(), mesh, schedule="1f1b", sync="none")
+  recorded, _ = _train(recorder, recorder.init(_params()), xs, ys)
+  opt_packer = recorder._require_init()[1]  # pylint: disable=protected-access
+  host = {d: np.asarray(v) for d, v in recorded.opt_state.items()}
+  return [opt_packer.unpack(s, {d: v[:, s] for d, v in host.items()})["g"] for s in range(S)]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
+                                  if c in _SLOW_STAGE_SYNCS else c for c in sorted(_STAGE_SYNCS)])
+def test_syncs_see_each_stages_own_gradient(mesh, recorded_stage_gradients, case):
   """The stages hold 56, 45, 42 and 24 parameters, packed into buffers of 56. Each stage's sync
   gets its own gradient: the update, the report and the compression state (shaped for the
   stage's own length) are bit for bit a direct `reduce_gradients` over a 2-device mesh on the
@@ -670,11 +717,7 @@ def test_syncs_see_each_stages_own_gradient(mesh, case):
   sync = _STAGE_SYNCS[case]
   xs, ys = _data(1)
   params = _params()
-  recorder = Pipeline(STAGES, loss_fn, _gradient_recorder(), mesh, schedule="1f1b", sync="none")
-  recorded, _ = _train(recorder, recorder.init(params), xs, ys)
-  opt_packer = recorder._require_init()[1]  # pylint: disable=protected-access
-  host = {d: np.asarray(v) for d, v in recorded.opt_state.items()}
-  raw = [opt_packer.unpack(s, {d: v[:, s] for d, v in host.items()})["g"] for s in range(S)]
+  raw = recorded_stage_gradients
 
   pipe = Pipeline(STAGES, loss_fn, optax.sgd(1.0), mesh, schedule="1f1b", grad_sync=sync)
   state, metrics = _train(pipe, pipe.init(params), xs, ys)
@@ -755,7 +798,11 @@ def test_the_lockstep_goldens_tell_schedules_and_syncs_apart():
       assert not close(f"{schedule}_{a}", f"{schedule}_{b}", "params"), (schedule, a, b)
 
 
-@pytest.mark.parametrize("sync", ["none", "hetpipe", "preduce"])
+# sync="none" in the slow tier: fill_test::test_idle_fraction_is_the_idle_share_of_virtual_time[none]
+# runs 1F1B with pipeline 1 twice as slow and no sync (each pipeline by its own clock); hetpipe and
+# preduce keep the slow pipeline's updates here.
+@pytest.mark.parametrize("sync", [pytest.param("none", marks=pytest.mark.slow), "hetpipe",
+                                  "preduce"])
 def test_a_pipeline_twice_as_slow_makes_about_half_the_updates(mesh, sync):
   """Pipeline 1 is 2x slower at every stage (virtual time): over 40 mini-batches in runs of 10 it
   completes 40-60 % of pipeline 0's updates (`updates`), takes fewer of the stream's rows, and
@@ -779,6 +826,11 @@ def test_a_pipeline_twice_as_slow_makes_about_half_the_updates(mesh, sync):
   assert np.asarray(state.inflight["fed_start"])[1] < 40
 
 
+# Slow tier: test_runs_of_any_lengths_are_one_run[preduce-1f1b] splits PReduce's 1F1B runs under
+# stalls (pipelines at different progress), and fill_test's
+# test_a_pruned_fill_runs_and_drains_as_the_whole_one[preduce-UNEVEN...] cuts a fill under a
+# persistent slowdown into runs of every length.
+@pytest.mark.slow
 def test_runs_by_the_clock_are_one_run_under_a_slowdown(mesh):
   """A persistent slowdown makes the pipelines take different mini-batches at different ticks;
   runs of [9], [4, 5] and [1] * 9 still give bit-identical states (PReduce, whose groups then

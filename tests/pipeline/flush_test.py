@@ -94,12 +94,18 @@ def _stage_count(schedule):
   return 2 * D if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else D
 
 
-# Each schedule against the unpipelined model; sync="none" on two of them in the default tier.
+# Each schedule against the unpipelined model. In the default tier: interleaved 1F1B (allreduce) and
+# 1F1B-flush (none). The others run against the unpipelined model in default tests too:
+# 1F1B-flush and ZB-H1 with M = 4 and allreduce in test_b_i_and_w_run_from_the_forwards_residuals
+# (and test_w_is_a_real_split_and_i_plus_w_is_the_full_backward), ZB-V (a V: two stages per device,
+# the turn on the device, I and W) in test_a_stage_used_twice_sums_its_gradients and
+# test_stateful_quantized_stages_in_a_v_schedule, DualPipeV (overlapped F;B pairs, I and W, the V)
+# as torch's in test_torchs_dualpipev_csv_runs_as_written.
 @pytest.mark.parametrize("schedule,m,sync", [
-    ("1f1b_flush", 4, "allreduce"), ("interleaved_1f1b", 4, "allreduce"),
-    ("zb_h1", 4, "allreduce"), ("zbv", 4, "none"), ("dualpipev", 8, "allreduce"),
-    ("1f1b_flush", 2, "none"),
+    ("interleaved_1f1b", 4, "allreduce"), ("1f1b_flush", 2, "none"),
     *[pytest.param(s, m, y, marks=pytest.mark.slow) for s, m, y in (
+        ("1f1b_flush", 4, "allreduce"), ("zb_h1", 4, "allreduce"), ("zbv", 4, "none"),
+        ("dualpipev", 8, "allreduce"),
         ("interleaved_1f1b", 8, "none"), ("zb_h1", 8, "none"), ("zbv", 8, "allreduce"),
         ("dualpipev", 8, "none"), ("1f1b_flush", 8, "allreduce"))]])
 def test_every_flush_schedule_equals_the_unpipelined_model(mesh, schedule, m, sync):
@@ -115,12 +121,14 @@ def test_every_flush_schedule_equals_the_unpipelined_model(mesh, schedule, m, sy
   assert int(state.step) == 2 and list(metrics["batch"]) == [0, 1]
   assert metrics["bubble"] == pytest.approx(bubble(pipe.schedule_data))
   assert list(metrics["updates"]) == [2] * N
-  # A second run continues from the state (the update of mini-batch 2 at the new weights).
-  state, metrics = pipe.run(state, xs[:1], ys[:1])
-  expected, _ = _reference(stages, params, np.concatenate([xs, xs[:1]]),
-                           np.concatenate([ys, ys[:1]]), optimizer, sync)
+  # A second run continues from the state (the updates of mini-batches 2 and 3 at the new
+  # weights); the same shapes, so it runs the program the first run compiled.
+  state, metrics = pipe.run(state, xs, ys)
+  expected, losses = _reference(stages, params, np.concatenate([xs, xs]),
+                                np.concatenate([ys, ys]), optimizer, sync)
   _assert_params(pipe, state, expected)
-  assert list(metrics["batch"]) == [2]
+  np.testing.assert_allclose(metrics["loss"], losses[2:], rtol=1e-5)
+  assert int(state.step) == 4 and list(metrics["batch"]) == [2, 3]
 
 
 def test_torchs_dualpipev_csv_runs_as_written(mesh):
