@@ -86,8 +86,19 @@ def test_hopper_matches_spec_loop(k, xla_matmul):
                        want, msg=f"K={k}")
 
 
-@pytest.mark.parametrize("fmt", [HOPPER, E5M2, E4M3, FloatFormat(5, 10)], ids=repr)
-@pytest.mark.parametrize("n_c", [1, 3, 7, 16, 50, 64])
+# Default: Hopper's format with n_c = 1, 3 (a shorter last run), 50 (one run) and 64 (> K), and
+# each other format once (E5M2 at 7, E4M3 at 16, (5, 10) at 3); the other pairs are slow (the
+# same branches of the promotion loop, other constants).
+_RUNS_DEFAULT = {("HOPPER", 1), ("HOPPER", 3), ("HOPPER", 50), ("HOPPER", 64), ("E5M2", 7),
+                 ("E4M3", 16), ("E5M10", 3)}
+
+
+@pytest.mark.parametrize("n_c,fmt", [
+    pytest.param(n_c, fmt, id=f"{fmt!r}-{n_c}",
+                 marks=() if (name, n_c) in _RUNS_DEFAULT else pytest.mark.slow)
+    for n_c in [1, 3, 7, 16, 50, 64]
+    for name, fmt in [("HOPPER", HOPPER), ("E5M2", E5M2), ("E4M3", E4M3),
+                      ("E5M10", FloatFormat(5, 10))]])
 def test_run_lengths_and_formats_match_spec_loop(fmt, n_c, xla_matmul):
   """K = 50: n_c = 3 and 7 leave shorter last runs, 50 is one run, 64 > K."""
   a, b = fp8_operands(4, 50, 3, seed=n_c, mean=0.3)

@@ -560,16 +560,26 @@ def test_which_dgrad_w_casts_are_w_s():
                           widths={"w": jnp.int32(3)})
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "deepseek_fp8"])
-def test_square_weight_tiles_are_the_same_cast_along_either_axis(recipe):
+# The default shapes have, for both recipes' tiles (NVFP4's 16 x 16, DeepSeek's 128 x 128), whole
+# and partial tiles along both axes ((300, 200)) and the view (300, 24) of a conv kernel, narrower
+# than one DeepSeek tile; the slow ones add more views of conv kernels and dense weights with the
+# same kinds of tiles (blocks are capped at the matrix per axis).
+_SQUARE_SHAPES = [(5, 3, 20, 24), (300, 200)]
+_SQUARE_SHAPES_SLOW = [(3, 3, 64, 128), (3, 3, 128, 64), (1, 1, 64, 128), (17, 33)]
+
+
+@pytest.mark.parametrize("recipe,shapes", [
+    pytest.param(r, _SQUARE_SHAPES, id=r) for r in ("nvfp4", "deepseek_fp8")] + [
+    pytest.param(r, _SQUARE_SHAPES_SLOW, marks=pytest.mark.slow, id=f"{r}-more-shapes")
+    for r in ("nvfp4", "deepseek_fp8")])
+def test_square_weight_tiles_are_the_same_cast_along_either_axis(recipe, shapes):
   """The premise of reusing w̃: on the 2-D view of conv kernels and dense weights, whole and
   partial tiles, both recipes' w and dgrad_w casts give the same bits."""
   from jlp.gemm.config import matrix_shape  # pylint: disable=import-outside-toplevel
   from jlp.nn import recipes  # pylint: disable=import-outside-toplevel
   cfg = recipes.recipe_gemm(recipe, accumulator=False)
   rng = np.random.default_rng(11)
-  for shape in [(3, 3, 64, 128), (3, 3, 128, 64), (1, 1, 64, 128), (300, 200), (17, 33),
-                (5, 3, 20, 24)]:
+  for shape in shapes:
     w = (rng.standard_normal(shape) * 10.0 ** rng.integers(-30, 30, shape)).astype(np.float32)
     w.flat[::97] = 0.0
     view = jnp.asarray(w.reshape(matrix_shape(w.shape)))

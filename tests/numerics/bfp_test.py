@@ -376,7 +376,19 @@ def _random_grouping_cases(count, seed=13):
   return cases
 
 
-@pytest.mark.parametrize("shape, block", GROUPING_CASES + _random_grouping_cases(8), ids=str)
+# Slow, each with a default case on the same branches of `group_exponent_maxima`: (2, 1000)
+# (runs of lanes with a ragged tail: (3, 1024)), (5, 70) and (6, 90) (the same, 2 and 5 runs),
+# (40, 6) (boxes only, padded: (11, 13)), (7, 9, 17) (one reduction along the last axis, then the
+# outer boxes: (9, 300)), (2, 3, 4, 5) (boxes only, no padding: (3, 5) with the block (4, 8), and
+# rank 4 in (3, 50, 7, 7)), and the random cases.
+_SLOW_GROUPING = {((2, 1000), (1, 24)), ((5, 70), (1, 16)), ((6, 90), (1, 40)),
+                  ((40, 6), (16, 1)), ((7, 9, 17), (3, 1, 8)), ((2, 3, 4, 5), (1, 1, 1, 1))}
+
+
+@pytest.mark.parametrize("shape, block", [
+    pytest.param(*c, marks=pytest.mark.slow, id=str(c[0]) + "-" + str(c[1]))
+    if c in _SLOW_GROUPING or i >= len(GROUPING_CASES) else c
+    for i, c in enumerate(GROUPING_CASES + _random_grouping_cases(8))], ids=str)
 def test_grouping_matches_previous_xla_path(shape, block):
   """Reference: `_previous_bfp_quantize`, every rounding and a traced width, bit for bit, on
   `random_array` values (zeros, subnormals, inf, NaN, zero/subnormal-only groups)."""

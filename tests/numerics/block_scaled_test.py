@@ -154,9 +154,38 @@ CASES = [  # (name, x, block, axis)
 ]
 
 
-@pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
-@pytest.mark.parametrize("name,make,block,axis", CASES, ids=[c[0] for c in CASES])
+E4, E5 = "float8_e4m3fn", "float8_e5m2"
+
+
+def _sweep(cases, default):
+  """(case, elem, pow2) params of every case x element x pow2_scale; those not in `default`
+  (case name: [(elem, pow2), ...]) run in the slow tier. Each case is a shape / block / axis and
+  a data kind; the default tiers below keep each case once or twice (the reciprocal rule only
+  the data kinds), with pow2_scale off and on for the tiny-scale data (subnormal s, the pow2
+  ceiling of a subnormal, an overflowing multiplier), zeros and specials: e4m3fn and e5m2 take
+  the same branches (saturating cast, a finite max) and differ in constants only, pow2_scale
+  adds the power-of-two branch."""
+  params = []
+  for c in cases:
+    for elem in (E4, E5):
+      for pow2 in (False, True):
+        marks = () if (elem, pow2) in default[c[0]] else pytest.mark.slow
+        params.append(pytest.param(*c, elem, pow2, marks=marks,
+                                   id=f"{c[0]}-{elem}-{pow2}"))
+  return params
+
+
+DIVIDE_DEFAULT = {
+    "128x128 normal": [(E4, False)], "256x272 normal": [(E5, True)],
+    "304x304 boundary": [(E4, True)], "320x256 boundary": [(E5, False)],
+    "320x256 moderate": [(E5, True)], "304x304 axis 0": [(E4, False)],
+    "3-d axis 1 ragged": [(E5, False)], "specials": [(E4, False), (E5, True)],
+    # the same shape, block and format: one compiled program
+    "all zeros": [(E4, True)], "all maxima": [(E4, True)],
+}
+
+
+@pytest.mark.parametrize("name,make,block,axis,elem,pow2", _sweep(CASES, DIVIDE_DEFAULT))
 def test_matches_reference(name, make, block, axis, elem, pow2):
   x = make()
   fmt = BlockScaledFormat(elem, block=block, axis=axis, pow2_scale=pow2)
@@ -165,13 +194,21 @@ def test_matches_reference(name, make, block, axis, elem, pow2):
 
 
 @pytest.mark.parametrize("name,make,block,axis,fast", [
-    ("128x128 normal", lambda: outlier_normal((128, 128), 0), (1, 128), -1, True),
+    # slow: "320x256 moderate" has normal blocks (s >= 2^-100, m <= 2^100) beside its inf and
+    # NaN blocks, and the float path is taken there too
+    pytest.param("128x128 normal", lambda: outlier_normal((128, 128), 0), (1, 128), -1, True,
+                 marks=pytest.mark.slow),
     ("320x256 moderate", lambda: boundary_values((320, 256), 3, -60, 60), (1, 128), -1, True),
     ("all zeros", lambda: np.zeros((130, 140), F32), (128, 128), -1, True),
-    ("all maxima", lambda: np.full((130, 140), F32_MAX), (128, 128), -1, True),
-    ("304x304 boundary", lambda: boundary_values((304, 304), 2), (1, 128), -1, False),
+    # slow: the same branch of `_float_ops` (finite normal amax, s >= 2^-100, m <= 2^100) as the
+    # finite blocks of "320x256 moderate"
+    pytest.param("all maxima", lambda: np.full((130, 140), F32_MAX), (128, 128), -1, True,
+                 marks=pytest.mark.slow),
+    # slow: "specials" has blocks with normal amax and s < 2^-100 (and subnormal amax) too
+    pytest.param("304x304 boundary", lambda: boundary_values((304, 304), 2), (1, 128), -1, False,
+                 marks=pytest.mark.slow),
     ("specials", lambda: special_rows(200, 6), (1, 128), -1, False),
-])
+], ids=lambda v: v if isinstance(v, str) else None)
 def test_the_float_ops_path_is_taken_where_it_is_exact(name, make, block, axis, fast):
   """The XLA path's float division or multiplication (`_float_ops`) serves the cases above with
   moderate scales (their reference checks then cover it), not those with blocks of s < 2^-100
@@ -255,13 +292,24 @@ def test_documented_values():
   np.testing.assert_array_equal(got[0, :3], [896.0, 3.0, -1.25])
 
 
-@pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
-@pytest.mark.parametrize("name,make,block,axis", CASES + [
+RECIPROCAL_CASES = CASES + [
     ("per tensor normal", lambda: outlier_normal((96, 130), 7), TENSOR_BLOCK, -1),
     ("per tensor 3-d axis 0", lambda: outlier_normal((40, 6, 9), 8), TENSOR_BLOCK, 0),
     ("per tensor tiny", lambda: special_rows(64, 9)[:1], TENSOR_BLOCK, -1),
-], ids=[c[0] for c in CASES] + ["per tensor normal", "per tensor 3-d axis 0", "per tensor tiny"])
+]
+# The layout-only cases ("256x272 normal", "320x256 boundary", "304x304 axis 0", "3-d axis 1
+# ragged": the matrix view and block maxima the two rules share) run with rule "divide" in
+# test_matches_reference; here each data kind and every per-tensor case.
+RECIPROCAL_DEFAULT = {
+    **DIVIDE_DEFAULT, "256x272 normal": [], "320x256 boundary": [], "304x304 axis 0": [],
+    "3-d axis 1 ragged": [],
+    "per tensor normal": [(E4, False)], "per tensor 3-d axis 0": [(E5, True)],
+    "per tensor tiny": [(E4, True), (E5, False)],  # m overflows to float32's max (pow2: 2^127)
+}
+
+
+@pytest.mark.parametrize("name,make,block,axis,elem,pow2",
+                         _sweep(RECIPROCAL_CASES, RECIPROCAL_DEFAULT))
 def test_reciprocal_rule_matches_transformer_engine(name, make, block, axis, elem, pow2):
   """scale_rule="reciprocal" against TE's compute_scale_from_amax + cast, transcribed in numpy
   float32 (`te_reference`): blocks and whole tensors (TENSOR_BLOCK, TE's current scaling),

@@ -145,8 +145,23 @@ def quantize(x, fmt, rbits=None):
 LAYOUTS = [((40, 64), 32, -1), ((50, 24), 20, 0)]  # (shape, block, axis): full and ragged blocks
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-@pytest.mark.parametrize("elem", list(ELEMENTS))
+def _slow_unless(default, *names):
+  """pytest.param(*names) in the slow tier unless `names` is in `default` (one default case per
+  branch of the code: the element classes e5m2 (inf and NaN), e4m3fn (NaN only), float6 / float4
+  (neither; the same branches, other constants) and int8 (its own grid and clamp), each scale
+  mode, each layout, stochastic and prescale)."""
+  return pytest.param(*names, marks=() if names in default else pytest.mark.slow)
+
+
+# Every element in a layout; int8 (its own branch) in both.
+_LAYOUT_DEFAULT = {("float8_e5m2", 0), ("float6_e3m2fn", 0), ("float4_e2m1fn", 0), ("int8", 0),
+                   ("float8_e4m3fn", 1), ("float6_e2m3fn", 1), ("int8", 1)}
+
+
+@pytest.mark.parametrize("elem,layout", [
+    pytest.param(e, LAYOUTS[i], id=f"{e}-{LAYOUTS[i]}",
+                 marks=() if (e, i) in _LAYOUT_DEFAULT else pytest.mark.slow)
+    for i in range(len(LAYOUTS)) for e in ELEMENTS])
 def test_matches_reference(elem, layout):
   shape, block, axis = layout
   rng = np.random.default_rng(len(elem) * 7 + block)
@@ -194,7 +209,9 @@ def scaled_grid_codes(x, fmt):
   return bool(mx_numerics._rounds_on_scaled_grid(codes, fmt))
 
 
-@pytest.mark.parametrize("elem", list(ELEMENTS))
+# Slow: float6_e3m2fn (the branches of float6_e2m3fn and float4_e2m1fn, no inf or NaN).
+@pytest.mark.parametrize("elem", [pytest.param(e, marks=pytest.mark.slow)
+                                  if e == "float6_e3m2fn" else e for e in ELEMENTS])
 def test_rounding_on_the_scaled_grid_matches_reference(elem):
   """Nearest rounding of arrays whose blocks all lie in `_nearest_fields`, quantized directly on
   the scaled grid (asserted), at shared exponents from the lowest to the highest of that range,
@@ -325,8 +342,15 @@ def scale_mode_blocks(elem, rng):
   return x
 
 
-@pytest.mark.parametrize("mode", SCALE_MODES[1:])
-@pytest.mark.parametrize("elem", list(ELEMENTS))
+# Each mode with two or three element classes, int8 (its own mantissa and max in "even" and
+# "rceil") in both modes that branch on it; every element once.
+_MODES_DEFAULT = {("float8_e4m3fn", "ceil"), ("float6_e3m2fn", "ceil"), ("float8_e5m2", "even"),
+                  ("int8", "even"), ("float4_e2m1fn", "even"), ("float6_e2m3fn", "rceil"),
+                  ("int8", "rceil")}
+
+
+@pytest.mark.parametrize("elem,mode", [_slow_unless(_MODES_DEFAULT, e, m)
+                                       for e in ELEMENTS for m in SCALE_MODES[1:]])
 def test_scale_modes_match_reference(elem, mode):
   """Boundary blocks (general path) and random wide blocks incl. specials, along the last axis
   and, ragged, along axis 0."""
@@ -339,8 +363,15 @@ def test_scale_modes_match_reference(elem, mode):
   ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 20, 0, mode=mode), x, repr(fmt))
 
 
-@pytest.mark.parametrize("mode", SCALE_MODES)
-@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8"])
+# E5M2 (inf outside "floor") in every mode but "floor", each other element class in one mode
+# ("floor" on the scaled grid for all elements: test_rounding_on_the_scaled_grid_matches_reference).
+_GRID_DEFAULT = {("float8_e5m2", m) for m in SCALE_MODES[1:]} | {
+    ("float8_e4m3fn", "ceil"), ("float4_e2m1fn", "even"), ("int8", "rceil")}
+
+
+@pytest.mark.parametrize("elem,mode", [
+    _slow_unless(_GRID_DEFAULT, e, m)
+    for e in ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8"] for m in SCALE_MODES])
 def test_scale_modes_on_the_scaled_grid_match_reference(elem, mode):
   """Blocks within `_nearest_fields` take the direct rounding on the scaled grid (asserted) in
   every mode, with ties, saturating tops, an all-zero and a NaN block; for E5M2 also blocks
@@ -395,8 +426,11 @@ GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                       "mx_scale_modes_torchao.npz")
 
 
-@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2", "float6_e2m3fn",
-                                  "float6_e3m2fn", "float4_e2m1fn"])
+# Slow: the float6 goldens (float4_e2m1fn's element class: no inf or NaN, other constants).
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2",
+                                  *[pytest.param(e, marks=pytest.mark.slow)
+                                    for e in ("float6_e2m3fn", "float6_e3m2fn")],
+                                  "float4_e2m1fn"])
 def test_torchao_goldens(elem):
   """Every scale mode against the real torchao 0.18.0 `to_mx` + `to_dtype` on CPU
   (tests/data/make_mx_scale_mode_goldens.py; 64 blocks of 32 per element type: random blocks
@@ -417,8 +451,15 @@ def test_torchao_goldens(elem):
 
 # -- prescale (Tseng et al.'s 3/4 before stochastic rounding) -------------------------------------
 
+# Each float element stochastic (the ldexp scaling), nearest (the exponent-field scaling) with
+# float4_e2m1fn and int8, "floor" and "rceil" each nearest and stochastic.
+_PRESCALE_DEFAULT = {("float4_e2m1fn", "floor", False), ("float4_e2m1fn", "rceil", True),
+                     ("float8_e4m3fn", "floor", True), ("int8", "rceil", False)}
+
+
 @pytest.mark.parametrize("elem, mode, stochastic", [
-    (e, m, s) for e in ("float4_e2m1fn", "float8_e4m3fn", "int8") for m in ("floor", "rceil")
+    _slow_unless(_PRESCALE_DEFAULT, e, m, s)
+    for e in ("float4_e2m1fn", "float8_e4m3fn", "int8") for m in ("floor", "rceil")
     for s in (False, True) if not (s and e == "int8")])  # MXINT8 rounds to nearest only
 def test_prescale_matches_reference(elem, mode, stochastic):
   """Random wide blocks with zeros, float32 subnormals and specials, along the last axis and,

@@ -140,7 +140,11 @@ def check(x, fmts, rbits=None, label=""):
 
 # -- TransformerEngine's exact tests ------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", TE_SHAPES, ids=str)
+# Slow: (256, 272), (304, 304) and (320, 256), whole 16 x 16 tiles and 1 x 16 blocks like
+# (128, 128), which runs every format (each shape is its own program; the tiling and the code
+# take the same branches).
+@pytest.mark.parametrize("shape", [s if s == (128, 128) else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in TE_SHAPES], ids=str)
 def test_te_exact_shapes(shape):
   x = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
   check(x, ALL_FMTS if shape == (128, 128) else TE_FMTS, label=str(shape))

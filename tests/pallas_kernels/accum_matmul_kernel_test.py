@@ -66,11 +66,20 @@ KS = [1, TK - 1, TK, TK + 1, 2 * TK, 3 * TK + 5]
 _ids = lambda v: repr(v) if isinstance(v, FloatFormat) else str(v)
 
 
-@pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("kahan,chunk,fmt", [
-    (False, 1, E5M2),
-    (True, 3, E4M3_TRUNCATE),  # chunk starts and ends tested at every step
-], ids=_ids)
+# Each K once in the default tier: plain at K = 1 (one padded K block), tk and 2 tk (whole
+# blocks), Kahan with chunks of 3 at K = tk - 1, tk + 1 and 3 tk + 5 (padded, one and several
+# blocks); the other (K, configuration) pairs are slow.
+_EVERY_K_DEFAULT = {(1, False), (TK, False), (2 * TK, False),
+                    (TK - 1, True), (TK + 1, True), (3 * TK + 5, True)}
+
+
+@pytest.mark.parametrize("k,kahan,chunk,fmt", [
+    pytest.param(k, kahan, chunk, fmt, id=f"{kahan}-{chunk}-{fmt!r}-{k}",
+                 marks=() if (k, kahan) in _EVERY_K_DEFAULT else pytest.mark.slow)
+    for kahan, chunk, fmt in [
+        (False, 1, E5M2),
+        (True, 3, E4M3_TRUNCATE),  # chunk starts and ends tested at every step
+    ] for k in KS])
 def test_matches_xla_for_every_k(k, kahan, chunk, fmt):
   a, b = operands(5, k, 6, seed=k * 7 + chunk)
   ref.assert_same_bits(kernel(a, b, fmt, kahan, chunk), xla(a, b, fmt, kahan, chunk),
@@ -105,7 +114,10 @@ def test_chunk_sizes_and_formats_match_xla(kahan, chunk, fmt):
   ref.assert_same_bits(kernel(a, b, fmt, kahan, chunk), xla(a, b, fmt, kahan, chunk))
 
 
-@pytest.mark.parametrize("kahan,chunk", [(False, 1), (True, 1), (True, 3), (False, 8)])
+# Slow: (False, 1): the plain chunk-1 loop of the kernel against the XLA path in
+# test_matches_xla_for_every_k, of the XLA path against a triple loop in tests/gemm/accum_test.py.
+@pytest.mark.parametrize("kahan,chunk", [pytest.param(False, 1, marks=pytest.mark.slow),
+                                         (True, 1), (True, 3), (False, 8)])
 def test_matches_spec_loop(kahan, chunk):
   """K = 3 tk + 5; chunks of 3 and 8 straddle the K blocks, the last one incomplete."""
   a, b = operands(3, 3 * TK + 5, 4, seed=chunk + 10)

@@ -61,8 +61,18 @@ def xla(a, b, fmt, n_c):
 KS = [1, TK - 1, TK, TK + 1, 2 * TK, 4 * TK + 1]
 
 
-@pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("n_c", [3, 2 * TK])  # run ends tested at every step / once per K block
+# Each K once in the default tier: runs of 2 tk at K = 1 (one padded K block), tk and 2 tk (whole
+# blocks), runs of 3 at K = tk - 1, tk + 1 and 4 tk + 1 (padded, one and several blocks); the
+# other (K, n_c) pairs are slow.
+_EVERY_K_DEFAULT = {(1, 2 * TK), (TK, 2 * TK), (2 * TK, 2 * TK),
+                    (TK - 1, 3), (TK + 1, 3), (4 * TK + 1, 3)}
+
+
+@pytest.mark.parametrize("k,n_c", [
+    pytest.param(k, n_c, id=f"{n_c}-{k}",
+                 marks=() if (k, n_c) in _EVERY_K_DEFAULT else pytest.mark.slow)
+    # run ends tested at every step / once per K block
+    for n_c in [3, 2 * TK] for k in KS])
 def test_matches_xla_for_every_k(k, n_c):
   a, b = operands(5, k, 6, seed=k * 7 + n_c)
   ref.assert_same_bits(kernel(a, b, HOPPER, n_c), xla(a, b, HOPPER, n_c), msg=f"K={k}")

@@ -63,8 +63,19 @@ def _unpack_fns(bits: int, n: int, block_codes: int):
   return kernel, xla
 
 
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("n,block_codes", SIZES, ids=str)
+# The default tier runs every width on a ragged multi-tile grid (4000, 256), exact tiles
+# (2048, 256) with 1 and 8 bits, and each other size with one width; the kernels take the same
+# branches (tail padding or not, one or several tiles) for the other (size, bits) pairs, slow.
+_SIZES_DEFAULT = {(4000, 256, b) for b in BITS} | {
+    (2048, 256, 1), (2048, 256, 8), (1, 8192, 1), (3, 8192, 2), (31, 8192, 4), (1000, 8192, 8),
+    (777, 64, 2)}
+SIZES_BITS = [pytest.param(n, block_codes, bits, id=f"{(n, block_codes)}-{bits}",
+                           marks=() if (n, block_codes, bits) in _SIZES_DEFAULT
+                           else pytest.mark.slow)
+              for n, block_codes in SIZES for bits in BITS]
+
+
+@pytest.mark.parametrize("n,block_codes,bits", SIZES_BITS)
 def test_pack_bits_matches_reference_and_xla(bits, n, block_codes):
   for pad in sorted({0, 1, (1 << bits) - 1}):
     kernel, xla = _pack_fns(bits, pad, block_codes)
@@ -76,8 +87,7 @@ def test_pack_bits_matches_reference_and_xla(bits, n, block_codes):
       np.testing.assert_array_equal(np.asarray(xla(jnp.asarray(codes))), want)
 
 
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("n,block_codes", SIZES, ids=str)
+@pytest.mark.parametrize("n,block_codes,bits", SIZES_BITS)
 def test_unpack_bits_matches_reference_and_xla(bits, n, block_codes):
   kernel, xla = _unpack_fns(bits, n, block_codes)
   m = -(-n * bits // 8)
@@ -156,7 +166,11 @@ def check_select(v: np.ndarray, thresholds, capacities, block_size: int):
 SELECT_SIZES = ((1, 4096), (100, 4096), (1024, 64), (1000, 64), (4000, 256))
 
 
-@pytest.mark.parametrize("n,block_size", SELECT_SIZES, ids=str)
+# Slow: (100, 4096), one partial tile like (1, 4096), and (4000, 256), a ragged multi-tile grid
+# like (1000, 64).
+@pytest.mark.parametrize("n,block_size", [
+    pytest.param(*c, marks=pytest.mark.slow, id=str(c)) if c in ((100, 4096), (4000, 256)) else c
+    for c in SELECT_SIZES], ids=str)
 def test_threshold_select_matches_nonzero(n, block_size):
   v = np.random.default_rng(n).standard_normal(n).astype(np.float32)
   # Thresholds selecting ~none, few, ~a third, all; negative: padding must stay unselected.

@@ -270,7 +270,10 @@ def check_modes(x, block: int, axis: int, rows_per_tile, elems, modes=SCALE_MODE
                            repr(fmt))
 
 
-@pytest.mark.parametrize("elem", list(ELEMENTS))
+# Slow: the float6 elements, whose kernel body takes the branches of float4_e2m1fn (a float element
+# without inf or NaN, with subnormals; `mx_rows_bits` and the cast differ in constants only).
+@pytest.mark.parametrize("elem", [pytest.param(e, marks=pytest.mark.slow) if e.startswith("float6")
+                                  else e for e in ELEMENTS])
 def test_scale_modes_match_xla_path_and_reference(elem):
   """Each mode's boundary blocks (`scale_mode_blocks`: 100-odd blocks of 32, 8 tiles of 16) and,
   along axis 0 with ragged blocks, the wide sample (G = 72, P = 32, 9 tiles of 8)."""
