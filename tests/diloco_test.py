@@ -184,7 +184,9 @@ def test_delta_sign_moves_outer_params_toward_the_replicas_mean():
     assert (np.abs(want - mean) < np.abs(params[i] - mean)).any()
 
 
-@pytest.mark.parametrize("outer_lr", [1.0, 0.7])
+# outer_lr=1.0 runs in the slow tier: test_outer_sgd_lr_one_is_fedavg_bit_for_bit takes the same
+# path (one fragment, outer SGD with lr 1) bit for bit.
+@pytest.mark.parametrize("outer_lr", [pytest.param(1.0, marks=pytest.mark.slow), 0.7])
 def test_diloco_matches_the_numpy_model(outer_lr):
   params, grads = random_data(8, seed=3)
   d = DiLoCo(optax.sgd(0.1), optax.sgd(outer_lr), period=4)
@@ -247,7 +249,10 @@ def test_streaming_fragments_sync_at_their_own_steps(fragments, leaves):
       np.testing.assert_array_equal(got[i][0, n - 1], got[i][3, n - 1])
 
 
-@pytest.mark.parametrize("tau, alpha", [(1, 0.0), (2, 0.5), (0, 0.5)])
+# (2, 0.5) runs in the slow tier: (1, 0.0) keeps the merge tau > 0 steps later, (0, 0.5) the
+# alpha blend, and test_same_bits_without_check_vma the blend tau = 1 step later.
+@pytest.mark.parametrize("tau, alpha", [(1, 0.0), pytest.param(2, 0.5, marks=pytest.mark.slow),
+                                        (0, 0.5)])
 def test_overlap_merges_tau_steps_later_with_alpha(tau, alpha):
   params, grads = random_data(12, seed=7)
   d = DiLoCo(optax.sgd(0.1), optax.sgd(0.7), period=4, fragments=2, overlap=tau, alpha=alpha)

@@ -92,9 +92,18 @@ def _loss_and_grads(name, model, x):
   return float(loss), flat
 
 
-# FCN and VGG19 (25-35 s each here) run in the slow tier; ResNet18/50, DavidNet and the small
-# CNN cover the conv layers in the default one.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("fcn", "vgg19")
+# FCN and VGG19 (25-35 s each here), ResNet18/50 and DavidNet (6-14 s) run in the slow tier: the
+# small CNN covers the quantized conv (fp8, and BFP's ragged NHWC / HWIO groups) and dense layers
+# in the default one, BERT the Einsum layers and nested module paths, the MLP dense layers alone.
+# A quantized conv's backward is the vjp of the lax op for every stride, padding and kernel size
+# (jlp.gemm.qdot), so the conv models add no quantization path; every model's own float32
+# forward and backward stays in the default tier in
+# tests/models/models_test.py::test_gradients_finite_for_every_param (and ResNet18 quantized by
+# rules in tests/nn/inplace_fi_test.py).
+SLOW = ("fcn", "vgg19", "resnet18", "resnet50", "davidnet")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW
                                   else n for n in sorted(TINY)])
 def test_quantized_forward_and_backward_under_jit(name):
   x = TINY[name][1](jax.random.key(3))

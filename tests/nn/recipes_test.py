@@ -18,6 +18,7 @@ from jlp.nn import (RECIPES, QuantRule, gemm_call_order, quantize_model, recipe_
                     recipe_rules)
 from jlp.nn.recipes import UNSUPPORTED
 from jlp.quantize import quantize_f32
+from tiny_models import build
 
 HI = lax.Precision.HIGHEST
 E2M1 = "float4_e2m1fn"
@@ -75,13 +76,15 @@ def expected_cfg(name):
   return GemmQuant(**EXPECTED[name], matrix_view=True)
 
 
+# The models are built with numpy-drawn parameters (tiny_models.build): a real construction
+# compiles every initializer draw of a new shape (11 s for the ResNet-50 below), and what these
+# tests check (layer paths, call order, rules) does not depend on the initializer.
 def small_cnn():
-  return models.get_model("small_cnn", num_classes=10, width=8, rngs=nnx.Rngs(0))
+  return build("small_cnn", dict(num_classes=10, width=8))
 
 
 def mlp():
-  return models.get_model("mlp", num_classes=10, in_features=64, hidden=(32, 32, 32),
-                          rngs=nnx.Rngs(0))
+  return build("mlp", dict(num_classes=10, in_features=64, hidden=(32, 32, 32)))
 
 
 def test_the_recipes_are_the_issue_s_list():
@@ -123,8 +126,7 @@ def test_nvfp4_keeps_the_first_and_last_layer_of_an_mlp_in_float32():
 def test_first_and_last_follow_the_call_order_not_the_module_order():
   """torchvision's ResNet-50 lists `fc` second among its modules (sorted attribute names) but
   calls it last: the traced order decides."""
-  model = models.get_model("resnet50", num_classes=10, width=4, num_blocks=(1, 1, 1, 1),
-                           rngs=nnx.Rngs(0))
+  model = build("resnet50", dict(num_classes=10, width=4, num_blocks=(1, 1, 1, 1)))
   x = jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32)
   modules = list(models.gemm_modules(model))
   order = gemm_call_order(model, x)
@@ -234,7 +236,10 @@ def _q(fmt, x, key, role):
   return quantize_f32(x.reshape(-1, x.shape[-1]), fmt, rkey, "xla").reshape(x.shape)
 
 
-@pytest.mark.parametrize("name", STATELESS)
+# mxfp8 runs in the slow tier: mxfp4 keeps MX formats through qdot_general's matrix view (with
+# stochastic rounding besides), and tests/numerics/mx_test.py the "rceil" scale mode.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "mxfp8" else n
+                                  for n in STATELESS])
 def test_a_dense_layer_on_tokens_computes_the_recipe_s_three_gemms(name, fast_compile):
   """y, dx and dw of a (B, T, F) x (F, O) layer equal float32 GEMMs of the operands quantized as
   the recipe's table says, on TE's 2-D views: the weight-gradient operands are blocked along
