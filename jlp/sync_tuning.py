@@ -316,9 +316,9 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
   """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", "psum", and per
   topology the compressor runs ("ps", "ring": each leaf in its best K, among the K the fit
   timed when it timed any (`SyncFit.partitions`), or on the float32 ring when cheaper;
-  "allreduce": the compressor's own routing). Without a fit, the CaSync plans
-  are the sync's own rule on each topology (a leaf of more than `min_size` elements compressed
-  into K = min(N, size) partitions, the rest on the float32 ring) and nothing is priced."""
+  "allreduce": the compressor's own routing). Without a fit, the CaSync plans are the sync's own
+  rule on each topology (a leaf of more than `min_size` elements compressed into K = min(N, size)
+  partitions, the rest on the float32 ring) and nothing is priced."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
   leaves = leaf_sizes(tree)
   n = fit.num_nodes if fit is not None else num_nodes
