@@ -105,15 +105,6 @@ ACCURACY_RUNS = {
 }
 
 
-def _elements(text: str, flag: str = "size") -> int:
-  scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
-  number = text[:-1] if scale > 1 else text
-  if not number.isdigit() or int(number) < 1:
-    raise app.UsageError(f"--{flag}={text!r} is not allowed; expected a positive integer with an "
-                         "optional K or M suffix.")
-  return int(number) * scale
-
-
 #: The cost model's fit sizes, up to a quarter of the synced 4M elements (larger fits take minutes per
 #: compressor at 100 Mbit/s).
 FIT_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
@@ -181,7 +172,7 @@ def _sync_fits(num_devices: int) -> dict[str, Any]:
     fit = sync_tuning.SyncFit.load(path, cluster=cluster, compressor=codec,
                                    num_nodes=num_devices)
     if fit is None:
-      sizes = tuple(_elements(text, "sync_fit_sizes") for text in _SYNC_FIT_SIZES.value)
+      sizes = tuple(cli.elements(text, "sync_fit_sizes") for text in _SYNC_FIT_SIZES.value)
       fit = sync_tuning.fit_sync_costs(codec, sizes=sizes, repeats=3, cluster=cluster)
       if jax.process_index() == 0:
         os.makedirs(_SYNC_FITS.value, exist_ok=True)
@@ -494,8 +485,8 @@ def _training_sections() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  size = _elements(_SIZE.value)
-  if len({_elements(text, "sync_fit_sizes") for text in _SYNC_FIT_SIZES.value}) < 2:
+  size = cli.elements(_SIZE.value, "size")
+  if len({cli.elements(text, "sync_fit_sizes") for text in _SYNC_FIT_SIZES.value}) < 2:
     raise app.UsageError(f"--sync_fit_sizes={','.join(_SYNC_FIT_SIZES.value)} is not allowed; "
                          "expected at least two distinct sizes.")
   for name in _ACCURACY_RUNS.value or ():

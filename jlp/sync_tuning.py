@@ -501,8 +501,8 @@ DROP_ABOVE = 2.0
 
 
 class Autotuned(NamedTuple):
-  """What `autotune` chose: the plan, the ms measured for each plan timed, and their labels in
-  the order timed."""
+  """What `autotune` chose: the plan, and the ms measured for each plan timed, by label in the
+  order timed (empty when the fit left one plan to time: see `autotune`)."""
   plan: Plan
   measured_ms: dict[str, float]
 
@@ -532,7 +532,12 @@ def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | Non
              ) -> Autotuned:
   """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit; their CaSync
   plans compress the leaves of more than `min_size` elements) on gradient-shaped data and keeps
-  the fastest; with several processes every process takes process 0's choice. "Don't compress"
+  the fastest; with several processes every process takes process 0's choice. With a fit, a plan
+  predicted more than `DROP_ABOVE` times slower than the plan predicted fastest is not timed:
+  the whole-sync fit's predictions were within +-30 % of the measured sync in 94 % of the
+  cluster study's cells at 4M elements, so such a plan is all but certain to lose, and each
+  candidate costs the runner a train-step compile. When that leaves one plan, it is chosen
+  without timing (`Autotuned.measured_ms` is then empty). "Don't compress"
   is timed once, as "psum": the float32 ring sums the same float32 mean, it took 0.87-1.65x
   psum's time in the cluster study's rows (BENCHMARKS.md; at most 5 % faster on the shaped
   links), and each candidate costs the runner a train-step compile (about 1.5 s for digits_wide
@@ -545,8 +550,12 @@ def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | Non
   if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
     raise invalid("limit", limit, "an int >= 1")
   mesh = Mesh(np.array(jax.devices()), (axis,)) if mesh is None else mesh
-  plans = [plan for plan in rank_plans(tree, codec, fit, num_nodes=mesh.devices.size,
-                                      min_size=min_size) if plan.label != FLOAT32][:limit]
+  ranked = [plan for plan in rank_plans(tree, codec, fit, num_nodes=mesh.devices.size,
+                                       min_size=min_size) if plan.label != FLOAT32][:limit]
+  # Cheapest first, unpriced (NaN) last: a NaN prediction compares False and is timed.
+  plans = [p for p in ranked if not p.predicted_ms > DROP_ABOVE * ranked[0].predicted_ms]
+  if len(plans) == 1:
+    return Autotuned(plans[0], {})
   timer = timer or (lambda syncs, t: time_syncs_ms(syncs, t, mesh=mesh, axis=axis,
                                                    repeats=repeats, drop_above=DROP_ABOVE,
                                                    seed=seed))

@@ -1,4 +1,5 @@
-"""The experiment entry points in their quick mode: the compression study's table and plots.
+"""The experiment entry points in their quick mode: the compression study's table and plots, and
+the whole-sync fit for autotune.
 
 References: the table's structure (a float32 run, then every compressor x CaSync topology) and the
 bytes a float32 ring all-reduce sends, 2(W-1) hops of ceil(n/W) floats per leaf of n floats, of
@@ -7,11 +8,13 @@ which every compressor must send a fraction.
 
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
 
-from jlp import studies
+from jlp import studies, sync_tuning
 
 
 def leaf_sizes():
@@ -69,3 +72,25 @@ def test_compression_study_rejects_bad_entries(tmp_path):
     studies.compression_study(config, str(tmp_path), ["none"])
   with pytest.raises(ValueError, match="compressors entry=3 is not allowed"):
     studies.compression_study(config, str(tmp_path), [3])
+
+
+def test_sync_fit_writes_a_fit_the_runner_loads(tmp_path):
+  """`experiments.sync_fit` times whole syncs on 8 CPU devices and writes a fit that
+  `SyncFit.load` gives back for this cluster, compressor and device count (what the runner's
+  compression.sync_fit reads); a bad size is refused before anything is timed."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "onebit.json"
+  command = [sys.executable, "-m", "experiments.sync_fit", "--compressor=onebit", f"--out={out}",
+             "--cpu_devices=8", "--repeats=1"]
+  bad = subprocess.run(command + ["--sizes=1K,2X"], cwd=repo, capture_output=True, text=True,
+                       timeout=300)
+  assert bad.returncode == 2 and not out.exists()
+  assert bad.stderr.startswith("error: --sizes='2X' is not allowed; expected a positive integer")
+  run = subprocess.run(command + ["--sizes=1K,2K"], cwd=repo, capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stderr
+  fit = sync_tuning.SyncFit.load(out, cluster="1 processes x 8 cpu", compressor="onebit",
+                                 num_nodes=8)
+  assert fit is not None and fit.psum is not None and set(fit.topologies) == {"ps", "ring"}
+  assert sorted({size for _, size, _ in fit.samples}) == [1024, 2048]
+  assert f"wrote {out} (onebit on 1 processes x 8 cpu, 16 syncs)" in run.stdout

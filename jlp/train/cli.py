@@ -28,7 +28,8 @@ from absl import app, flags
 
 from jlp.train.config import DEVICE_HINT
 
-__all__ = ["DEVICE_HINT", "apply_cpu_devices", "config_value", "define_cpu_devices", "fail", "run"]
+__all__ = ["DEVICE_HINT", "apply_cpu_devices", "config_value", "define_cpu_devices", "elements", "fail",
+           "run"]
 
 USAGE_HINT = "see --helpshort; the config fields are documented in jlp/train/config.py"
 
@@ -61,6 +62,17 @@ def fail(message: str, hint: str | None = None) -> NoReturn:
   if hint:
     print(hint, file=sys.stderr)
   sys.exit(2)
+
+
+def elements(text: str, flag: str) -> int:
+  """An element count given as --FLAG=TEXT, with an optional K (2^10) or M (2^20) suffix ("64K",
+  "1M"); anything else fails with one line naming --FLAG."""
+  scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
+  number = text[:-1] if scale > 1 else text
+  if not number.isdigit() or int(number) < 1:
+    fail(f"--{flag}={text!r} is not allowed; expected a positive integer with an optional K or M "
+         "suffix.")
+  return int(number) * scale
 
 
 _DID_YOU_MEAN = re.compile(r'Did you mean \\?"([^"\\]+)\\?" instead of \\?"([^"\\]+)\\?"')

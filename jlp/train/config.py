@@ -103,10 +103,13 @@ Fields (see `base_config` for defaults):
                                 (from copies of the initial state, thrown away) and the fastest
                                 is kept (jlp.sync_tuning.autotune; with a whole-sync fit at
                                 compression.sync_fit, only the 4 it ranks highest, each leaf in
-                                its best K); the choice and its timings are printed and written
-                                to WORKDIR/sync_plan.json, which a resume reuses.
+                                its best K, and of those only the ones predicted within 2x of
+                                the fastest: one left is chosen untimed); the choice and its
+                                timings are printed and written to WORKDIR/sync_plan.json, which
+                                a resume reuses.
   compression.sync_fit          "" or the path of a jlp.sync_tuning.SyncFit JSON (fitted from
-                                whole syncs on this cluster) that ranks autotune's candidates.
+                                whole syncs on this cluster: python -m experiments.sync_fit)
+                                that ranks autotune's candidates.
   Every step logs wire_bytes: the bytes one device sends for the gradient sync (jlp.train.step).
   diloco.period                 H > 0: DiLoCo (Douillard et al. 2023; jlp.sync.DiLoCo,
                                 docs/baselines.md): every device is a replica that runs H inner

@@ -308,11 +308,14 @@ def autotune_sync(config: ml_collections.ConfigDict, sync: GradSync, params: Any
     chosen = sync_tuning.autotune(params, sync.compression, fit=fit, min_size=sync.min_size,
                                   mesh=mesh, axis=mesh.axis_names[0], seed=sync.seed,
                                   timer=timer)
-    how = f"timed now in {time.perf_counter() - start:.1f} s"
+    how = (f"timed now in {time.perf_counter() - start:.1f} s" if chosen.measured_ms else
+           f"from {config.compression.sync_fit}")
     if jax.process_index() == 0:
       replace_file(path, lambda f: json.dump({"key": key, "choice": chosen.to_dict()}, f,
                                              indent=1))
-  timings = ", ".join(f"{label} {ms:.1f} ms" for label, ms in chosen.measured_ms.items())
+  timings = ", ".join(f"{label} {ms:.1f} ms" for label, ms in chosen.measured_ms.items()) or (
+      f"predicted {chosen.plan.predicted_ms:.1f} ms, no other candidate within "
+      f"{sync_tuning.DROP_ABOVE:g}x of it: none timed")
   if jax.process_index() == 0:
     print(f"autotune: {chosen.plan.label} ({timings}; {how})", flush=True)
   return chosen.plan.grad_sync(sync.compression, seed=sync.seed)

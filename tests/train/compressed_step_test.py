@@ -283,6 +283,36 @@ def test_autotune_times_the_candidates_as_train_steps_and_trains_as_the_chosen_p
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_autotune_with_a_fit_that_leaves_one_plan_times_nothing(tmp_path, capsys):
+  """With compression.sync_fit predicting onebit's PS more than 2x faster than every other
+  plan, the runner's autotune builds and times no train step (its timer fails here): it
+  records and prints the predicted plan, which a resume reuses like a timed choice."""
+  import json
+  from jlp import sync_tuning
+  samples = [(label, size, ms * size / 1024) for size in (1024, 1 << 16)
+             for label, ms in (("float32", 10.0), ("psum", 10.0), ("ps, K=1", 2.0),
+                               ("ps, K=8", 2.0), ("ring, K=1", 9.0), ("ring, K=8", 9.0))]
+  fit = sync_tuning.fit_from_samples(samples, compressor="onebit", num_nodes=W, cluster="test")
+  fit.save(tmp_path / "fit.json")
+  c = compressed_config()
+  c.compression.update(plan="autotune", sync_fit=str(tmp_path / "fit.json"))
+  params = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  no_timing = lambda syncs, tree: pytest.fail("timed")  # noqa: E731
+  sync = recipe.autotune_sync(c, recipe.grad_sync(c), params, mesh, str(tmp_path),
+                              timer=no_timing)
+  assert sync.compression == jc.get("onebit") and sync.topology == "ps"
+  saved = json.load(open(tmp_path / "sync_plan.json"))["choice"]
+  assert saved["label"] == "ps" and saved["measured_ms"] == {}
+  assert saved["predicted_ms"] == pytest.approx(8.0)
+  out = capsys.readouterr().out
+  assert "autotune: ps (predicted 8.0 ms, no other candidate within 2x of it: none timed; " \
+      f"from {tmp_path / 'fit.json'})" in out
+  assert recipe.autotune_sync(c, recipe.grad_sync(c), params, mesh, str(tmp_path),
+                              timer=no_timing) == sync
+  assert "reused from" in capsys.readouterr().out
+
+
 def test_compressed_config_builds_the_sync(tmp_path):
   sync = recipe.grad_sync(compressed_config(seed=5))
   assert sync.compression == jc.get("onebit") and sync.min_size == 0 and sync.seed == 5
