@@ -24,9 +24,9 @@ cores, so on a real cluster those prices are off by 1.3-9x (BENCHMARKS.md). Here
     (each leaf compressed into its best K, or left to the float32 ring when that is cheaper), and
     "don't compress" twice: every leaf on the float32 ring ("float32") or summed by `lax.psum`
     ("psum"). Cheapest first.
-  * `autotune` times the highest ranked plans (at most `limit`; "don't compress" as psum only) on
-    the live devices, with gradient-shaped data, and keeps the fastest; every process takes
-    process 0's choice.
+  * `autotune` times the highest ranked plans (at most `limit`; "don't compress" as psum only;
+    with a fit, only those predicted within `DROP_ABOVE` of the fastest) on the live devices,
+    with gradient-shaped data, and keeps the fastest; every process takes process 0's choice.
 
 Per-leaf costs add up (HiPress's assumption; jlp sends the uncompressed leaves as one all-reduce,
 priced by the float32 line of their total size).

@@ -28,8 +28,8 @@ from absl import app, flags
 
 from jlp.train.config import DEVICE_HINT
 
-__all__ = ["DEVICE_HINT", "apply_cpu_devices", "config_value", "define_cpu_devices", "elements", "fail",
-           "run"]
+__all__ = ["DEVICE_HINT", "apply_cpu_devices", "config_value", "define_cpu_devices", "elements",
+           "fail", "run"]
 
 USAGE_HINT = "see --helpshort; the config fields are documented in jlp/train/config.py"
 
