@@ -112,7 +112,7 @@ def test_timed_syncs_are_predicted_from_their_timings_and_plans_pick_a_timed_k()
 def _fit(ps_scale=1.0, ring_scale=1.0, float32=(4e-5, 1.0), psum=(6e-5, 1.5)):
   samples = []
   for label, size, ms in _samples(_truth(), "onebit", float32=float32, psum=psum):
-    scale = ps_scale if label.startswith("ps") else ring_scale if label.startswith("ring") else 1
+    scale = ps_scale if label.startswith("ps,") else ring_scale if label.startswith("ring") else 1
     samples.append((label, size, ms * scale))
   return st.fit_from_samples(samples, compressor="onebit", num_nodes=N, cluster="test")
 
