@@ -17,6 +17,8 @@ launcher (`python -m experiments.cluster ... -- experiments.sync_fit ...`) or wi
 Bad flags print one line and exit with status 2.
 """
 
+import os
+
 from absl import flags, logging
 
 from jlp.train import cli
@@ -48,6 +50,10 @@ def main(argv):
   if _COMPRESSOR.value not in base.COMPRESSORS:
     cli.fail(f"--compressor={_COMPRESSOR.value!r} is not allowed; expected one of "
              f"{sorted(base.COMPRESSORS)}.")
+  try:  # before the timing: a fit that cannot be written is refused first
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  except OSError as e:
+    cli.fail(f"--out={_OUT.value} is not allowed: its directory cannot be made ({e.strerror}).")
   cli.apply_cpu_devices()
   from jlp.train import distributed  # pylint: disable=g-import-not-at-top
   if _MULTIPROCESS.value or distributed.launched():

@@ -532,16 +532,17 @@ def autotune(tree: Any, compressor: base.Compressor | str, *, fit: SyncFit | Non
              ) -> Autotuned:
   """Times the `limit` plans `rank_plans` ranks highest (all of them without a fit; their CaSync
   plans compress the leaves of more than `min_size` elements) on gradient-shaped data and keeps
-  the fastest; with several processes every process takes process 0's choice. With a fit, a plan
-  predicted more than `DROP_ABOVE` times slower than the plan predicted fastest is not timed:
-  the whole-sync fit's predictions were within +-30 % of the measured sync in 94 % of the
-  cluster study's cells at 4M elements, so such a plan is all but certain to lose, and each
-  candidate costs the runner a train-step compile. When that leaves one plan, it is chosen
-  without timing (`Autotuned.measured_ms` is then empty). "Don't compress"
-  is timed once, as "psum": the float32 ring sums the same float32 mean, it took 0.87-1.65x
-  psum's time in the cluster study's rows (BENCHMARKS.md; at most 5 % faster on the shaped
-  links), and each candidate costs the runner a train-step compile (about 1.5 s for digits_wide
-  here). A run that wants the ring configures it (`GradSync(algorithm="ring")`).
+  the fastest; with several processes every process takes process 0's choice.
+
+  Each candidate costs the runner a train-step compile (1.4-2 s for digits_wide here). So with
+  a fit, a plan predicted more than `DROP_ABOVE` times slower than the plan predicted fastest
+  is not timed: the whole-sync fit's predictions were within +-30 % of the measured sync in
+  91-94 % of the cluster study's cells at 1M and 4M elements, and such a plan is all but
+  certain to lose. When that leaves one plan, it is chosen without timing
+  (`Autotuned.measured_ms` is then empty). "Don't compress" is timed once, as "psum": the
+  float32 ring sums the same float32 mean and took 0.87-1.65x psum's time in the cluster
+  study's rows (BENCHMARKS.md; at most 5 % faster on the shaped links). A run that wants the
+  ring configures it (`GradSync(algorithm="ring")`).
 
   The plans are timed in `repeats` rounds (`time_in_rounds`); a plan more than `DROP_ABOVE`
   times slower than the fastest in the first round is not timed again, and its measured ms is

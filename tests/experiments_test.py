@@ -79,7 +79,7 @@ def test_sync_fit_writes_a_fit_the_runner_loads(tmp_path):
   `SyncFit.load` gives back for this cluster, compressor and device count (what the runner's
   compression.sync_fit reads); a bad size is refused before anything is timed."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = tmp_path / "onebit.json"
+  out = tmp_path / "fits" / "onebit.json"  # a directory made by the entry point
   command = [sys.executable, "-m", "experiments.sync_fit", "--compressor=onebit", f"--out={out}",
              "--cpu_devices=8", "--repeats=1"]
   bad = subprocess.run(command + ["--sizes=1K,2X"], cwd=repo, capture_output=True, text=True,
