@@ -17,13 +17,14 @@ cores, so on a real cluster those prices are off by 1.3-9x (BENCHMARKS.md). Here
     psum) is predicted from its own timings, interpolated in size (`SyncFit.predict`): SeCoPa's
     formula cannot follow them on a real cluster (at 100 Mbit/s onebit's PS took 92 ms at K = 1,
     142 at K = 4 and 58 at K = 8), so it prices only the K that were not timed, and a plan picks
-    its K among the timed ones. A `SyncFit` is saved as
-    JSON and reused on the same cluster (`SyncFit.load(path, cluster=...)`: None when it was made
-    on another one), like NCCL's tuning or Horovod's autotune cache.
+    its K among the timed ones: the largest, unless a smaller one is predicted clearly faster
+    (`SMALLER_K_AT_MOST`). A `SyncFit` is saved as JSON and reused on the same cluster
+    (`SyncFit.load(path, cluster=...)`: None when it was made on another one), like NCCL's
+    tuning or Horovod's autotune cache.
   * `rank_plans` prices, for a gradient pytree, every plan the compressor can run: per topology
-    (each leaf compressed into its best K, or left to the float32 ring when that is cheaper), and
-    "don't compress" twice: every leaf on the float32 ring ("float32") or summed by `lax.psum`
-    ("psum"). Cheapest first.
+    (each leaf compressed into its planned K, or left to the float32 ring when that is cheaper),
+    and "don't compress" twice: every leaf on the float32 ring ("float32") or summed by
+    `lax.psum` ("psum"). Cheapest first.
   * `autotune` times the highest ranked plans (at most `limit`; "don't compress" as psum only;
     with a fit, only those predicted within `DROP_ABOVE` of the fastest) on the live devices,
     with gradient-shaped data, and keeps the fastest; every process takes process 0's choice.
@@ -311,12 +312,30 @@ class Plan(NamedTuple):
                     plan=dict(self.leaf_plan), seed=seed)
 
 
+#: A partition count below the largest one timed is planned only when predicted at most this
+#: fraction of the largest's time (`_pick_partitions`).
+SMALLER_K_AT_MOST = 0.8
+
+
+def _pick_partitions(costs: Mapping[int, float]) -> tuple[int, float]:
+  """(K, ms) for one leaf from {K: predicted ms}: the largest K, unless a smaller K is predicted
+  at most `SMALLER_K_AT_MOST` of its time. At the largest K every node owns a partition (K = N);
+  at a smaller K the decode, sum and encode of the owners run on K devices while the rest wait,
+  which a predicted gain within the fit's noise does not pay for. In the cluster study's runs
+  with fresh fits (BENCHMARKS.md), every K < N planned was predicted within 20 % of K = N, and
+  it ran 1.05-2.5x slower than K = N in 5 of its 7 cells."""
+  widest = max(costs)
+  k, ms = min(costs.items(), key=lambda kv: kv[1])
+  return (k, ms) if ms <= SMALLER_K_AT_MOST * costs[widest] else (widest, costs[widest])
+
+
 def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None = None, *,
                num_nodes: int | None = None, min_size: int = 0) -> list[Plan]:
   """Every plan for `tree`'s leaves, cheapest first (module docstring): "float32", "psum", and per
-  topology the compressor runs ("ps", "ring": each leaf in its best K, among the K the fit
-  timed when it timed any (`SyncFit.partitions`), or on the float32 ring when cheaper;
-  "allreduce": the compressor's own routing). Without a fit, the CaSync plans are the sync's own
+  topology the compressor runs ("ps", "ring": each leaf in the largest K the fit timed
+  (`SyncFit.partitions`; SeCoPa's range when it timed none), or a smaller K predicted at most
+  `SMALLER_K_AT_MOST` of that one's time, or on the float32 ring when cheaper; "allreduce": the
+  compressor's own routing). Without a fit, the CaSync plans are the sync's own
   rule on each topology (a leaf of more than `min_size` elements compressed into K = min(N, size)
   partitions, the rest on the float32 ring) and nothing is priced."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
@@ -340,12 +359,12 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
       plans.append(Plan(topology, topology, entries, nan))
       continue
     timed = fit.partitions(topology)
-    best = {}  # a non-empty leaf's cheapest timed K and its ms
+    best = {}  # a non-empty leaf's planned K and its ms
     for name, size in leaves:
       if size:
         ks = [k for k in timed if k <= size] or range(1, min(n, size) + 1)
         costs = {k: fit.predict(_label(topology, k), size, codec) for k in ks}
-        best[name] = min(costs.items(), key=lambda kv: kv[1])
+        best[name] = _pick_partitions(costs)
 
     def priced(compressed: set[str]) -> float:
       dense = sum(size for name, size in leaves if name not in compressed)
