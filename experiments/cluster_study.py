@@ -173,7 +173,7 @@ def _sync_fits(num_devices: int) -> dict[str, Any]:
                                    num_nodes=num_devices)
     if fit is None:
       sizes = tuple(cli.elements(text, "sync_fit_sizes") for text in _SYNC_FIT_SIZES.value)
-      fit = sync_tuning.fit_sync_costs(codec, sizes=sizes, repeats=3, cluster=cluster)
+      fit = sync_tuning.fit_sync_costs(codec, sizes=sizes, cluster=cluster)
       if jax.process_index() == 0:
         os.makedirs(_SYNC_FITS.value, exist_ok=True)
         fit.save(path)

@@ -28,8 +28,8 @@ _COMPRESSOR = flags.DEFINE_string("compressor", None, "A registered compressor n
 _OUT = flags.DEFINE_string("out", None, "Where the fit is written (JSON).")
 _SIZES = flags.DEFINE_list("sizes", ["64K", "1M", "4M"], "Gradient elements per device to "
                            "time (K/M suffixes; at least two; include the largest leaf planned).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Rounds of timing (the median is fitted).",
-                                lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", None, "Rounds of timing (the median is fitted; "
+                                "default jlp.sync_tuning.FIT_REPEATS).", lower_bound=1)
 _CLUSTER = flags.DEFINE_string("cluster", None, "Names the cluster in the fit (default: "
                                "processes x devices x kind); add what the devices do not tell, "
                                "such as the link's shaping.")
@@ -60,8 +60,9 @@ def main(argv):
     distributed.initialize()
   import jax  # pylint: disable=g-import-not-at-top
   from jlp import sync_tuning  # pylint: disable=g-import-not-at-top
+  repeats = sync_tuning.FIT_REPEATS if _REPEATS.value is None else _REPEATS.value
   try:
-    fit = sync_tuning.fit_sync_costs(_COMPRESSOR.value, sizes=sizes, repeats=_REPEATS.value,
+    fit = sync_tuning.fit_sync_costs(_COMPRESSOR.value, sizes=sizes, repeats=repeats,
                                      cluster=_CLUSTER.value)
   except ValueError as e:
     cli.fail(str(e), cli.DEVICE_HINT)

@@ -335,9 +335,9 @@ def rank_plans(tree: Any, compressor: base.Compressor | str, fit: SyncFit | None
   topology the compressor runs ("ps", "ring": each leaf in the largest K the fit timed
   (`SyncFit.partitions`; SeCoPa's range when it timed none), or a smaller K predicted at most
   `SMALLER_K_AT_MOST` of that one's time, or on the float32 ring when cheaper; "allreduce": the
-  compressor's own routing). Without a fit, the CaSync plans are the sync's own
-  rule on each topology (a leaf of more than `min_size` elements compressed into K = min(N, size)
-  partitions, the rest on the float32 ring) and nothing is priced."""
+  compressor's own routing). Without a fit, the CaSync plans are the sync's own rule on each
+  topology (a leaf of more than `min_size` elements compressed into K = min(N, size) partitions,
+  the rest on the float32 ring) and nothing is priced."""
   codec = base.get(compressor) if isinstance(compressor, str) else compressor
   leaves = leaf_sizes(tree)
   n = fit.num_nodes if fit is not None else num_nodes
@@ -464,9 +464,16 @@ def time_syncs_ms(syncs: Sequence[Any], tree: Any, *, mesh: Mesh | None = None,
   return [statistics.median(t) for t in times]
 
 
+#: Rounds of timing a fit takes the median of. On the namespaced cluster unshaped, a median of 3
+#: timed XLA's psum at 1M elements 29.6 ms in one fit and 24.5 in another: as far apart as the
+#: plans a fit chooses between there (BENCHMARKS.md). The timing costs little beside compiling
+#: the syncs.
+FIT_REPEATS = 11
+
+
 def fit_sync_costs(compressor: base.Compressor | str, *, sizes: Sequence[int] = (
     1 << 14, 1 << 16, 1 << 18), partitions: Sequence[int] | None = None,
-                   mesh: Mesh | None = None, axis: str = "data", repeats: int = 3,
+                   mesh: Mesh | None = None, axis: str = "data", repeats: int = FIT_REPEATS,
                    cluster: str | None = None,
                    timer: Callable[[Sequence[Any], Any], Sequence[float]] | None = None
                    ) -> SyncFit:
