@@ -11,7 +11,8 @@ elements per device synced by float32 psum, the float32 ring, CPD's e4m3 ring on
 the float32 wire, and HiPress's onebit, TBQ and DGC on PS and ring, then fits SeCoPa's cost model
 on the same hosts (`jlp.compression.profile.fit_cost_model`, as `experiments.secopa --fit` does,
 once per compressor) and predicts each sync with it, and times the sync SeCoPa plans with each
-compressor's fitted model (`planned_sync`: PS or ring, compress or not, K partitions). Writes
+compressor's fitted model (`planned_sync`: PS or ring, compress or not, K partitions; a plan that
+is the same program as a fixed row is that row, timed once, marked "(= row)"). Writes
 WORKDIR/<bandwidth>.json (host 0's rows), WORKDIR/sync_time.md (the table: median ms per sync
 and bandwidth, ratio to float32 psum, SeCoPa's prediction, the plan's choice in brackets, wire
 bytes per device) and WORKDIR/sync_time.png. Needs root (see `experiments.cluster`); without it
@@ -204,8 +205,8 @@ def _host(size: int) -> None:
   devices = info["global_devices"]
   predicted, models = _fit_and_predict(size, devices)
   fits = _sync_fits(devices)
-  # The fixed rows and both fits' plans, timed together in rounds (sync_timing.time_syncs), so
-  # that a plan and the fixed row it equals see the same load.
+  # The fixed rows and both fits' plans, timed together in rounds (sync_timing.time_syncs); a plan
+  # that lowers to a fixed row's program takes that row's times.
   cases, plans = list(sync_timing.CASES), {}
   for codec, model in models.items():
     sync, ms, plan = planned_sync(size, devices, codec, model)
@@ -247,6 +248,8 @@ def _table(results: dict[str, dict]) -> str:
       cell = f"{row['ms']:.1f} ({ratio:.2f}×)"
       if row.get("plan"):
         cell += f" [{row['plan']}]"
+      if row.get("same_program_as"):
+        cell += f" (= {row['same_program_as']})"
       cell += " / " + ("–" if predicted is None else f"{predicted:.1f}")
       if predicted is not None:
         total += 1
@@ -281,7 +284,8 @@ def _plan_table(results: dict[str, dict]) -> str:
       best = min(fixed, key=lambda r: r["ms"])
       plan = rows.get(f"{codec} plan (whole-sync fit)")
       seed = rows.get(f"{codec} SeCoPa plan")
-      cell = lambda r: "–" if r is None else f"[{r['plan']}] {r['ms']:.1f}"
+      cell = lambda r: "–" if r is None else f"[{r['plan']}] {r['ms']:.1f}" + (
+          f" (= {r['same_program_as']})" if r.get("same_program_as") else "")
       ratio = "–" if plan is None else f"{plan['ms'] / best['ms']:.2f}×"
       lines.append(f"| {codec} | {b} | {cell(plan)} | {cell(seed)} | {best['case']}: "
                    f"{best['ms']:.1f} | {ratio} |")

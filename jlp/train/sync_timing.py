@@ -57,7 +57,9 @@ def _program(sync: GradSync | None, mesh: Mesh, size: int):
 
 def time_syncs(size: int, repeats: int = 5,
                cases: Sequence[tuple[str, GradSync | None]] = CASES) -> list[dict]:
-  """[{"case", "ms" (median), "ms_all", "wire_bytes"}] over all of jax.devices()."""
+  """[{"case", "ms" (median), "ms_all", "wire_bytes"}] over all of jax.devices(). A case that
+  lowers to the same program as an earlier one (a plan that chose a fixed row's sync) is not
+  timed again: its row repeats that case's times and names it in "same_program_as"."""
   devices = jax.devices()
   mesh = Mesh(np.array(devices), ("data",))
   W = len(devices)
@@ -65,14 +67,24 @@ def time_syncs(size: int, repeats: int = 5,
   host = rng.standard_normal(W * size).astype(np.float32)
   x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("data")),
                                    lambda index: host[index])
-  programs, wires = [], []
-  for _, sync in cases:
+  programs, wires, program_of_case, index_of_text = [], [], [], {}
+  for name, sync in cases:
     fn = _program(sync, mesh, size)
-    out, wire = fn(x)
-    jax.block_until_ready(out)
-    programs.append(fn)
-    wires.append(float(np.asarray(wire.addressable_shards[0].data)[0]))
-  times = time_in_rounds([lambda fn=fn: jax.block_until_ready(fn(x)) for fn in programs],
+    text = fn.lower(x).as_text()
+    if text not in index_of_text:
+      index_of_text[text] = len(programs)
+      out, wire = fn(x)
+      jax.block_until_ready(out)
+      programs.append((name, fn))
+      wires.append(float(np.asarray(wire.addressable_shards[0].data)[0]))
+    program_of_case.append(index_of_text[text])
+  times = time_in_rounds([lambda fn=fn: jax.block_until_ready(fn(x)) for _, fn in programs],
                          repeats)
-  return [{"case": name, "ms": float(np.median(t)), "ms_all": t, "wire_bytes": wire}
-          for (name, _), t, wire in zip(cases, times, wires, strict=True)]
+  rows = []
+  for (name, _), i in zip(cases, program_of_case, strict=True):
+    row = {"case": name, "ms": float(np.median(times[i])), "ms_all": times[i],
+           "wire_bytes": wires[i]}
+    if programs[i][0] != name:
+      row["same_program_as"] = programs[i][0]
+    rows.append(row)
+  return rows

@@ -214,13 +214,21 @@ def test_a_packed_wire_allreduce_across_hosts(tmp_path):
 
 def test_sync_timing_rows_on_this_processes_devices(fast_compile):
   """time_syncs over the 8 devices of this process: one row per case, positive times, and the
-  syncs' own byte counts (the packed e4m3 ring a quarter of the float32 ring's)."""
+  syncs' own byte counts (the packed e4m3 ring a quarter of the float32 ring's). A plan that is
+  a fixed row's program (PS at K = W) is that row, not timed again; one at K = 4 is timed."""
+  from jlp.sync import GradSync  # pylint: disable=g-import-not-at-top
   from jlp.train import sync_timing  # pylint: disable=g-import-not-at-top
   cases = [c for c in sync_timing.CASES if c[0] in ("float32 psum", "float32 ring",
                                                     "e4m3 ring, packed wire", "onebit PS")]
+  cases += [("plan K=8", GradSync(compression="onebit", min_size=0, plan={"['g']": (True, 8)})),
+            ("plan K=4", GradSync(compression="onebit", min_size=0, plan={"['g']": (True, 4)}))]
   rows = {r["case"]: r for r in sync_timing.time_syncs(4096, repeats=2, cases=cases)}
   assert sorted(rows) == sorted(name for name, _ in cases)
   assert all(r["ms"] > 0 and len(r["ms_all"]) == 2 for r in rows.values())
+  assert rows["plan K=8"]["same_program_as"] == "onebit PS"
+  assert rows["plan K=8"]["ms_all"] is rows["onebit PS"]["ms_all"]
+  assert "same_program_as" not in rows["plan K=4"] and "same_program_as" not in rows["onebit PS"]
+  assert rows["plan K=4"]["ms_all"] is not rows["onebit PS"]["ms_all"]
   assert rows["float32 ring"]["wire_bytes"] == 2 * 7 * 4 * 512
   assert rows["e4m3 ring, packed wire"]["wire_bytes"] == rows["float32 ring"]["wire_bytes"] / 4
   assert rows["float32 psum"]["wire_bytes"] == rows["float32 ring"]["wire_bytes"]
