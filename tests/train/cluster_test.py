@@ -709,3 +709,25 @@ def test_every_transfer_takes_its_bytes_at_the_rate(tmp_path, bandwidth, bits):
       assert rate < 1.3 * bits, (size, rate)
   if bits < 1e9:  # (at 1 Gbit/s two busy cores may not keep up)
     assert rates[1 << 24] > bits / 1.3
+
+
+def test_the_study_counts_a_plan_that_is_a_fixed_rows_program_once():
+  """The accuracy line of the study's table: a plan row that is a fixed row's program (the same
+  measurement) is not counted a second time; a plan with its own program is. Hand-made rows:
+  the PS row's prediction is within 30 %, the ring's and the distinct plan's are not."""
+  from experiments import cluster_study  # pylint: disable=g-import-not-at-top
+  rows = [
+      {"case": "float32 psum", "ms": 10.0, "wire_bytes": 8.0},
+      {"case": "onebit PS", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 11.0, "secopa_ms": 9.0},
+      {"case": "onebit ring", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 20.0, "secopa_ms": 9.0},
+      {"case": "onebit SeCoPa plan", "ms": 10.0, "wire_bytes": 1.0, "secopa_ms": 9.0,
+       "plan": "PS, K=4", "same_program_as": "onebit PS"},
+      {"case": "onebit plan (whole-sync fit)", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 11.0,
+       "plan": "ps, K=4", "same_program_as": "onebit PS"},
+      {"case": "tbq plan (whole-sync fit)", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 2.0,
+       "plan": "ps, K=2"},
+  ]
+  table = cluster_study._table({"none": {"rows": rows}})
+  assert "per-operation fit 2 of 2 cells" in table
+  assert "with the whole-sync fit 1 of 3 (33 %)" in table
+  assert "[ps, K=4] (= onebit PS)" in table
