@@ -54,7 +54,9 @@ _DEVICES = flags.DEFINE_integer("devices_per_host", 2, "Emulated CPU devices per
 _BANDWIDTHS = flags.DEFINE_list("bandwidths", ["100mbit", "1gbit", "none"],
                                 "Link bandwidths (tc rates) or none.")
 _SIZE = flags.DEFINE_string("size", "4M", "Gradient elements per device (K/M suffixes).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per sync (median).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 11, "Timed calls per sync (median; 11 as in the whole-sync fits: with 5, single "
+    "calls of 20-40 ms moved a sync's median by up to 42 % between runs).")
 _HOST_OUT = flags.DEFINE_string("host_out", None, "Internal: run as a host, write rows here.")
 _LINK = flags.DEFINE_string("link", "none", "Internal: the hosts' link, named in their sync fits.")
 _SYNC_FIT_SIZES = flags.DEFINE_list(
