@@ -721,13 +721,13 @@ def test_the_study_counts_a_plan_that_is_a_fixed_rows_program_once():
       {"case": "onebit PS", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 11.0, "secopa_ms": 9.0},
       {"case": "onebit ring", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 20.0, "secopa_ms": 9.0},
       {"case": "onebit SeCoPa plan", "ms": 10.0, "wire_bytes": 1.0, "secopa_ms": 9.0,
-       "plan": "PS, K=4", "same_program_as": "onebit PS"},
+       "plan": "PS, K=8", "same_program_as": "onebit PS"},
       {"case": "onebit plan (whole-sync fit)", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 11.0,
-       "plan": "ps, K=4", "same_program_as": "onebit PS"},
+       "plan": "ps, K=8", "same_program_as": "onebit PS"},
       {"case": "tbq plan (whole-sync fit)", "ms": 10.0, "wire_bytes": 1.0, "fit_ms": 2.0,
        "plan": "ps, K=2"},
   ]
   table = cluster_study._table({"none": {"rows": rows}})
   assert "per-operation fit 2 of 2 cells" in table
   assert "with the whole-sync fit 1 of 3 (33 %)" in table
-  assert "[ps, K=4] (= onebit PS)" in table
+  assert "[ps, K=8] (= onebit PS)" in table
