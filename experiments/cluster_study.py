@@ -232,6 +232,11 @@ def _host(size: int) -> None:
       json.dump({"devices": info["global_devices"], "size": size, "rows": rows}, f, indent=1)
 
 
+def _same_program_mark(row: dict) -> str:
+  """The suffix ' (= fixed row)' of a plan row that is a fixed row's program (timed once)."""
+  return f" (= {row['same_program_as']})" if row.get("same_program_as") else ""
+
+
 def _table(results: dict[str, dict]) -> str:
   bandwidths = list(results)
   cases = [r["case"] for r in next(iter(results.values()))["rows"]]
@@ -250,8 +255,7 @@ def _table(results: dict[str, dict]) -> str:
       cell = f"{row['ms']:.1f} ({ratio:.2f}×)"
       if row.get("plan"):
         cell += f" [{row['plan']}]"
-      if row.get("same_program_as"):
-        cell += f" (= {row['same_program_as']})"
+      cell += _same_program_mark(row)
       cell += " / " + ("–" if predicted is None else f"{predicted:.1f}")
       # A plan that is a fixed row's program is that row's measurement: counted once, there.
       counted = not row.get("same_program_as")
@@ -289,8 +293,8 @@ def _plan_table(results: dict[str, dict]) -> str:
       best = min(fixed, key=lambda r: r["ms"])
       plan = rows.get(f"{codec} plan (whole-sync fit)")
       seed = rows.get(f"{codec} SeCoPa plan")
-      cell = lambda r: "–" if r is None else f"[{r['plan']}] {r['ms']:.1f}" + (
-          f" (= {r['same_program_as']})" if r.get("same_program_as") else "")
+      cell = lambda r: "–" if r is None else f"[{r['plan']}] {r['ms']:.1f}" + \
+          _same_program_mark(r)
       ratio = "–" if plan is None else f"{plan['ms'] / best['ms']:.2f}×"
       lines.append(f"| {codec} | {b} | {cell(plan)} | {cell(seed)} | {best['case']}: "
                    f"{best['ms']:.1f} | {ratio} |")
