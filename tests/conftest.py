@@ -20,6 +20,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 if "JLP_TEST_XLA_CACHE" in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
       os.environ["JLP_TEST_XLA_CACHE"], os.environ.get("PYTEST_XDIST_WORKER", "main"))
+# Set by whoever runs the suite (the default tier then compiles as it says; see below).
+_OPTIMIZATIONS_CHOSEN = "JAX_DISABLE_MOST_OPTIMIZATIONS" in os.environ
 sys.path.insert(0, os.path.dirname(__file__))  # tests/references.py
 
 
@@ -29,7 +31,8 @@ import pytest  # noqa: E402  (after XLA_FLAGS)
 @pytest.fixture
 def fast_compile():
   """Turns XLA's optimisation passes off for one test (the tiny-model tests spend most of their
-  time compiling: e.g. 14 s for the tiny FCN's gradient, ~4x less without them)."""
+  time compiling: e.g. 14 s for the tiny FCN's gradient, ~4x less without them). The default tier
+  runs so throughout (`pytest_configure`); this keeps it for such tests in the slow tier."""
   import jax  # pylint: disable=g-import-not-at-top
   old = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)
@@ -40,8 +43,8 @@ def fast_compile():
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
-_compile_seconds = [0.0]  # since the last test phase's report, in this process
-_compile_by_test: dict[str, tuple[float, float]] = {}  # nodeid: (compile s, total s)
+_compile_seconds = [0.0, 0.0, 0.0]  # per event, since the last test phase's report, this process
+_compile_by_test: dict[str, tuple[list[float], float]] = {}  # nodeid: (compile s per event, total s)
 
 
 def pytest_addoption(parser):
@@ -53,12 +56,23 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+  # The default tier ("not slow") compiles with XLA's LLVM optimisation level 0 (jax's
+  # disable_most_optimizations), here and in the processes its tests start: the same HLO passes,
+  # so the same fusions and the same order of every sum, hence the same numbers, compiled about
+  # 20 % faster and run slower. Most of this tier's time is compiling small programs: the tier took
+  # 794 s instead of 891 s. The slow tier, where programs run long and some tests time them,
+  # compiles fully optimised, as does a run with JAX_DISABLE_MOST_OPTIMIZATIONS set
+  # (`JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test`).
+  if not _OPTIMIZATIONS_CHOSEN and config.option.markexpr.replace(" ", "") == "notslow":
+    import jax  # pylint: disable=g-import-not-at-top
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    jax.config.update("jax_disable_most_optimizations", True)
   if config.getoption("compile_times"):
     import jax  # pylint: disable=g-import-not-at-top
 
     def listen(event: str, seconds: float, **_) -> None:
       if event in _COMPILE_EVENTS:
-        _compile_seconds[0] += seconds
+        _compile_seconds[_COMPILE_EVENTS.index(event)] += seconds
     jax.monitoring.register_event_duration_secs_listener(listen)
 
 
@@ -66,25 +80,30 @@ def pytest_configure(config):
 def pytest_runtest_makereport(item, call):
   outcome = yield
   if item.config.getoption("compile_times"):
-    outcome.get_result().user_properties.append(("compile_s", _compile_seconds[0]))
-    _compile_seconds[0] = 0.0
+    outcome.get_result().user_properties.append(("compile_s", tuple(_compile_seconds)))
+    _compile_seconds[:] = [0.0, 0.0, 0.0]
 
 
 def pytest_runtest_logreport(report):
   compile_s = [v for k, v in report.user_properties if k == "compile_s"]
   if compile_s:  # --compile-times is on
-    c, t = _compile_by_test.get(report.nodeid, (0.0, 0.0))
-    _compile_by_test[report.nodeid] = (c + sum(compile_s), t + report.duration)
+    c, t = _compile_by_test.get(report.nodeid, ([0.0, 0.0, 0.0], 0.0))
+    _compile_by_test[report.nodeid] = ([a + sum(b) for a, b in zip(c, zip(*compile_s))],
+                                       t + report.duration)
 
 
 def pytest_terminal_summary(terminalreporter, config):
   n = config.getoption("compile_times")
   if not n or not _compile_by_test:
     return
-  compile_s = sum(c for c, _ in _compile_by_test.values())
+  trace_s, lower_s, backend_s = (sum(c[i] for c, _ in _compile_by_test.values()) for i in range(3))
+  compile_s = trace_s + lower_s + backend_s
   total_s = sum(t for _, t in _compile_by_test.values())
   terminalreporter.section(f"{n} tests with the most compile seconds")
-  terminalreporter.write_line(f"all tests: {compile_s:.1f} s compiling of {total_s:.1f} s "
-                              f"({compile_s / max(total_s, 1e-9):.0%})")
-  for nodeid, (c, t) in sorted(_compile_by_test.items(), key=lambda kv: -kv[1][0])[:n]:
-    terminalreporter.write_line(f"{c:7.2f} s compile {t:7.2f} s total  {nodeid}")
+  terminalreporter.write_line(
+      f"all tests: {compile_s:.1f} s compiling of {total_s:.1f} s "
+      f"({compile_s / max(total_s, 1e-9):.0%}): tracing {trace_s:.1f} s, lowering to StableHLO "
+      f"{lower_s:.1f} s, XLA's backend compile {backend_s:.1f} s")
+  terminalreporter.write_line("compile   trace   lower backend   total")
+  for nodeid, (c, t) in sorted(_compile_by_test.items(), key=lambda kv: -sum(kv[1][0]))[:n]:
+    terminalreporter.write_line(f"{sum(c):7.2f} {c[0]:7.2f} {c[1]:7.2f} {c[2]:7.2f} {t:7.2f}  {nodeid}")
