@@ -51,18 +51,19 @@ def pytest_addoption(parser):
   parser.addoption(
       "--compile-times", type=int, default=0, metavar="N",
       help="list the N tests that spent the most seconds tracing, lowering and compiling JAX "
-           "programs, beside their durations (this process's compiles: a test's subprocesses "
-           "are not counted; hits of the persistent compilation cache cost no compile)")
+           "programs, each of the three apart, beside their durations (this process's "
+           "compiles: a test's subprocesses are not counted; hits of the persistent "
+           "compilation cache cost no backend compile)")
 
 
 def pytest_configure(config):
   # The default tier ("not slow") compiles with XLA's LLVM optimisation level 0 (jax's
   # disable_most_optimizations), here and in the processes its tests start: the same HLO passes,
-  # so the same fusions and the same order of every sum, hence the same numbers, compiled about
-  # 20 % faster and run slower. Most of this tier's time is compiling small programs: the tier took
-  # 794 s instead of 891 s. The slow tier, where programs run long and some tests time them,
-  # compiles fully optimised, as does a run with JAX_DISABLE_MOST_OPTIMIZATIONS set
-  # (`JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test`).
+  # so the same fusions and the same order of every sum, hence the same numbers, compiled faster
+  # and run slower. Most of this tier's time is XLA compiling small programs; its backend compile
+  # took 882 s instead of 1015 s (docs/setup.md, "Faster CPU runs"). The slow tier, where programs
+  # run long and some tests time them, compiles fully optimised, as does a run with
+  # JAX_DISABLE_MOST_OPTIMIZATIONS set (`JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test`).
   if not _OPTIMIZATIONS_CHOSEN and config.option.markexpr.replace(" ", "") == "notslow":
     import jax  # pylint: disable=g-import-not-at-top
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
