@@ -43,8 +43,10 @@ def fast_compile():
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
-_compile_seconds = [0.0, 0.0, 0.0]  # per event, since the last test phase's report, this process
-_compile_by_test: dict[str, tuple[list[float], float]] = {}  # nodeid: (compile s per event, total s)
+# Seconds per event of _COMPILE_EVENTS since the last test phase's report, in this process.
+_compile_seconds = [0.0] * len(_COMPILE_EVENTS)
+# nodeid: (seconds per event of _COMPILE_EVENTS, total seconds)
+_compile_by_test: dict[str, tuple[list[float], float]] = {}
 
 
 def pytest_addoption(parser):
@@ -64,12 +66,11 @@ def pytest_configure(config):
   # took 882 s instead of 1015 s (docs/setup.md, "Faster CPU runs"). The slow tier, where programs
   # run long and some tests time them, compiles fully optimised, as does a run with
   # JAX_DISABLE_MOST_OPTIMIZATIONS set (`JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test`).
+  import jax  # pylint: disable=g-import-not-at-top
   if not _OPTIMIZATIONS_CHOSEN and config.option.markexpr.replace(" ", "") == "notslow":
-    import jax  # pylint: disable=g-import-not-at-top
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     jax.config.update("jax_disable_most_optimizations", True)
   if config.getoption("compile_times"):
-    import jax  # pylint: disable=g-import-not-at-top
 
     def listen(event: str, seconds: float, **_) -> None:
       if event in _COMPILE_EVENTS:
@@ -82,13 +83,13 @@ def pytest_runtest_makereport(item, call):
   outcome = yield
   if item.config.getoption("compile_times"):
     outcome.get_result().user_properties.append(("compile_s", tuple(_compile_seconds)))
-    _compile_seconds[:] = [0.0, 0.0, 0.0]
+    _compile_seconds[:] = [0.0] * len(_COMPILE_EVENTS)
 
 
 def pytest_runtest_logreport(report):
   compile_s = [v for k, v in report.user_properties if k == "compile_s"]
   if compile_s:  # --compile-times is on
-    c, t = _compile_by_test.get(report.nodeid, ([0.0, 0.0, 0.0], 0.0))
+    c, t = _compile_by_test.get(report.nodeid, ([0.0] * len(_COMPILE_EVENTS), 0.0))
     _compile_by_test[report.nodeid] = ([a + sum(b) for a, b in zip(c, zip(*compile_s))],
                                        t + report.duration)
 
@@ -97,7 +98,8 @@ def pytest_terminal_summary(terminalreporter, config):
   n = config.getoption("compile_times")
   if not n or not _compile_by_test:
     return
-  trace_s, lower_s, backend_s = (sum(c[i] for c, _ in _compile_by_test.values()) for i in range(3))
+  trace_s, lower_s, backend_s = (sum(c[i] for c, _ in _compile_by_test.values())
+                                 for i in range(len(_COMPILE_EVENTS)))
   compile_s = trace_s + lower_s + backend_s
   total_s = sum(t for _, t in _compile_by_test.values())
   terminalreporter.section(f"{n} tests with the most compile seconds")
@@ -107,4 +109,5 @@ def pytest_terminal_summary(terminalreporter, config):
       f"{lower_s:.1f} s, XLA's backend compile {backend_s:.1f} s")
   terminalreporter.write_line("compile   trace   lower backend   total")
   for nodeid, (c, t) in sorted(_compile_by_test.items(), key=lambda kv: -sum(kv[1][0]))[:n]:
-    terminalreporter.write_line(f"{sum(c):7.2f} {c[0]:7.2f} {c[1]:7.2f} {c[2]:7.2f} {t:7.2f}  {nodeid}")
+    terminalreporter.write_line(
+        f"{sum(c):7.2f} {c[0]:7.2f} {c[1]:7.2f} {c[2]:7.2f} {t:7.2f}  {nodeid}")
