@@ -205,7 +205,8 @@ def _matmul_xla_chunked(a: jax.Array, b: jax.Array, fmt: FloatFormat, kahan: boo
     b_s = lax.dynamic_slice_in_dim(b, i * width, width, 0)
     return chunks(carry, a_s, b_s, per_step)
 
-  s0 = jnp.zeros((half, n), jnp.complex64)
+  # Opaque: with a constant +0 start XLA folds `+0 + p` to p under jit, keeping a -0 chunk sum.
+  s0 = lax.optimization_barrier(jnp.zeros((half, n), jnp.complex64))
   carry = (s0, s0 if kahan else None)
   if num_steps:
     carry = lax.fori_loop(0, num_steps, step, carry)

@@ -127,6 +127,20 @@ def test_chunked_shapes_match_triple_loop(shape, chunk, kahan, xla_matmul):
   ref.assert_same_bits(got, triple_loop(a, b, fmt, kahan, chunk))
 
 
+# Every product -0 (a < 0, b = +0): the accumulator starts at +0, so s = +0 + q(-0) = +0 in every
+# mode, also where one chunk is longer than K (under jit XLA folded a constant start away).
+@pytest.mark.parametrize("kahan,chunk", [(False, 1), (True, 3), (False, 20), (True, 20)])
+def test_negative_zero_products_sum_to_positive_zero(kahan, chunk, xla_matmul):
+  fmt = FloatFormat.from_name("e5m2")
+  a, b = -np.ones((3, 5), f32), np.zeros((5, 4), f32)
+  want = triple_loop(a, b, fmt, kahan, chunk)
+  assert not np.signbit(want).any()
+  ref.assert_same_bits(np.asarray(xla_matmul(a, b, accum=fmt, kahan=kahan, chunk=chunk,
+                                             impl="xla")), want)
+  ref.assert_same_bits(np.asarray(matmul(a, b, accum=fmt, kahan=kahan, chunk=chunk,
+                                         impl="xla")), want)
+
+
 def test_chunk_products_not_fused():
   """The chunk's float32 sum rounds each product first (an FMA would round once)."""
   fmt = FloatFormat(8, 23)
@@ -138,7 +152,11 @@ def test_chunk_products_not_fused():
   assert np.asarray(matmul(a, b, accum=fmt, chunk=2, impl="pallas"))[0, 0] == 0.0
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+# The Pallas kernel runs this in the slow tier: the same chunk-1 loops run in the default tier in
+# tests/pallas_kernels/accum_matmul_kernel_test.py (plain E5M2 against the XLA path in
+# test_matches_xla_for_every_k, Kahan E5M2 against a spec loop in test_matches_spec_loop[True-1])
+# and below (Kahan CPD-E5M2 in test_pallas_matches_xla_bit_for_bit).
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_cpd_reference_case(impl):
   """cpd.md §7: e5m2, [1, .3, .3, .3]·[1, 1, 1, 1]; q(0.3) = 0.3125, plain 1.75, Kahan 2.0."""
   fmt = FloatFormat.from_name("e5m2")
@@ -151,16 +169,20 @@ def test_cpd_reference_case(impl):
   assert float(matmul(a, b, accum=cpd, kahan=True, impl=impl)[0, 0]) == 2.0
 
 
+# Default: Kahan CPD-E5M2 with chunk 1. Slow: plain E5M2 with chunk 1 (tests/pallas_kernels/
+# accum_matmul_kernel_test.py's test_matches_xla_for_every_k runs it against the XLA path at every
+# K) and plain (8, 7) with chunk 3 (its test_padded_grid_matches_xla[False-3] runs plain chunks of
+# 3 on this padded 3 x 3 grid); the other two as said below.
 @pytest.mark.parametrize("kahan,chunk,fmt", [
-    (False, 1, FloatFormat.from_name("e5m2")),
-    # Slow: Kahan with chunk 1 runs here with cpd; with E4M3 and this grid (M, N, K padded) in
-    # tests/pallas_kernels/accum_matmul_kernel_test.py::test_padded_grid_matches_xla[True-1].
+    pytest.param(False, 1, FloatFormat.from_name("e5m2"), marks=pytest.mark.slow),
+    # Slow: Kahan with chunk 1 runs here with cpd (the same loop, another cast), and with E5M2 in
+    # accum_matmul_kernel_test.py::test_matches_spec_loop[True-1].
     pytest.param(True, 1, FloatFormat.from_name("e4m3"), marks=pytest.mark.slow),
     (True, 1, FloatFormat(5, 2, compat="cpd")),
     # Slow: Kahan with chunks > 1 against the XLA path in accum_matmul_kernel_test.py
     # (test_chunk_sizes_and_formats_match_xla[True-2-...E5M2...], test_matches_xla_for_every_k).
     pytest.param(True, 4, FloatFormat.from_name("e5m2"), marks=pytest.mark.slow),
-    (False, 3, FloatFormat(8, 7)),
+    pytest.param(False, 3, FloatFormat(8, 7), marks=pytest.mark.slow),
 ], ids=str)
 def test_pallas_matches_xla_bit_for_bit(kahan, chunk, fmt):
   # (37, 21) @ (21, 45), tiles 16x16: grid (3, 3) = 9 steps; M, N, K all padded.

@@ -50,13 +50,19 @@ def operands(m, k, n, seed, scale=4.0):
           rng.standard_normal((k, n)).astype(f32))
 
 
+# Both paths jitted: one compile per case instead of one per eager op (pads, slices).
+_kernel_jit = jax.jit(accum_matmul, static_argnums=2,
+                      static_argnames=("kahan", "chunk", "interpret", "tile_k", "tile_m", "tile_n"))
+_xla_jit = jax.jit(matmul, static_argnames=("accum", "kahan", "chunk", "impl"))
+
+
 def kernel(a, b, fmt, kahan, chunk, **tiles):
-  return np.asarray(accum_matmul(a, b, fmt, kahan=kahan, chunk=chunk, interpret=True,
-                                 **dict(dict(tile_k=TK), **tiles)))
+  return np.asarray(_kernel_jit(a, b, fmt, kahan=kahan, chunk=chunk, interpret=True,
+                                **dict(dict(tile_k=TK), **tiles)))
 
 
 def xla(a, b, fmt, kahan, chunk):
-  return np.asarray(matmul(a, b, accum=fmt, kahan=kahan, chunk=chunk, impl="xla"))
+  return np.asarray(_xla_jit(a, b, accum=fmt, kahan=kahan, chunk=chunk, impl="xla"))
 
 
 E5M2 = FloatFormat.from_name("e5m2")
@@ -100,13 +106,14 @@ def test_matches_xla_for_every_k_more_chunks(k, kahan, chunk, fmt):
                        msg=f"K={k}")
 
 
+# Slow: chunk == K (one chunk over all of K, as in the chunk 5 tk > K case).
 @pytest.mark.parametrize("kahan,chunk,fmt", [
     (True, 1, FloatFormat(5, 2, compat="cpd")),
     (True, TK // 2, E5M2),                                          # tk a multiple of chunk
     (False, TK, FloatFormat.from_name("e5m2", subnormals=False)),   # chunk == tk
     (False, 2 * TK, FloatFormat(8, 7)),                             # chunk a multiple of tk
     (True, 5 * TK, FloatFormat(3, 0)),                              # one chunk, longer than K
-    (False, 3 * TK + 5, E4M3),                                      # chunk == K
+    pytest.param(False, 3 * TK + 5, E4M3, marks=pytest.mark.slow),  # chunk == K
 ], ids=_ids)
 def test_chunk_sizes_and_formats_match_xla(kahan, chunk, fmt):
   """K = 3 tk + 5: three full K blocks and a partial one."""
@@ -126,7 +133,10 @@ def test_matches_spec_loop(kahan, chunk):
   ref.assert_same_bits(xla(a, b, E5M2, kahan, chunk), want)
 
 
-@pytest.mark.parametrize("kahan,chunk", [(True, 1), (False, 3)])
+# Slow: (True, 1); the padding of M and N does not depend on the accumulation (Kahan and chunk 1
+# run on unpadded tiles in test_matches_xla_for_every_k and test_matches_spec_loop).
+@pytest.mark.parametrize("kahan,chunk", [pytest.param(True, 1, marks=pytest.mark.slow),
+                                         (False, 3)])
 def test_padded_grid_matches_xla(kahan, chunk):
   """(37, 17) @ (17, 45) in 16 x 16 tiles: grid (3, 3), M, N and K (17 = 3 tk + 5) padded."""
   a, b = operands(37, 3 * TK + 5, 45, seed=chunk, scale=8.0)
@@ -134,8 +144,11 @@ def test_padded_grid_matches_xla(kahan, chunk):
                        xla(a, b, E4M3, kahan, chunk))
 
 
-@pytest.mark.parametrize("kahan", [False, True])
-def test_specials_and_signed_zeros_match_xla(kahan):
+# Each of kahan and chunk once in the default tier; the other two pairs are slow.
+@pytest.mark.parametrize("kahan,chunk", [(False, 1), (True, 2),
+                                         pytest.param(False, 2, marks=pytest.mark.slow),
+                                         pytest.param(True, 1, marks=pytest.mark.slow)])
+def test_specials_and_signed_zeros_match_xla(kahan, chunk):
   """±0, ±inf, NaN and values near the format's min normal (no subnormals: sums flush to ±0).
 
   Row 0 makes s = -0 before a last, incomplete chunk of -0 products.
@@ -148,9 +161,7 @@ def test_specials_and_signed_zeros_match_xla(kahan):
   a[1, 4], a[2, 7], a[3, 2], a[3, 9] = np.inf, np.nan, -np.inf, np.inf
   a[4] *= t
   b[5, 1:3] = -0.0
-  for chunk in (1, 2):
-    ref.assert_same_bits(kernel(a, b, fmt, kahan, chunk), xla(a, b, fmt, kahan, chunk),
-                         msg=f"chunk={chunk}")
+  ref.assert_same_bits(kernel(a, b, fmt, kahan, chunk), xla(a, b, fmt, kahan, chunk))
 
 
 def test_under_jit_and_vmap():
