@@ -15,6 +15,7 @@ import jax
 import pytest
 
 from jlp import studies, sync_tuning
+from entry_points import run_main
 
 
 def leaf_sizes():
@@ -50,9 +51,13 @@ def check_study(rows, labels, out, workdir, steps):
 
 
 def test_compression_digits_quick_two_compressors(tmp_path, capsys, fast_compile):
+  """Two compressors: onebit by name, TBQ as a (name, {field: value}) entry. The two cheapest of
+  the table to compile (GradDrop's sampled threshold takes twice onebit's time); the slow test
+  below runs every compressor, tests/compression/casync_test.py GradDrop's syncs."""
   from experiments import compression_digits  # pylint: disable=g-import-not-at-top
-  rows = compression_digits.run(str(tmp_path), quick=True, compressors=("onebit", "graddrop"))
-  check_study(rows, ("onebit", "graddrop"), capsys.readouterr().out, str(tmp_path),
+  rows = compression_digits.run(str(tmp_path), quick=True,
+                                compressors=("onebit", ("tbq", {"threshold": 0.001})))
+  check_study(rows, ("onebit", "tbq(threshold=0.001)"), capsys.readouterr().out, str(tmp_path),
               compression_digits.QUICK_STEPS)
 
 
@@ -75,22 +80,23 @@ def test_compression_study_rejects_bad_entries(tmp_path):
 
 
 def test_sync_fit_writes_a_fit_the_runner_loads(tmp_path):
-  """`experiments.sync_fit` times whole syncs on 8 CPU devices and writes a fit that
-  `SyncFit.load` gives back for this cluster, compressor and device count (what the runner's
-  compression.sync_fit reads); a bad size is refused before anything is timed."""
+  """`experiments.sync_fit` times whole syncs on 2 CPU devices (a real process: --cpu_devices)
+  and writes a fit that `SyncFit.load` gives back for this cluster, compressor and device count
+  (what the runner's compression.sync_fit reads); a bad size is refused before anything is
+  timed (the entry point in this process: run_main). Two devices time 6 syncs a size (the
+  float32 ring, psum, PS and ring at K = 1 and 2) where 8 time 8 larger ones: the same code in
+  half the time."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = tmp_path / "fits" / "onebit.json"  # a directory made by the entry point
-  command = [sys.executable, "-m", "experiments.sync_fit", "--compressor=onebit", f"--out={out}",
-             "--cpu_devices=8", "--repeats=1"]
-  bad = subprocess.run(command + ["--sizes=1K,2X"], cwd=repo, capture_output=True, text=True,
-                       timeout=300)
-  assert bad.returncode == 2 and not out.exists()
-  assert bad.stderr.startswith("error: --sizes='2X' is not allowed; expected a positive integer")
-  run = subprocess.run(command + ["--sizes=1K,2K"], cwd=repo, capture_output=True, text=True,
-                       timeout=300)
+  args = ["--compressor=onebit", f"--out={out}", "--repeats=1"]
+  status, _, stderr = run_main("experiments.sync_fit", *args, "--sizes=1K,2X")
+  assert status == 2 and not out.exists()
+  assert stderr.startswith("error: --sizes='2X' is not allowed; expected a positive integer")
+  run = subprocess.run([sys.executable, "-m", "experiments.sync_fit", *args, "--cpu_devices=2",
+                        "--sizes=1K,2K"], cwd=repo, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
-  fit = sync_tuning.SyncFit.load(out, cluster="1 processes x 8 cpu", compressor="onebit",
-                                 num_nodes=8)
+  fit = sync_tuning.SyncFit.load(out, cluster="1 processes x 2 cpu", compressor="onebit",
+                                 num_nodes=2)
   assert fit is not None and fit.psum is not None and set(fit.topologies) == {"ps", "ring"}
   assert sorted({size for _, size, _ in fit.samples}) == [1024, 2048]
-  assert f"wrote {out} (onebit on 1 processes x 8 cpu, 16 syncs)" in run.stdout
+  assert f"wrote {out} (onebit on 1 processes x 2 cpu, 12 syncs)" in run.stdout

@@ -11,6 +11,7 @@ from PIL import Image
 
 import jlp
 from jlp import plots
+from entry_points import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,10 +81,9 @@ def test_plot_runs_time_to_accuracy_in_virtual_seconds(tmp_path):
     plots.plot_runs([fast, str(tmp_path / "unpipelined")], x="virtual_time")
   with pytest.raises(ValueError, match="x='wall' is not allowed"):
     plots.plot_runs([fast], x="wall")
-  r = subprocess.run([sys.executable, "-m", "experiments.plot", fast, slow, "--x=virtual_time",
-                      f"--out={tmp_path / 'cli.png'}"], cwd=ROOT, capture_output=True, text=True,
-                     timeout=120)
-  assert r.returncode == 0, r.stderr
+  status, _, err = run_main("experiments.plot", fast, slow, "--x=virtual_time",
+                            f"--out={tmp_path / 'cli.png'}")
+  assert status == 0, err
   assert (tmp_path / "cli.png").exists()
 
 
@@ -98,11 +98,11 @@ def test_quantization_error_plot_shows_flush_and_overflow():
 
 
 def test_plot_cli(tmp_path):
+  """A plot in this process (run_main), then a real process's exit status and one line."""
   fake_run(str(tmp_path / "run"), [1.0, 0.5], [0.2, 0.4])
   out = tmp_path / "c.png"
-  r = subprocess.run([sys.executable, "-m", "experiments.plot", str(tmp_path / "run"), f"--out={out}"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert r.returncode == 0, r.stderr
+  status, stdout, err = run_main("experiments.plot", str(tmp_path / "run"), f"--out={out}")
+  assert status == 0 and stdout == f"wrote {out}\n", err
   assert out.exists()
   r = subprocess.run([sys.executable, "-m", "experiments.plot", "--out=x.png"], cwd=ROOT,
                      capture_output=True, text=True, timeout=120)

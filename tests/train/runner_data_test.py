@@ -3,8 +3,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,8 +11,7 @@ from PIL import Image
 from jlp.train import loop, workdir as workdir_record
 from jlp.train.metrics import read_metrics
 from runs import small_digits, stable
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from entry_points import run_main
 
 
 def image_folders(root, classes=2, per_class=6, size=20):
@@ -85,14 +82,11 @@ def test_verify_lists_every_bad_file_before_training(tmp_path, capsys):
   assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")
 
 
-def run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
-
-
 def test_a_bad_file_met_in_a_run_is_one_line_naming_it(tmp_path):
-  """A truncated evaluation image (the final evaluation reads every one)."""
+  """A truncated evaluation image (the final evaluation reads every one). The entry point runs
+  in this process (run_main) on its 8 devices, with folder_config's model width and schedule
+  name (programs much like those the tests above compiled); tests/train/first_hour_test.py and
+  runner_numbers_test.py start it as a real process."""
   root = image_folders(tmp_path / "data")
   path = os.path.join(root, "val", "n00000001", "img2.JPEG")
   _truncate(path)
@@ -104,38 +98,43 @@ def test_a_bad_file_met_in_a_run_is_one_line_naming_it(tmp_path):
       "  c.dataset.name = 'imagenet'\n"
       "  c.dataset.kwargs = config_kwargs('imagenet', crop_size=16, resize_size=16)\n"
       "  return c\n")
-  r = run_cli(f"--config={config_file}", f"--workdir={tmp_path / 'run'}", "--cpu_devices=8",
-              f"--config.dataset.root={root}", "--config.dataset.kwargs.num_workers=1",
-              "--config.batch_size=8", "--config.eval_batch_size=8", "--config.max_steps=2",
-              "--config.eval_every=0", "--config.checkpoint_every=0")
-  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-  assert r.stderr.startswith(f"error: {path}: ")
+  status, _, err = run_main(
+      "experiments.train", f"--config={config_file}", f"--workdir={tmp_path / 'run'}",
+      f"--config.dataset.root={root}", "--config.dataset.kwargs.num_workers=1",
+      "--config.model.kwargs.width=8", "--config.schedule.name=constant", "--config.batch_size=8",
+      "--config.eval_batch_size=8", "--config.max_steps=2", "--config.eval_every=0",
+      "--config.checkpoint_every=0")
+  assert status == 2 and len(err.strip().splitlines()) == 1, err
+  assert err.startswith(f"error: {path}: ")
 
 
 def test_a_non_finite_loss_stops_the_run(tmp_path):
   """A learning rate of 1e30 overflows the parameters within a few steps: the run stops at the
   first row whose train_loss is not finite (written, as null), with no checkpoint of that state,
-  exit status 1 and one line saying so."""
+  exit status 1 and one line saying so (the entry point in this process, on its 8 devices)."""
   workdir = str(tmp_path / "run")
-  r = run_cli("--config=configs/digits.py:local", f"--workdir={workdir}", "--cpu_devices=8",
-              "--config.lr=1e30", "--config.schedule.name=constant", "--config.log_every=1",
-              "--config.eval_every=0", "--config.checkpoint_every=1")
-  assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+  status, _, err = run_main(
+      "experiments.train", "--config=configs/digits.py:local", f"--workdir={workdir}",
+      "--config.lr=1e30", "--config.schedule.name=constant", "--config.log_every=1",
+      "--config.eval_every=0", "--config.checkpoint_every=1")
+  assert status == 1 and len(err.strip().splitlines()) == 1, err
   rows = read_metrics(workdir)
   assert rows[-1]["train_loss"] is None and all(x["train_loss"] is not None for x in rows[:-1])
-  assert f"train_loss=nan at step {rows[-1]['step']}" in r.stderr or \
-      f"train_loss=inf at step {rows[-1]['step']}" in r.stderr
+  assert f"train_loss=nan at step {rows[-1]['step']}" in err or \
+      f"train_loss=inf at step {rows[-1]['step']}" in err
   checkpoints = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()]
   assert max(checkpoints, default=0) < rows[-1]["step"] < 20
 
 
 def test_worker_processes_train_on_the_same_bits(tmp_path):
-  """dataset.worker_processes=2 (Grain's worker processes) against the threads of this process:
-  the same rows, and a run may switch between them on resume."""
+  """dataset.worker_processes=1 (a Grain worker process) against the threads of this process:
+  the same rows, and a run may switch between them on resume. One worker: each starts an
+  interpreter importing jlp, for the train and the eval pipeline; how rows are shared among
+  several is jlp.data.Pipeline's (tests/data_pipeline/pipeline_workers_test.py, 2 workers)."""
   root = image_folders(tmp_path / "data")
   threads, workers = str(tmp_path / "threads"), str(tmp_path / "workers")
   loop.train_and_evaluate(folder_config(root, max_steps=3, eval_every=3), threads, progress=False)
   c = folder_config(root, max_steps=3, eval_every=3)
-  c.dataset.worker_processes = 2
+  c.dataset.worker_processes = 1
   loop.train_and_evaluate(c, workers, progress=False)
   assert stable(read_metrics(workers)) == stable(read_metrics(threads))

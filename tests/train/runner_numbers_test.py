@@ -37,8 +37,19 @@ def preset_config(**fields):
 
 @pytest.fixture(scope="module")
 def preset_run(tmp_path_factory):
+  """The run of preset_config(), its save after step 2 made slow by 2 s (for
+  test_throughput_leaves_out_saves_and_compiles; a save's time is in no other row field the
+  tests compare)."""
   workdir = str(tmp_path_factory.mktemp("presets"))
-  loop.train_and_evaluate(preset_config(), workdir, progress=False)
+  save = checkpoint.Checkpointer.save
+
+  def slow_save(self, step, *args, **kwargs):
+    if step == 2:
+      time.sleep(2.0)
+    return save(self, step, *args, **kwargs)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(checkpoint.Checkpointer, "save", slow_save)
+    loop.train_and_evaluate(preset_config(), workdir, progress=False)
   return workdir
 
 
@@ -74,33 +85,38 @@ def test_train_metrics_are_means_over_the_logging_window(preset_run, tmp_path):
       assert row[name] == np.mean([per_step[s][name] for s in steps], dtype=np.float64), name
 
 
-def test_throughput_leaves_out_saves_and_compiles(preset_run, tmp_path, monkeypatch):
+def test_throughput_leaves_out_saves_and_compiles(preset_run):
   """Each preset switch recompiles, inside a window (steps 2 and 4): its compile_seconds is
-  logged. A save made slow by 2 s (after step 2) is logged as save_seconds and left out of the
-  throughput: the window's training time is below the sleep."""
+  logged. A save made slow by 2 s (after step 2, in preset_run) is logged as save_seconds and
+  left out of the throughput: the window's training time is below the sleep."""
   rows = read_metrics(preset_run)
   assert all(r["compile_seconds"] > 0 for r in rows)
-  slow = str(tmp_path / "slow_save")
-  save = checkpoint.Checkpointer.save
-
-  def slow_save(self, step, *args, **kwargs):
-    if step == 2:
-      time.sleep(2.0)
-    return save(self, step, *args, **kwargs)
-  monkeypatch.setattr(checkpoint.Checkpointer, "save", slow_save)
-  loop.train_and_evaluate(preset_config(), slow, progress=False)
-  row = read_metrics(slow)[0]
+  row = rows[0]
   assert row["step"] == 3 and row["save_seconds"] >= 2.0
   assert 3 * 480 / row["throughput"] < 2.0
 
 
-def test_the_device_layout_is_recorded_and_a_change_refused(tmp_path):
+def two_step_config():
+  """Two steps, a checkpoint at 2, a constant schedule: as the entry point's flags give it from
+  configs/digits.py (test_the_entry_point_refuses_another_device_count)."""
+  c = small_digits(max_steps=2, log_every=1, eval_every=0, checkpoint_every=2)
+  c.schedule.name = "constant"
+  return c
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+  """two_step_config() trained on this process's devices (read, not changed, by its tests)."""
+  workdir = str(tmp_path_factory.mktemp("two_steps"))
+  loop.train_and_evaluate(two_step_config(), workdir, progress=False)
+  return workdir
+
+
+def test_the_device_layout_is_recorded_and_a_change_refused(two_step_run):
   """A checkpoint records the devices it ran on; a resume on another count is refused in one
   line naming it, recorded when allowed, and refused even then under a per-device state."""
-  workdir = str(tmp_path)
-  c = small_digits(max_steps=2, log_every=1, eval_every=0, checkpoint_every=2,
-                   schedule={"name": "constant"})
-  loop.train_and_evaluate(c, workdir, progress=False)
+  workdir = two_step_run
+  c = two_step_config()
   meta = checkpoint.read_meta(workdir, 2)
   assert meta["devices"] == {"devices": jax.device_count(), "processes": 1}
   meta["devices"]["devices"] = 2
@@ -114,18 +130,21 @@ def test_the_device_layout_is_recorded_and_a_change_refused(tmp_path):
     workdir_record.check_resume(c, workdir, meta, allow_change=True)
 
 
-def test_the_entry_point_refuses_another_device_count(tmp_path):
-  args = [sys.executable, "-m", "experiments.train", "--config=configs/digits.py:local",
-          f"--workdir={tmp_path}", "--config.max_steps=2", "--config.checkpoint_every=2",
-          "--config.eval_every=0", "--config.log_every=1"]
+def test_the_entry_point_refuses_another_device_count(two_step_run, tmp_path):
+  """The run made on this process's 8 devices, resumed for 2 more steps by the entry point on 2
+  (--cpu_devices) with the same config: exit status 2 and one line naming the device change."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(two_step_run, workdir)
+  c = two_step_config()
+  args = [sys.executable, "-m", "experiments.train", "--config=configs/digits.py",
+          f"--workdir={workdir}", "--cpu_devices=2", "--config.model.kwargs.width=8",
+          "--config.schedule.name=constant", "--config.max_steps=4",
+          *[f"--config.{k}={c[k]}" for k in ("batch_size", "log_every", "eval_every",
+                                             "checkpoint_every")]]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  first = subprocess.run(args + ["--cpu_devices=2"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-  assert first.returncode == 0, first.stderr
-  second = subprocess.run(args + ["--cpu_devices=4", "--config.max_steps=4"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-  assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr
-  assert "devices '2 devices' -> '4 devices'" in second.stderr
+  r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+  assert f"devices '{jax.device_count()} devices' -> '2 devices'" in r.stderr
 
 
 def _crashed_after_an_allowed_change(tmp_path):
