@@ -389,12 +389,22 @@ def test_fit_cost_model_tiny(tmp_path):
 
 
 def run_cli(*args, cwd):
+  """experiments.secopa as a real process (its exit status and streams), in cwd."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "experiments.secopa", *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=120, check=False)
 
 
+def run_cli_here(*args):
+  """experiments.secopa's main in this process (tests/entry_points.run_main: its flags
+  parsed afresh, SystemExit caught): (exit status, stdout, stderr). Paths must be absolute."""
+  from entry_points import run_main  # pylint: disable=g-import-not-at-top
+  return run_main("experiments.secopa", *args)
+
+
 def test_cli(tmp_path):
+  """A real process with HiPress's coefficients (PS, N=4), then the same entry point in this
+  process with a saved cost model (ring, N=16)."""
   grads = vgg19_imagenet()[16:20] + vgg19_imagenet()[32:34]
   (tmp_path / "input.txt").write_text("".join(f"{n},{s}\n" for n, s in grads))
   r = run_cli("--input=input.txt", "--output=plan.txt", "--topology=PS", "--nnodes=4",
@@ -405,9 +415,10 @@ def test_cli(tmp_path):
       b"vgg0_conv9_weight,2359296,y,4\nvgg0_conv9_bias,512,n,4\n"
       b"vgg0_dense0_weight,102760448,y,4\nvgg0_dense0_bias,4096,n,4\n")
   CostModel.seed().save(tmp_path / "seed.json")
-  r = run_cli("--input=input.txt", "--output=ring.txt", "--topology=ring", "--nnodes=16",
-              "--profile=seed.json", cwd=tmp_path)
-  assert r.returncode == 0, r.stderr
+  status, out, err = run_cli_here(f"--input={tmp_path / 'input.txt'}",
+                                  f"--output={tmp_path / 'ring.txt'}", "--topology=ring",
+                                  "--nnodes=16", f"--profile={tmp_path / 'seed.json'}")
+  assert status == 0 and "wrote" in out, err
   assert (tmp_path / "ring.txt").read_text() == "".join(
       f"{n},{s},{'y' if c else 'n'},{k}\n" for (n, s), (c, k) in
       zip(grads, (ref_decision(s, 16, "ring") for _, s in grads)))
@@ -422,7 +433,12 @@ def test_cli(tmp_path):
     (("--nnodes=x",), "--nnodes"),
 ])
 def test_cli_errors(tmp_path, args, message):
+  """Each error: exit status 2, one `error: ` line, no plan written (in this process; test_cli
+  runs the entry point as a process)."""
   (tmp_path / "input.txt").write_text("a,1\n")
-  r = run_cli("--output=plan.txt", *args, cwd=tmp_path)
-  assert r.returncode == 2 and message in r.stderr and r.stderr.startswith("error: ")
+  args = [a.replace("=missing.txt", f"={tmp_path / 'missing.txt'}") for a in args]
+  if not any(a.startswith("--input=") for a in args):
+    args.insert(0, f"--input={tmp_path / 'input.txt'}")
+  status, _, err = run_cli_here(f"--output={tmp_path / 'plan.txt'}", *args)
+  assert status == 2 and message in err and err.startswith("error: "), err
   assert not (tmp_path / "plan.txt").exists()
