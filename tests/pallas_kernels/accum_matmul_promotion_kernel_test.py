@@ -49,13 +49,19 @@ def operands(m, k, n, seed, scale=4.0):
           (rng.standard_normal((k, n)) + 0.5).astype(f32))
 
 
+# Jitted: one compile per case instead of one per eager op (pads, zeros, scans, slices).
+_kernel_jit = jax.jit(accum_matmul, static_argnums=2,
+                      static_argnames=("promote_every", "interpret", "tile_k", "tile_m", "tile_n"))
+_xla_jit = jax.jit(matmul, static_argnames=("accum", "promote_every", "impl"))
+
+
 def kernel(a, b, fmt, n_c, **tiles):
-  return np.asarray(accum_matmul(a, b, fmt, promote_every=n_c, interpret=True,
-                                 **dict(dict(tile_k=TK), **tiles)))
+  return np.asarray(_kernel_jit(a, b, fmt, promote_every=n_c, interpret=True,
+                                **dict(dict(tile_k=TK), **tiles)))
 
 
 def xla(a, b, fmt, n_c):
-  return np.asarray(matmul(a, b, accum=fmt, promote_every=n_c, impl="xla"))
+  return np.asarray(_xla_jit(a, b, accum=fmt, promote_every=n_c, impl="xla"))
 
 
 KS = [1, TK - 1, TK, TK + 1, 2 * TK, 4 * TK + 1]
@@ -94,14 +100,19 @@ def test_run_lengths_and_formats_match_spec_loop(n_c, fmt):
   ref.assert_same_bits(xla(a, b, fmt, n_c), want, msg="xla")
 
 
-@pytest.mark.parametrize("n_c", [3, 16])
+# Slow: n_c = 16 (a multiple of tk, as 2 tk and 3 tk on unpadded tiles); the padding of M and N
+# does not depend on the run length.
+@pytest.mark.parametrize("n_c", [3, pytest.param(16, marks=pytest.mark.slow)])
 def test_padded_grid_matches_xla(n_c):
   """(37, 17) @ (17, 45) in 16 x 16 tiles: grid (3, 3), M, N and K (17 = 4 tk + 1) padded."""
   a, b = operands(37, 4 * TK + 1, 45, seed=n_c, scale=8.0)
   ref.assert_same_bits(kernel(a, b, HOPPER, n_c, tile_m=16, tile_n=16), xla(a, b, HOPPER, n_c))
 
 
-def test_specials_signed_zeros_and_subnormals_match_xla():
+# Slow: n_c = 2 (a divisor of tk, as in test_run_lengths_and_formats_match_spec_loop); runs of one
+# product and runs ending at every third step stay in the default tier.
+@pytest.mark.parametrize("n_c", [1, 3, pytest.param(2, marks=pytest.mark.slow)])
+def test_specials_signed_zeros_and_subnormals_match_xla(n_c):
   """±0, ±inf, NaN, and float32 promotions whose sums or operands are float32 subnormals."""
   t = 2.0 ** -126
   a, b = operands(6, 9, 5, seed=3)
@@ -110,12 +121,12 @@ def test_specials_signed_zeros_and_subnormals_match_xla():
   a[4] = [t * (1 + 2.0 ** -23), -t, t, -t, 0.0, t, -t * (1 + 2.0 ** -22), t, -t]
   b[:, 0] = 1.0
   fmt = FloatFormat(8, 23)
-  for n_c in (1, 2, 3):
-    got = kernel(a, b, fmt, n_c)
-    ref.assert_same_bits(got, xla(a, b, fmt, n_c), msg=f"n_c={n_c}")
-  # Runs of one product: the promotions of row 4, column 0 pass through 2^-149 and
-  # 2^-126 + 2^-149 (float32 subnormal sum and operand), as IEEE float32 has it.
-  ref.assert_same_bits(kernel(a, b, fmt, 1)[4:5, :1], spec_loop(a[4:5], b[:, :1], fmt, 1))
+  got = kernel(a, b, fmt, n_c)
+  ref.assert_same_bits(got, xla(a, b, fmt, n_c), msg=f"n_c={n_c}")
+  if n_c == 1:
+    # Runs of one product: the promotions of row 4, column 0 pass through 2^-149 and
+    # 2^-126 + 2^-149 (float32 subnormal sum and operand), as IEEE float32 has it.
+    ref.assert_same_bits(got[4:5, :1], spec_loop(a[4:5], b[:, :1], fmt, 1))
 
 
 def test_under_jit_and_vmap():
@@ -136,14 +147,16 @@ def _lowering_module():
   return module
 
 
+_LOWERING = _lowering_module()
+
+
 @pytest.mark.lowering
-@pytest.mark.parametrize("n_c", [128, 3, 8, 10_000], ids=str)  # tk | n_c, neither, n_c | tk, > K
-@pytest.mark.parametrize("m,k,n,padded_k,grid", [
+@pytest.mark.parametrize("m,k,n,padded_k,grid,n_c", _LOWERING.covering_grid([
     (64, 4096, 64, 4096, (2, 2)),
     (100, 4101, 130, 4112, (4, 5)),    # ragged M, N (tiles padded) and K (to a multiple of 16)
-], ids=str)
+], [(128,), (3,), (8,), (10_000,)]))  # tk | n_c, neither, n_c | tk, > K
 def test_kernel_lowers_to_triton(n_c, m, k, n, padded_k, grid):
-  lowering = _lowering_module()
+  lowering = _LOWERING
   sds = jax.ShapeDtypeStruct
   hlo = lowering.lower_for_h100(lambda a, b: accum_matmul(a, b, HOPPER, promote_every=n_c),
                                 sds((m, k), jnp.float32), sds((k, n), jnp.float32))

@@ -92,39 +92,46 @@ CASES = [
 ]
 
 
-# Each case runs two of its four formats in the default tier: e4m3fn and e5m2 take the same
-# branches of the kernel body (a saturating cast to an element with a finite max; other
-# constants), so each half has pow2_scale off and on; the cases alternate halves. The other half
-# is slow.
-HALVES = ((("float8_e4m3fn", False), ("float8_e5m2", True)),
-          (("float8_e4m3fn", True), ("float8_e5m2", False)))
+COMBOS = tuple((e, p) for e in ("float8_e4m3fn", "float8_e5m2") for p in (False, True))
+E4, E4P, E5, E5P = COMBOS
 
 
-def _halves(cases, slow_cases):
-  """(case..., combos) params: each case's default half (alternating), the other slow; both
-  slow for the names in `slow_cases`."""
+def _ident(name, combos):
+  return name + "-" + "+".join(f"{e[len('float8_'):]}{'-pow2' if p else ''}" for e, p in combos)
+
+
+def _split(cases, default_combos):
+  """(case..., combos) params: the (element, pow2) pairs `default_combos[name]` of each case in
+  the default tier, its other pairs (one param, one compile) slow; all four slow for cases not in
+  `default_combos`."""
   params = []
-  for i, case in enumerate(cases):
-    for h, combos in enumerate(HALVES):
-      default = case[0] not in slow_cases and h == i % 2
-      ident = case[0] + "-" + "+".join(f"{e[len('float8_'):]}{'-pow2' if p else ''}"
-                                       for e, p in combos)
-      params.append(pytest.param(*case, combos, id=ident,
-                                 marks=() if default else pytest.mark.slow))
+  for case in cases:
+    default = default_combos.get(case[0], ())
+    rest = tuple(c for c in COMBOS if c not in default)
+    if default:
+      params.append(pytest.param(*case, default, id=_ident(case[0], default)))
+    params.append(pytest.param(*case, rest, id=_ident(case[0], rest), marks=pytest.mark.slow))
   return params
 
 
-# Slow (both halves): "320x256 normal" (the one-block (128, 128) tiles of "256x272 normal", which
+# One (element, pow2) pair per case in the default tier, each pair in one or two cases: e4m3fn and
+# e5m2 take the same branches of the kernel body (a saturating cast to an element with a finite
+# max; other constants), and pow2_scale off and on each run on normal, boundary and special data
+# and on (128, 128) and (1, 128) tiles ("specials" keeps two pairs); "ties" keeps e4m3fn without pow2 (its data is built for
+# that grid and a non-power-of-two scale). The other pairs of each case are slow.
+# Slow (all pairs): "320x256 normal" (the one-block (128, 128) tiles of "256x272 normal", which
 # has a partial block too), "320x256 boundary" ("304x304 boundary": the same data kind and tile
 # size, and a padded last tile), "all zeros" and "all maxima" ("specials" has all-zero (signed)
 # and all-maxima blocks; "256x272 normal" the (128, 128) tiles), "320x256 moderate" (the tiles of
 # "304x304 boundary"; its inf and NaN blocks are in "specials", and the XLA path's float ops, which
 # it takes, run in "128x128 normal" and "ties"; its XLA path against the reference in
 # tests/numerics/block_scaled_test.py).
-SLOW_CASES = {"320x256 normal", "320x256 boundary", "all zeros", "all maxima", "320x256 moderate"}
+DEFAULT_COMBOS = {"128x128 normal": (E5P,), "256x272 normal": (E4,), "304x304 boundary": (E5,),
+                  "304x304 axis 0": (E4P,), "ties": (E4,), "specials": (E4P, E5),
+                  "3-d axis 1 ragged": (E5P,)}
 
 
-@pytest.mark.parametrize("name,make,block,axis,rows_per_tile,combos", _halves(CASES, SLOW_CASES))
+@pytest.mark.parametrize("name,make,block,axis,rows_per_tile,combos", _split(CASES, DEFAULT_COMBOS))
 def test_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile, combos):
   del name  # the test id
   check(make(), block, axis, rows_per_tile, combos=combos)
@@ -137,14 +144,15 @@ RECIPROCAL_CASES = [c for c in CASES if c[0] in ("128x128 normal", "304x304 axis
 ]
 
 
-# Slow (both halves): "128x128 normal", "304x304 axis 0" and "3-d axis 1 ragged": their tilings
+# Slow (all pairs): "128x128 normal", "304x304 axis 0" and "3-d axis 1 ragged": their tilings
 # run in test_matches_xla_path_and_reference, the reciprocal body on every data kind in "ties"
-# and "specials" here, one tile of a whole tensor in "per tensor".
-RECIPROCAL_SLOW_CASES = {"128x128 normal", "304x304 axis 0", "3-d axis 1 ragged"}
+# and "specials" here, one tile of a whole tensor in "per tensor". Each (element, pow2) pair runs
+# once in the default tier (e4m3fn without pow2 on "ties", as above).
+RECIPROCAL_DEFAULT_COMBOS = {"ties": (E4,), "specials": (E4P, E5), "per tensor": (E5P,)}
 
 
 @pytest.mark.parametrize("name,make,block,axis,rows_per_tile,combos",
-                         _halves(RECIPROCAL_CASES, RECIPROCAL_SLOW_CASES))
+                         _split(RECIPROCAL_CASES, RECIPROCAL_DEFAULT_COMBOS))
 def test_reciprocal_rule_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile,
                                                         combos):
   """scale_rule="reciprocal" (TransformerEngine's multiplier and scale_inv)."""
@@ -152,10 +160,15 @@ def test_reciprocal_rule_matches_xla_path_and_reference(name, make, block, axis,
   check(make(), block, axis, rows_per_tile, rule="reciprocal", combos=combos)
 
 
-def test_wider_elements():
+# Each element and each pow2_scale once in the default tier; the other two pairs are slow.
+@pytest.mark.parametrize("combos", [
+    pytest.param((("float16", False), ("bfloat16", True)), id="float16+bfloat16-pow2"),
+    pytest.param((("float16", True), ("bfloat16", False)), id="float16-pow2+bfloat16",
+                 marks=pytest.mark.slow)])
+def test_wider_elements(combos):
   """float16 / bfloat16 elements (subnormal quotients): G = 17 x 3 = 51 blocks of 64, 13 tiles."""
   x = np.concatenate([special_rows(130, 8), outlier_normal((6, 130), 9)])
-  check(x, (1, 64), -1, 4, elems=("float16", "bfloat16"))
+  check(x, (1, 64), -1, 4, combos=combos)
 
 
 def test_jlp_quantize_pallas_equals_xla_with_gradient():
@@ -171,7 +184,7 @@ def test_jlp_quantize_pallas_equals_xla_with_gradient():
   got, want = np.asarray(run(jnp.asarray(x), "pallas")), np.asarray(run(jnp.asarray(x), "xla"))
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
   ref.assert_same_bits(got, block_scaled_reference(w, "float8_e4m3fn", (1, 128), 0, True), w)
-  value = np.asarray(jlp.quantize(jnp.asarray(x), fmt, impl="pallas"))
+  value = np.asarray(jax.jit(lambda v: jlp.quantize(v, fmt, impl="pallas"))(jnp.asarray(x)))
   ref.assert_same_bits(value, block_scaled_reference(x, "float8_e5m2", (16, 128), -1), x)
 
 
@@ -201,8 +214,15 @@ LOWERING_FORMATS = [BlockScaledFormat(e, block=b, pow2_scale=p)
     for e in ("float8_e4m3fn", "float8_e5m2") for p in (False, True)]
 
 
+# Slow: the (1, 128) and (128, 128) divide-rule formats with e4m3fn and pow2_scale off or e5m2 and
+# pow2_scale on (each element, pow2 setting and block shape lowers in the default tier; e4m3fn and
+# e5m2 take the same ops, other constants).
 @pytest.mark.lowering
-@pytest.mark.parametrize("fmt", LOWERING_FORMATS, ids=repr)
+@pytest.mark.parametrize("fmt", [
+    pytest.param(f, id=repr(f), marks=pytest.mark.slow
+                 if f.scale_rule == "divide" and f.elem.name.startswith("float8")
+                 and (f.elem.name == "float8_e4m3fn") != f.pow2_scale else ())
+    for f in LOWERING_FORMATS])
 def test_lowers_to_triton(fmt):
   """(1000, 1000): (1, 128) blocks -> G = 8000, tiles of 32 -> 250 steps; (128, 128) -> 64
   one-block tiles of 16384; (2, 48) along axis 0 -> P = 128, 500 x 21 blocks."""
@@ -213,13 +233,23 @@ def test_lowers_to_triton(fmt):
   assert f"grid_x = {grid} " in hlo
 
 
-def test_kernel_body_shifts_below_width():
+SHIFT_FORMATS = [f for f in LOWERING_FORMATS if f.block == (1, 128)]
+
+
+# Half of the (1, 128) formats in the default tier: each rule with e4m3fn and e5m2 (same branches,
+# other constants; see DEFAULT_COMBOS) and with pow2_scale off and on. The other half is slow.
+@pytest.mark.parametrize("fmts", [
+    pytest.param([f for f in SHIFT_FORMATS if (f.elem.name == "float8_e4m3fn") != f.pow2_scale],
+                 id="e4m3fn+e5m2-pow2"),
+    pytest.param([f for f in SHIFT_FORMATS if (f.elem.name == "float8_e4m3fn") == f.pow2_scale],
+                 id="e4m3fn-pow2+e5m2", marks=pytest.mark.slow)])
+def test_kernel_body_shifts_below_width(fmts):
   """Every shift in `block_scaled_rows_bits` (division, multiply, element cast, pow2 scale) is
   below 32 bits on blocks with tiny, zero-quotient, zero, huge and non-finite maxima."""
+  assert len(fmts) == 4 and {f.scale_rule for f in fmts} == {"divide", "reciprocal"}
   u = np.concatenate([special_rows(128, 12), outlier_normal((8, 128), 13),
                       boundary_values((8, 128), 14)]).view(np.uint32)
-  bodies = {repr(f): (lambda u, r, f=f: block_scaled_rows_bits(u, f))
-            for f in LOWERING_FORMATS if f.block == (1, 128)}
+  bodies = {repr(f): (lambda u, r, f=f: block_scaled_rows_bits(u, f)) for f in fmts}
   assert lowering.shifts_at_or_above_width(bodies, u, u) == []
 
 

@@ -104,11 +104,12 @@ def test_unpack_bits_matches_reference_and_xla(bits, n, block_codes):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_unpack_inverts_pack(bits):
-  n = 1001
+  # n = 4000 in tiles of 256 (ragged): the jitted kernels of the (4000, 256) cases above, default
+  # pad, so no further compile.
+  n = 4000
   codes = np.random.default_rng(bits).integers(0, 1 << bits, n).astype(np.uint8)
-  packed = pack_kernel.pack_bits(codes, bits, interpret=True, block_codes=256)
-  np.testing.assert_array_equal(
-      np.asarray(pack_kernel.unpack_bits(packed, bits, n, interpret=True, block_codes=256)), codes)
+  packed = _pack_fns(bits, 0, 256)[0](codes)
+  np.testing.assert_array_equal(np.asarray(_unpack_fns(bits, n, 256)[0](packed)), codes)
 
 
 def test_pack_bits_empty_and_invalid():
@@ -242,14 +243,22 @@ def capped_reference(v: np.ndarray, thr: float, capacity: int) -> tuple[np.ndarr
   return out, idx.size
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_ops_threshold_selections(impl):
-  n = 1500
+N_OPS = 1500
+
+
+# Slow: impl="pallas" with capacities 0 and n. The selection after the kernel (the ops layer's
+# truncation) is the same code for both impls and runs with every capacity for "xla"; the kernel
+# with capacities 0 and n runs in test_threshold_select_matches_nonzero.
+@pytest.mark.parametrize("impl,capacities", [
+    ("xla", (0, 10, 400, N_OPS, N_OPS + 3)),
+    ("pallas", (10, 400, N_OPS + 3)),
+    pytest.param("pallas", (0, N_OPS), marks=pytest.mark.slow)], ids=str)
+def test_ops_threshold_selections(impl, capacities):
+  n = N_OPS
   rng = np.random.default_rng(3)
   v = rng.standard_normal(n).astype(np.float32)
   v[::7] = np.float32(1.5)  # ties in the truncation by magnitude
   v[::11] = np.float32(-1.5)
-  capacities = (0, 10, 400, n, n + 3)
   run = jax.jit(lambda v, thr: [(ops.threshold_select(v, thr, c, impl=impl),
                                  ops.capped_threshold_select(v, thr, c, impl=impl))
                                 for c in capacities])

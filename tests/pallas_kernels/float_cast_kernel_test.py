@@ -194,7 +194,9 @@ def _keyed_fns(fmts: tuple, block_size: int, rng: str, offset):
           casts(xla_cast.float_cast))
 
 
-@pytest.mark.parametrize("shape,block_size,offset,rng", [
+KEYED_FORMATS = tuple(FORMAT_GROUPS["stochastic"]) + (FloatFormat(5, 2, rounding="stochastic",
+                                                                 compat="qtorch"),)
+KEYED_LAYOUTS = [
     ((16 * BLOCK - 4,), BLOCK, 0, "pairs"),   # 16 tiles of (512, 2) rows, the last one padded
     ((3, 5, 7), 16, 0, "pairs"),              # odd size: one hash per element
     ((16, 64), 64, 2 ** 32 - 6, "pairs"),     # pair counters carry into the high word
@@ -203,12 +205,26 @@ def _keyed_fns(fmts: tuple, block_size: int, rng: str, offset):
     ((2, 3, 4, 5), 8, 2 ** 40 + 2, "jax"),
     ((1,), 1024, 0, "pairs"),
     ((2,), 1, 0, "pairs"),                    # block_size 1: pair tiles of one row
-], ids=str)
-def test_keyed_matches_xla_path(shape, block_size, offset, rng):
+]
+
+
+def _keyed_params():
+  """The first layout with every format; each other layout with one format (in turn) in the
+  default tier and the other three slow: the draws (counters, offsets, tiles) do not depend on
+  the format, and each format's cast of them runs on the first layout."""
+  params = [pytest.param(*KEYED_LAYOUTS[0], KEYED_FORMATS, id=str(KEYED_LAYOUTS[0]))]
+  for i, layout in enumerate(KEYED_LAYOUTS[1:]):
+    one = KEYED_FORMATS[i % len(KEYED_FORMATS)]
+    rest = tuple(f for f in KEYED_FORMATS if f != one)
+    params.append(pytest.param(*layout, (one,), id=f"{layout}-{one!r}"))
+    params.append(pytest.param(*layout, rest, id=f"{layout}-others", marks=pytest.mark.slow))
+  return params
+
+
+@pytest.mark.parametrize("shape,block_size,offset,rng,fmts", _keyed_params())
+def test_keyed_matches_xla_path(shape, block_size, offset, rng, fmts):
   n = int(np.prod(shape, dtype=np.int64))
   x = sampled_bits(max(n, 128), seed=n)[:n].view(np.float32).reshape(shape)
-  fmts = tuple(FORMAT_GROUPS["stochastic"]) + (FloatFormat(5, 2, rounding="stochastic",
-                                                           compat="qtorch"),)
   kernel, xla = _keyed_fns(fmts, block_size, rng, offset)
   for fmt, got, want in zip(fmts, kernel(x, KEY, jnp.int32(7)), xla(x, KEY, jnp.int32(7)),
                             strict=True):
@@ -221,7 +237,8 @@ def test_keyed_vmap_over_keys():
   keys = jax.random.split(KEY, 4)
   kernel = jax.jit(jax.vmap(lambda x, k: float_cast(x, E4M3_SR, key=k, interpret=True,
                                                     block_size=128)))
-  want = np.stack([np.asarray(xla_cast.float_cast(x[i], E4M3_SR, key=keys[i])) for i in range(4)])
+  xla = jax.jit(lambda x, k: xla_cast.float_cast(x, E4M3_SR, key=k))  # one compile, not per op
+  want = np.stack([np.asarray(xla(x[i], keys[i])) for i in range(4)])
   assert_bits_equal(kernel(x, keys), want, x, E4M3_SR)
 
 

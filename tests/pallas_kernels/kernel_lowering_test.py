@@ -68,6 +68,17 @@ def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def covering_grid(a, b, ids=str):
+  """pytest.params for every pair (x, y) of the lists of argument tuples a and b, with the pairs
+  (a[k % len(a)], b[k % len(b)]), k < max(len(a), len(b)), in the default tier (every value of
+  each axis at least once) and the others slow: the lowering of one axis's value does not depend
+  on the other's (e.g. an element format's ops and a grid's tiles)."""
+  default = {(k % len(a), k % len(b)) for k in range(max(len(a), len(b)))}
+  return [pytest.param(*x, *y, id="-".join(ids(v) for v in (*x, *y)),
+                       marks=() if (i, j) in default else pytest.mark.slow)
+          for i, x in enumerate(a) for j, y in enumerate(b)]
+
+
 @pytest.mark.lowering
 @pytest.mark.parametrize("fmt", FLOAT_FORMATS, ids=repr)
 def test_float_cast_lowers_to_triton(fmt):
@@ -88,12 +99,11 @@ def test_float_cast_lowers_small_and_odd_tiles(shape, block_size):
 
 
 @pytest.mark.lowering
-@pytest.mark.parametrize("rng,offset", [("pairs", 0), ("pairs", 3), ("pairs", None), ("jax", 0)],
-                         ids=str)
-@pytest.mark.parametrize("fmt", [FloatFormat.from_name("e4m3", rounding="stochastic"),
-                                 FloatFormat.from_name("bfloat16", rounding="stochastic"),
-                                 FloatFormat(5, 2, rounding="stochastic", compat="qtorch")],
-                         ids=repr)
+@pytest.mark.parametrize("fmt,rng,offset", covering_grid(
+    [(FloatFormat.from_name("e4m3", rounding="stochastic"),),
+     (FloatFormat.from_name("bfloat16", rounding="stochastic"),),
+     (FloatFormat(5, 2, rounding="stochastic", compat="qtorch"),)],
+    [("pairs", 0), ("pairs", 3), ("pairs", None), ("jax", 0)], ids=repr))
 def test_float_cast_with_key_lowers_to_triton(fmt, rng, offset):
   """Draws generated in the kernel: (2048, 2) pair tiles, or 1-D tiles (odd / traced offset)."""
   def f(x, key, traced_offset):
@@ -106,13 +116,12 @@ def test_float_cast_with_key_lowers_to_triton(fmt, rng, offset):
 
 
 @pytest.mark.lowering
-@pytest.mark.parametrize("rounding", ["truncate", "nearest", "stochastic"])
-@pytest.mark.parametrize("shape,block,man,rows_per_tile", [
+@pytest.mark.parametrize("shape,block,man,rows_per_tile,rounding", covering_grid([
     ((256, 1000), (1, 32), 8, None),             # default tiles: (128, 32)
     ((4, 48, 14, 14), (1, 24, 3, 3), 12, None),  # FB12 NCHW, ragged: P = 256, tiles (16, 256)
     ((4, 14, 14, 48), (1, 3, 3, 24), 12, 4),     # FB12 NHWC
     ((10, 7), (10, 7), 1, None),                 # one group of 70 -> P = 128, a (1, 128) tile
-], ids=str)
+], [("truncate",), ("nearest",), ("stochastic",)]))
 def test_bfp_lowers_to_triton(shape, block, man, rows_per_tile, rounding):
   fmt = BFPFormat(man, block, rounding)
   hlo = lower_for_h100(lambda x, r: bfp_kernel.bfp_quantize(x, fmt, r, rows_per_tile=rows_per_tile),
@@ -125,12 +134,11 @@ MX_ELEMS = ["float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float6_e3m2fn", "f
 
 
 @pytest.mark.lowering
-@pytest.mark.parametrize("elem", MX_ELEMS, ids=str)
-@pytest.mark.parametrize("shape,axis,grid", [
+@pytest.mark.parametrize("shape,axis,grid,elem", covering_grid([
     ((256, 1024), -1, 64),  # 8192 blocks of 32, default tiles (128, 32)
     ((1000, 37), 0, 10),    # along axis 0, ragged (1000 = 31 * 32 + 8): 1184 blocks, 1280 padded
     ((257, 1000), 1, 65),   # along the last axis, ragged: 8224 blocks
-], ids=str)
+], [(e,) for e in MX_ELEMS]))
 def test_mx_lowers_to_triton(shape, axis, grid, elem):
   fmt = MXFormat(elem, block=32, axis=axis)
   hlo = lower_for_h100(lambda x, r: mx_kernel.mx_quantize(x, fmt, r),
@@ -140,12 +148,11 @@ def test_mx_lowers_to_triton(shape, axis, grid, elem):
 
 
 @pytest.mark.lowering
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("n,block_codes,grid", [
+@pytest.mark.parametrize("n,block_codes,grid,bits", covering_grid([
     (100_000, 8192, 13),  # default tiles, ragged
     (5, 8192, 1),         # less than one word
     (4000, 256, 16),      # small tiles
-], ids=str)
+], [(1,), (2,), (4,), (8,)]))
 def test_pack_bits_lowers_to_triton(bits, n, block_codes, grid):
   hlo = lower_for_h100(lambda c: pack_kernel.pack_bits(c, bits, 1, block_codes=block_codes),
                        _sds((n,), jnp.uint8))
@@ -173,12 +180,11 @@ def test_threshold_select_lowers_to_triton(n, capacity, block_size, grid):
 
 
 @pytest.mark.lowering
-@pytest.mark.parametrize("kahan,chunk", [(False, 1), (True, 1), (True, 32), (False, 3)], ids=str)
-@pytest.mark.parametrize("m,k,n,padded_k,grid", [
+@pytest.mark.parametrize("m,k,n,padded_k,grid,kahan,chunk", covering_grid([
     (64, 147_456, 64, 147_456, (2, 2)),    # conv weight gradient, K = 256 x 24 x 24
     (64, 802_816, 128, 802_816, (2, 4)),   # K = 256 x 56 x 56
     (64, 147_461, 64, 147_472, (2, 2)),    # ragged K: padded to a multiple of the K block (16)
-], ids=str)
+], [(False, 1), (True, 1), (True, 32), (False, 3)]))
 def test_accum_matmul_lowers_for_large_k(m, k, n, padded_k, grid, kahan, chunk):
   """The operands reach the Triton call unpadded (K padded only to a multiple of 16)."""
   fmt = FloatFormat.from_name("e5m2")
