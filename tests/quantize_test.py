@@ -41,23 +41,28 @@ def test_stochastic_needs_a_key_and_is_a_function_of_the_key():
   x = jnp.asarray(np.random.default_rng(0).standard_normal(1000).astype(np.float32))
   a = jlp.quantize(x, fmt, key=jax.random.key(1))
   b = jax.jit(lambda x, k: jlp.quantize(x, fmt, key=k))(x, jax.random.key(1))
-  c = jlp.quantize(x, fmt, key=jax.random.key(2))
+  w = np.asarray(x)[::-1].copy()
+
+  @jax.jit  # the other casts in one program (eagerly, each op of each compiles on its own)
+  def others(x, k1, k2):
+    return (jlp.quantize(x, fmt, key=k2),
+            jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e4m3", bwd=fmt, key=k1) * w))(x),
+            jlp.quantize(x, fmt, key=k1, rng="jax"),
+            jlp.quantize(x, fmt, key=k1, index_offset=12345))
+
+  c, g, by_jax, offset = others(x, jax.random.key(1), jax.random.key(2))
   ref.assert_same_bits(a, b)
   assert not np.array_equal(a, c)
   # documented streams: "pairs" of key forward, of fold_in(key, 1) backward; "jax" = jax.random.bits
   words = lambda k: [int(v) for v in np.asarray(jax.random.key_data(k))]
   rbits = ref.stochastic_draws(words(jax.random.key(1)), x.size)
   ref.assert_same_bits(a, ref.round_to_format(np.asarray(x), fmt, rbits))
-  w = np.asarray(x)[::-1].copy()
-  g = jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e4m3", bwd=fmt, key=jax.random.key(1)) * w))(x)
   bbits = ref.stochastic_draws(words(jax.random.fold_in(jax.random.key(1), 1)), x.size)
   ref.assert_same_bits(g, ref.round_to_format(w, fmt, bbits))
   jbits = np.asarray(jax.random.bits(jax.random.key(1), x.shape, jnp.uint32))
-  ref.assert_same_bits(jlp.quantize(x, fmt, key=jax.random.key(1), rng="jax"),
-                       ref.round_to_format(np.asarray(x), fmt, jbits))
+  ref.assert_same_bits(by_jax, ref.round_to_format(np.asarray(x), fmt, jbits))
   obits = ref.stochastic_draws(words(jax.random.key(1)), x.size, offset=12345)
-  ref.assert_same_bits(jlp.quantize(x, fmt, key=jax.random.key(1), index_offset=12345),
-                       ref.round_to_format(np.asarray(x), fmt, obits))
+  ref.assert_same_bits(offset, ref.round_to_format(np.asarray(x), fmt, obits))
 
 
 def test_stochastic_argument_errors_before_compute():
@@ -121,9 +126,10 @@ def test_stochastic_under_vmap_with_batched_keys():
   fmt = FloatFormat(5, 2, rounding="stochastic")
   xs = jnp.full((3, 64), 1.1, jnp.float32)
   keys = jax.random.split(jax.random.key(0), 3)
-  got = jax.vmap(lambda x, k: jlp.quantize(x, fmt, key=k))(xs, keys)
+  got = jax.jit(jax.vmap(lambda x, k: jlp.quantize(x, fmt, key=k)))(xs, keys)
+  one = jax.jit(lambda x, k: jlp.quantize(x, fmt, key=k))  # compiled once for the three rows
   for i in range(3):
-    ref.assert_same_bits(got[i], jlp.quantize(xs[i], fmt, key=keys[i]))
+    ref.assert_same_bits(got[i], one(xs[i], keys[i]))
 
 
 def test_inside_shard_map_on_8_devices():
@@ -144,21 +150,31 @@ def test_inside_shard_map_on_8_devices():
   np.testing.assert_array_equal(g, np.ones_like(x))
 
 
-@pytest.mark.parametrize("fmt", [FloatFormat(4, 3), FloatFormat(5, 2, rounding="stochastic"),
-                                 jlp.BFPFormat(4, (1, 24)), jlp.BFPFormat(8, (2, 8), rounding="nearest"),
-                                 jlp.MXFormat("float8_e4m3fn"),  # 48 = 32 + a ragged 16
-                                 jlp.MXFormat(FloatFormat(2, 1, "stochastic", specials="none"),
-                                              block=16, axis=0)],
-                         ids=repr)
-def test_pallas_impl_equals_xla_impl_forward_and_backward(fmt):
+IMPL_FMTS = [FloatFormat(4, 3), FloatFormat(5, 2, rounding="stochastic"),
+             jlp.BFPFormat(4, (1, 24)), jlp.BFPFormat(8, (2, 8), rounding="nearest"),
+             jlp.MXFormat("float8_e4m3fn"),  # 48 = 32 + a ragged 16
+             jlp.MXFormat(FloatFormat(2, 1, "stochastic", specials="none"), block=16, axis=0)]
+
+
+@pytest.fixture(scope="module")
+def both_impls():
+  """{fmt: (value_and_grad with impl="xla", with impl="pallas")} of a loss of every format of
+  IMPL_FMTS, in one jitted program (eagerly, every op of both paths compiles on its own)."""
   x = jnp.asarray(np.random.default_rng(5).standard_normal((16, 48)).astype(np.float32))
   key = jax.random.key(3)
 
-  def loss(x, impl):
+  def loss(x, fmt, impl):
     return jnp.sum(jlp.quantize(x, fmt, bwd=fmt, key=key, impl=impl) * x[::-1])
 
-  for want, got in zip(jax.value_and_grad(loss)(x, "xla"), jax.value_and_grad(loss)(x, "pallas"),
-                       strict=True):
+  out = jax.jit(lambda x: [[jax.value_and_grad(loss)(x, fmt, impl) for impl in ("xla", "pallas")]
+                           for fmt in IMPL_FMTS])(x)
+  return dict(zip(IMPL_FMTS, out, strict=True))
+
+
+@pytest.mark.parametrize("fmt", IMPL_FMTS, ids=repr)
+def test_pallas_impl_equals_xla_impl_forward_and_backward(fmt, both_impls):
+  xla, pallas = both_impls[fmt]
+  for want, got in zip(xla, pallas, strict=True):
     ref.assert_same_bits(got, want)
 
 

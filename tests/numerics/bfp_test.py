@@ -389,22 +389,50 @@ _SLOW_GROUPING = {((2, 1000), (1, 24)), ((5, 70), (1, 16)), ((6, 90), (1, 40)),
     pytest.param(*c, marks=pytest.mark.slow, id=str(c[0]) + "-" + str(c[1]))
     if c in _SLOW_GROUPING or i >= len(GROUPING_CASES) else c
     for i, c in enumerate(GROUPING_CASES + _random_grouping_cases(8))], ids=str)
-def test_grouping_matches_previous_xla_path(shape, block):
+def test_grouping_matches_previous_xla_path(shape, block, request):
   """Reference: `_previous_bfp_quantize`, every rounding and a traced width, bit for bit, on
   `random_array` values (zeros, subnormals, inf, NaN, zero/subnormal-only groups)."""
+  fmts, args = grouping_inputs(shape, block)
+  if (shape, block) in _DEFAULT_GROUPING:  # cast with the other default cases
+    bfmts, bargs, got, want = request.getfixturevalue("default_groupings")[(shape, block)]
+    assert bfmts == fmts and all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                                 for a, b in zip(args, bargs, strict=True))
+  else:
+    got, want = jax.jit(lambda args: (grouping_casts(bfp_quantize, fmts, *args),
+                                      grouping_casts(_previous_bfp_quantize, fmts, *args)))(args)
+  for fmt, g, w in zip(fmts + ["traced man"], got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32),
+                                  err_msg=str(fmt))
+
+
+def grouping_inputs(shape, block):
+  """The formats (each rounding, a random width) and (x, rbits, traced width) of a case."""
   rng = np.random.default_rng(sum(shape) * 31 + sum(block))
   dims = tuple(min(d, n) for d, n in zip(block, shape))
   x = random_array(rng, shape, dims)
   rbits = rng.integers(0, 2 ** 32, shape, dtype=np.uint64).astype(np.uint32)
   fmts = [BFPFormat(int(rng.integers(1, 25)), block, r)
           for r in ("truncate", "nearest", "stochastic")]
+  return fmts, (x, rbits, np.int32(rng.integers(1, 25)))
 
-  def both(quantize_fn):
-    return jax.jit(lambda x, r, m: [quantize_fn(x, f, r if f.rounding == "stochastic" else None)
-                                    for f in fmts] + [quantize_fn(x, fmts[0], None, man=m)])
 
-  args = (jnp.asarray(x), jnp.asarray(rbits), jnp.int32(rng.integers(1, 25)))
-  for fmt, got, want in zip(fmts + ["traced man"], both(bfp_quantize)(*args),
-                            both(_previous_bfp_quantize)(*args)):
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32),
-                                  err_msg=str(fmt))
+def grouping_casts(quantize_fn, fmts, x, r, m):
+  return [quantize_fn(x, f, r if f.rounding == "stochastic" else None)
+          for f in fmts] + [quantize_fn(x, fmts[0], None, man=m)]
+
+
+_DEFAULT_GROUPING = [c for c in GROUPING_CASES if c not in _SLOW_GROUPING]
+
+
+@pytest.fixture(scope="module")
+def default_groupings():
+  """{case: (fmts, args, casts, previous casts)} of the default tier's cases of
+  test_grouping_matches_previous_xla_path, all in one jitted program (a program per case
+  compiles each apart)."""
+  cases = [grouping_inputs(*c) for c in _DEFAULT_GROUPING]
+  outs = jax.jit(lambda all_args: [
+      (grouping_casts(bfp_quantize, fmts, *args),
+       grouping_casts(_previous_bfp_quantize, fmts, *args))
+      for (fmts, _), args in zip(cases, all_args)])([args for _, args in cases])
+  return {c: (fmts, args, got, want)
+          for c, (fmts, args), (got, want) in zip(_DEFAULT_GROUPING, cases, outs, strict=True)}

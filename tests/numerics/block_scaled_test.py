@@ -94,6 +94,16 @@ def quantize(x, fmt):
   return np.asarray(_jitted(fmt)(jnp.asarray(x, jnp.float32)))
 
 
+def cast(request, key, x, fmt):
+  """quantize(x, fmt); a cast of the default tier (`default_casts`, looked up by `key`) comes
+  from the one program that casts them all (each program apart compiles the cast again)."""
+  if key not in _default_keys():
+    return quantize(x, fmt)
+  bx, bfmt, got = request.getfixturevalue("default_casts")[key]
+  assert bfmt == fmt and np.array_equal(bx.view(np.uint32), np.asarray(x, F32).view(np.uint32))
+  return got
+
+
 def outlier_normal(shape, seed):
   """N(0, 1) with 1 % outliers (x 2^6..2^12), signed zeros and a few float32 subnormals."""
   rng = np.random.default_rng(seed)
@@ -186,11 +196,11 @@ DIVIDE_DEFAULT = {
 
 
 @pytest.mark.parametrize("name,make,block,axis,elem,pow2", _sweep(CASES, DIVIDE_DEFAULT))
-def test_matches_reference(name, make, block, axis, elem, pow2):
+def test_matches_reference(name, make, block, axis, elem, pow2, request):
   x = make()
   fmt = BlockScaledFormat(elem, block=block, axis=axis, pow2_scale=pow2)
-  ref.assert_same_bits(quantize(x, fmt), block_scaled_reference(x, elem, block, axis, pow2), x,
-                       f"{name} {fmt!r}")
+  ref.assert_same_bits(cast(request, ("divide", name, elem, pow2), x, fmt),
+                       block_scaled_reference(x, elem, block, axis, pow2), x, f"{name} {fmt!r}")
 
 
 @pytest.mark.parametrize("name,make,block,axis,fast", [
@@ -217,13 +227,20 @@ def test_the_float_ops_path_is_taken_where_it_is_exact(name, make, block, axis, 
   m = np.moveaxis(make(), axis, -1)
   m = jnp.asarray(m.reshape(-1, m.shape[-1]))
   rows, cols = min(block[0], m.shape[0]), min(block[1], m.shape[1])
-  amax = block_scaled._block_amax(m.view(jnp.uint32), rows, cols)
-  exact = lambda fmt: bool(block_scaled._float_ops(m, amax, fmt, rows, cols)[0])
-  for elem in ("float8_e4m3fn", "float8_e5m2", "float16"):
-    for pow2 in (False, True):
-      for rule in ("divide", "reciprocal"):
-        assert exact(BlockScaledFormat(elem, block=block, pow2_scale=pow2, scale_rule=rule)) == fast
-  assert not exact(BlockScaledFormat("bfloat16", block=block))
+  fmts = [BlockScaledFormat(elem, block=block, pow2_scale=pow2, scale_rule=rule)
+          for elem in ("float8_e4m3fn", "float8_e5m2", "float16") for pow2 in (False, True)
+          for rule in ("divide", "reciprocal")]
+  bf16 = BlockScaledFormat("bfloat16", block=block)
+
+  @jax.jit  # one program for every format (eagerly, each op of each format compiles)
+  def exact(m):
+    amax = block_scaled._block_amax(m.view(jnp.uint32), rows, cols)
+    return [block_scaled._float_ops(m, amax, fmt, rows, cols)[0] for fmt in fmts + [bf16]]
+
+  *got, got_bf16 = exact(m)
+  for fmt, e in zip(fmts, got, strict=True):
+    assert bool(e) == fast, fmt
+  assert not bool(got_bf16)
 
 
 def scaled_ties(elem, seed):
@@ -246,11 +263,11 @@ def scaled_ties(elem, seed):
 
 
 @pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
-def test_one_rounded_division_at_grid_ties(elem):
+def test_one_rounded_division_at_grid_ties(elem, request):
   x = scaled_ties(elem, 16)
   fmt = BlockScaledFormat(elem)
   want = block_scaled_reference(x, elem, (1, 128), -1)
-  ref.assert_same_bits(quantize(x, fmt), want, x, repr(fmt))
+  ref.assert_same_bits(cast(request, ("ties", elem), x, fmt), want, x, repr(fmt))
   # The inputs tell the rule apart from x · fl32(1 / s) (checked in numpy, on the same scales).
   dtype = DTYPES[elem]
   largest = F32(ml_dtypes.finfo(dtype).max)
@@ -259,16 +276,21 @@ def test_one_rounded_division_at_grid_ties(elem):
   assert (by_reciprocal != want).sum() > 20
 
 
-@pytest.mark.parametrize("elem", ["float16", "bfloat16"])
-def test_wider_elements_with_subnormal_quotients(elem):
-  """float16 / bfloat16 elements: x / s reaches float32 subnormals that bfloat16 keeps."""
+def wider_elements_input():
   x = np.concatenate([special_rows(130, 7), boundary_values((6, 130), 8),
                       outlier_normal((4, 130), 9)])
   x[-1, :64] *= F32(2.0 ** -120)
+  return x
+
+
+@pytest.mark.parametrize("elem", ["float16", "bfloat16"])
+def test_wider_elements_with_subnormal_quotients(elem, request):
+  """float16 / bfloat16 elements: x / s reaches float32 subnormals that bfloat16 keeps."""
+  x = wider_elements_input()
   for pow2 in (False, True):
     fmt = BlockScaledFormat(FloatFormat.from_name(elem), block=(1, 64), pow2_scale=pow2)
-    ref.assert_same_bits(quantize(x, fmt), block_scaled_reference(x, elem, (1, 64), -1, pow2), x,
-                         repr(fmt))
+    ref.assert_same_bits(cast(request, ("wider", elem, pow2), x, fmt),
+                         block_scaled_reference(x, elem, (1, 64), -1, pow2), x, repr(fmt))
 
 
 def test_documented_values():
@@ -310,26 +332,75 @@ RECIPROCAL_DEFAULT = {
 
 @pytest.mark.parametrize("name,make,block,axis,elem,pow2",
                          _sweep(RECIPROCAL_CASES, RECIPROCAL_DEFAULT))
-def test_reciprocal_rule_matches_transformer_engine(name, make, block, axis, elem, pow2):
+def test_reciprocal_rule_matches_transformer_engine(name, make, block, axis, elem, pow2, request):
   """scale_rule="reciprocal" against TE's compute_scale_from_amax + cast, transcribed in numpy
   float32 (`te_reference`): blocks and whole tensors (TENSOR_BLOCK, TE's current scaling),
   subnormal and overflowing multipliers, zeros, maxima, inf and NaN blocks."""
   x = make()
   fmt = BlockScaledFormat(elem, block=block, axis=axis, pow2_scale=pow2, scale_rule="reciprocal")
-  ref.assert_same_bits(quantize(x, fmt), te_reference(x, elem, block, axis, pow2), x, repr(fmt))
+  ref.assert_same_bits(cast(request, ("reciprocal", name, elem, pow2), x, fmt),
+                       te_reference(x, elem, block, axis, pow2), x, repr(fmt))
 
 
-def test_the_two_scale_rules_differ_in_the_last_bit():
+def two_rules_input():
+  rng = np.random.default_rng(12)
+  return (rng.standard_normal((300, 64)) * 2.0 ** rng.integers(-20, 20, (300, 1))).astype(F32)
+
+
+def test_the_two_scale_rules_differ_in_the_last_bit(request):
   """x / fl32(A / M) and x * fl32(M / A), then q * s and q * fl32(1 / m): the reciprocal rule
   rounds twice where DeepSeek's rounds once; on a few hundred blocks some values differ, in
   their last bits only."""
-  rng = np.random.default_rng(12)
-  x = (rng.standard_normal((300, 64)) * 2.0 ** rng.integers(-20, 20, (300, 1))).astype(F32)
-  divide = quantize(x, BlockScaledFormat(block=(1, 64)))
-  reciprocal = quantize(x, BlockScaledFormat(block=(1, 64), scale_rule="reciprocal"))
+  x = two_rules_input()
+  divide = cast(request, ("rules", "divide"), x, BlockScaledFormat(block=(1, 64)))
+  reciprocal = cast(request, ("rules", "reciprocal"), x,
+                    BlockScaledFormat(block=(1, 64), scale_rule="reciprocal"))
   differ = divide != reciprocal
   assert differ.any()
   np.testing.assert_allclose(reciprocal, divide, rtol=2.0 ** -21, atol=0)
+
+
+def _default_casts():
+  """(key, x, fmt) of the casts of the default tier's cases above."""
+  out = []
+  for rule, cases, default in (("divide", CASES, DIVIDE_DEFAULT),
+                               ("reciprocal", RECIPROCAL_CASES, RECIPROCAL_DEFAULT)):
+    for name, make, block, axis in cases:
+      for elem, pow2 in default[name]:
+        fmt = BlockScaledFormat(elem, block=block, axis=axis, pow2_scale=pow2, scale_rule=rule)
+        out.append(((rule, name, elem, pow2), make(), fmt))
+  for elem in ("float8_e4m3fn", "float8_e5m2"):
+    out.append((("ties", elem), scaled_ties(elem, 16), BlockScaledFormat(elem)))
+  for elem in ("float16", "bfloat16"):
+    for pow2 in (False, True):
+      fmt = BlockScaledFormat(FloatFormat.from_name(elem), block=(1, 64), pow2_scale=pow2)
+      out.append((("wider", elem, pow2), wider_elements_input(), fmt))
+  for rule in ("divide", "reciprocal"):
+    out.append((("rules", rule), two_rules_input(), BlockScaledFormat(block=(1, 64),
+                                                                     scale_rule=rule)))
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _default_keys():
+  keys = {(rule, name, elem, pow2)
+          for rule, default in (("divide", DIVIDE_DEFAULT), ("reciprocal", RECIPROCAL_DEFAULT))
+          for name, pairs in default.items() for elem, pow2 in pairs}
+  keys |= {("ties", e) for e in ("float8_e4m3fn", "float8_e5m2")}
+  keys |= {("wider", e, p) for e in ("float16", "bfloat16") for p in (False, True)}
+  return keys | {("rules", "divide"), ("rules", "reciprocal")}
+
+
+@pytest.fixture(scope="module")
+def default_casts():
+  """{key: (x, fmt, block_scaled_quantize(x, fmt))} of `_default_casts`, all cast by one jitted
+  program (the cases differ in shape and format: a program each would compile each apart)."""
+  cases = _default_casts()
+  assert {k for k, _, _ in cases} == _default_keys()
+  fmts = tuple(f for _, _, f in cases)
+  outs = jax.jit(lambda xs: [block_scaled_quantize(x, f) for x, f in zip(xs, fmts)])(
+      [jnp.asarray(x, jnp.float32) for _, x, _ in cases])
+  return {k: (x, f, np.asarray(o)) for (k, x, f), o in zip(cases, outs, strict=True)}
 
 
 def test_auto_takes_the_xla_path_on_a_gpu(monkeypatch):

@@ -107,7 +107,8 @@ def test_stochastic_is_unbiased_and_uses_the_two_neighbours(fmt):
   if fmt.exp == 2:
     x = np.array([0.3, -1.1, 2.7, 0.13, 0.21, -1.7], np.float32)
   keys = jax.random.split(jax.random.key(0), 4000)
-  draws = jax.vmap(lambda k: float_cast(jnp.asarray(x), fmt, jax.random.bits(k, x.shape, jnp.uint32)))(keys)
+  draws = jax.jit(jax.vmap(  # one program (eagerly, each op compiles on its own)
+      lambda k: float_cast(jnp.asarray(x), fmt, jax.random.bits(k, x.shape, jnp.uint32))))(keys)
   draws = np.asarray(draws)
   down = ref.round_to_format(x, FloatFormat(fmt.exp, fmt.man, rounding="truncate"))
   values = np.sort(np.abs(ref.format_values(fmt)))

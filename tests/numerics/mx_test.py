@@ -142,6 +142,19 @@ def quantize(x, fmt, rbits=None):
   return np.asarray(_jitted(fmt)(jnp.asarray(x, jnp.float32), rbits))
 
 
+def cast(request, key, x, fmt, rbits=None):
+  """quantize(x, fmt, rbits); a cast of the default tier's parametrized cases (`default_casts`,
+  looked up by `key`) comes from the one program that casts them all (each program apart
+  compiles the cast again)."""
+  if key not in _default_keys():
+    return quantize(x, fmt, rbits)
+  bx, bfmt, brbits, got, _ = request.getfixturevalue("default_casts")[key]
+  assert bfmt == fmt
+  assert np.array_equal(bx.view(np.uint32), np.asarray(x, np.float32).view(np.uint32))
+  assert (rbits is None and brbits is None) or np.array_equal(brbits, rbits)
+  return got
+
+
 LAYOUTS = [((40, 64), 32, -1), ((50, 24), 20, 0)]  # (shape, block, axis): full and ragged blocks
 
 
@@ -162,13 +175,19 @@ _LAYOUT_DEFAULT = {("float8_e5m2", 0), ("float6_e3m2fn", 0), ("float4_e2m1fn", 0
     pytest.param(e, LAYOUTS[i], id=f"{e}-{LAYOUTS[i]}",
                  marks=() if (e, i) in _LAYOUT_DEFAULT else pytest.mark.slow)
     for i in range(len(LAYOUTS)) for e in ELEMENTS])
-def test_matches_reference(elem, layout):
+def test_matches_reference(elem, layout, request):
+  shape, block, axis = layout
+  x, fmt = layout_input(elem, layout)
+  ref.assert_same_bits(cast(request, ("layout", elem, LAYOUTS.index(layout)), x, fmt),
+                       mx_reference(x, elem, block, axis), x, repr(fmt))
+
+
+def layout_input(elem, layout):
   shape, block, axis = layout
   rng = np.random.default_rng(len(elem) * 7 + block)
   x = random_blocks(rng, shape[0] if axis == -1 else shape[1], shape[1] if axis == -1 else shape[0])
   x = x if axis == -1 else x.T.copy()
-  fmt = MXFormat(elem, block=block, axis=axis)
-  ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, block, axis), x, repr(fmt))
+  return x, MXFormat(elem, block=block, axis=axis)
 
 
 def element_grid(elem):
@@ -205,17 +224,39 @@ def scaled_grid_blocks(elem, shared_exps, rng):
 
 
 def scaled_grid_codes(x, fmt):
+  """Whether `mx_quantize` rounds x (blocks of 32 along its rows) directly on the scaled grid."""
   codes = mx_numerics._block_field_codes(jnp.asarray(x).view(jnp.uint32), 1, 32)
-  return bool(mx_numerics._rounds_on_scaled_grid(codes, fmt))
+  return mx_numerics._rounds_on_scaled_grid(codes, fmt)
+
+
+def scale_codes_on_grid(x, fmt):
+  """Whether the scale codes of x's rows (one block each) are on the scaled grid."""
+  codes = mx_numerics._scale_codes(jnp.max(jnp.asarray(x).view(jnp.uint32) & 0x7FFFFFFF, axis=1),
+                                   fmt)
+  return mx_numerics._scale_codes_on_scaled_grid(codes, fmt)
+
+
+def on_grid(request, key, x, fmt, predicate):
+  """bool(predicate(x, fmt)), from the `default_casts` program for a default-tier key."""
+  if key not in _default_keys():
+    return bool(jax.jit(predicate, static_argnums=1)(jnp.asarray(x), fmt))
+  return request.getfixturevalue("default_casts")[key][4]
 
 
 # Slow: float6_e3m2fn (the branches of float6_e2m3fn and float4_e2m1fn, no inf or NaN).
 @pytest.mark.parametrize("elem", [pytest.param(e, marks=pytest.mark.slow)
                                   if e == "float6_e3m2fn" else e for e in ELEMENTS])
-def test_rounding_on_the_scaled_grid_matches_reference(elem):
+def test_rounding_on_the_scaled_grid_matches_reference(elem, request):
   """Nearest rounding of arrays whose blocks all lie in `_nearest_fields`, quantized directly on
   the scaled grid (asserted), at shared exponents from the lowest to the highest of that range,
   with an all-zero block and a NaN block beside them."""
+  x, fmt = scaled_grid_input(elem)
+  assert on_grid(request, ("grid", elem), x, fmt, scaled_grid_codes)
+  ref.assert_same_bits(cast(request, ("grid", elem), x, fmt), mx_reference(x, elem, 32, -1), x,
+                       repr(fmt))
+
+
+def scaled_grid_input(elem):
   fmt = MXFormat(elem)
   low, high = mx_numerics._nearest_fields(fmt)
   emax = ELEMENTS[elem][1]
@@ -225,22 +266,26 @@ def test_rounding_on_the_scaled_grid_matches_reference(elem):
   x = scaled_grid_blocks(elem, exps, np.random.default_rng(len(elem)))
   x = np.concatenate([x, np.zeros((1, 32), np.float32), np.ones((1, 32), np.float32)])
   x[-1, 9] = np.nan
-  assert scaled_grid_codes(x, fmt)
-  ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 32, -1), x, repr(fmt))
+  return x, fmt
 
 
 @pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8"])
-def test_blocks_outside_the_scaled_grid_range_match_reference(elem):
+def test_blocks_outside_the_scaled_grid_range_match_reference(elem, request):
   """One block just below or just above `_nearest_fields` (if that is below float32's largest
   field) sends the array through the general path (asserted), which gives the reference's bits
   too."""
+  for e, x, fmt in outside_inputs(elem):
+    assert not on_grid(request, ("outside", elem, e), x, fmt, scaled_grid_codes)
+    ref.assert_same_bits(cast(request, ("outside", elem, e), x, fmt),
+                         mx_reference(x, elem, 32, -1), x, f"{fmt!r} at 2^{e}")
+
+
+def outside_inputs(elem):
   fmt = MXFormat(elem)
   low, high = mx_numerics._nearest_fields(fmt)
   emax = ELEMENTS[elem][1]
-  for e in [low - 128 - emax] + ([high - 126 - emax] if high < 254 else []):
-    x = scaled_grid_blocks(elem, [e, 0], np.random.default_rng(3))
-    assert not scaled_grid_codes(x, fmt)
-    ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 32, -1), x, f"{fmt!r} at 2^{e}")
+  return [(e, scaled_grid_blocks(elem, [e, 0], np.random.default_rng(3)), fmt)
+          for e in [low - 128 - emax] + ([high - 126 - emax] if high < 254 else [])]
 
 
 def test_stochastic_elements_match_reference():
@@ -351,16 +396,19 @@ _MODES_DEFAULT = {("float8_e4m3fn", "ceil"), ("float6_e3m2fn", "ceil"), ("float8
 
 @pytest.mark.parametrize("elem,mode", [_slow_unless(_MODES_DEFAULT, e, m)
                                        for e in ELEMENTS for m in SCALE_MODES[1:]])
-def test_scale_modes_match_reference(elem, mode):
+def test_scale_modes_match_reference(elem, mode, request):
   """Boundary blocks (general path) and random wide blocks incl. specials, along the last axis
   and, ragged, along axis 0."""
+  for i, (x, fmt) in enumerate(scale_modes_inputs(elem, mode)):
+    ref.assert_same_bits(cast(request, ("modes", elem, mode, i), x, fmt),
+                         mx_reference(x, elem, fmt.block, fmt.axis, mode=mode), x, repr(fmt))
+
+
+def scale_modes_inputs(elem, mode):
   rng = np.random.default_rng(len(elem) + len(mode))
-  fmt = MXFormat(elem, scale_mode=mode)
   x = scale_mode_blocks(elem, rng)
-  ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 32, -1, mode=mode), x, repr(fmt))
-  x = random_blocks(rng, 24, 50).T.copy()
-  fmt = MXFormat(elem, block=20, axis=0, scale_mode=mode)
-  ref.assert_same_bits(quantize(x, fmt), mx_reference(x, elem, 20, 0, mode=mode), x, repr(fmt))
+  return [(x, MXFormat(elem, scale_mode=mode)),
+          (random_blocks(rng, 24, 50).T.copy(), MXFormat(elem, block=20, axis=0, scale_mode=mode))]
 
 
 # E5M2 (inf outside "floor") in every mode but "floor", each other element class in one mode
@@ -372,21 +420,23 @@ _GRID_DEFAULT = {("float8_e5m2", m) for m in SCALE_MODES[1:]} | {
 @pytest.mark.parametrize("elem,mode", [
     _slow_unless(_GRID_DEFAULT, e, m)
     for e in ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8"] for m in SCALE_MODES])
-def test_scale_modes_on_the_scaled_grid_match_reference(elem, mode):
+def test_scale_modes_on_the_scaled_grid_match_reference(elem, mode, request):
   """Blocks within `_nearest_fields` take the direct rounding on the scaled grid (asserted) in
   every mode, with ties, saturating tops, an all-zero and a NaN block; for E5M2 also blocks
   near float32's max, whose elements round up to 2^128 = inf outside "floor" mode."""
-  fmt = MXFormat(elem, scale_mode=mode)
+  x, fmt = grid_modes_input(elem, mode)
+  assert on_grid(request, ("grid modes", elem, mode), x, fmt, scale_codes_on_grid)
+  want = mx_reference(x, elem, 32, -1, mode=mode)
+  ref.assert_same_bits(cast(request, ("grid modes", elem, mode), x, fmt), want, x, repr(fmt))
+  assert np.isinf(want).any() == (elem == "float8_e5m2" and mode != "floor")
+
+
+def grid_modes_input(elem, mode):
   exps = [-40, -3, 0, 5, 60] + ([112] if elem == "float8_e5m2" else [])
   x = scaled_grid_blocks(elem, exps, np.random.default_rng(11))
   x = np.concatenate([x, np.zeros((1, 32), np.float32), np.ones((1, 32), np.float32)])
   x[-1, 9] = np.nan
-  codes = mx_numerics._scale_codes(jnp.max(jnp.asarray(x).view(jnp.uint32) & 0x7FFFFFFF, axis=1),
-                                   fmt)
-  assert bool(mx_numerics._scale_codes_on_scaled_grid(codes, fmt))
-  want = mx_reference(x, elem, 32, -1, mode=mode)
-  ref.assert_same_bits(quantize(x, fmt), want, x, repr(fmt))
-  assert np.isinf(want).any() == (elem == "float8_e5m2" and mode != "floor")
+  return x, MXFormat(elem, scale_mode=mode)
 
 
 def test_scale_modes_by_hand():
@@ -402,8 +452,10 @@ def test_scale_modes_by_hand():
           "ceil": [[2.0, -1.875, 0.5], [1.5, 0.0]],
           "even": [[2.0, -1.875, 0.5], [1.5, 2.0 ** -17]],
           "rceil": [[2.0, -1.875, 0.5], [1.5, 2.0 ** -17]]}
-  for mode, (first, second) in want.items():
-    got = quantize(x, MXFormat("float8_e4m3fn", scale_mode=mode))
+  fmts = [MXFormat("float8_e4m3fn", scale_mode=mode) for mode in want]
+  every_mode = jax.jit(lambda x: [mx_quantize(x, f) for f in fmts])(jnp.asarray(x))
+  for (mode, (first, second)), got in zip(want.items(), every_mode, strict=True):
+    got = np.asarray(got)
     np.testing.assert_array_equal(got[0, :3], first, err_msg=mode)
     np.testing.assert_array_equal(got[1, :2], second, err_msg=mode)
 
@@ -431,7 +483,7 @@ GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                                   *[pytest.param(e, marks=pytest.mark.slow)
                                     for e in ("float6_e2m3fn", "float6_e3m2fn")],
                                   "float4_e2m1fn"])
-def test_torchao_goldens(elem):
+def test_torchao_goldens(elem, request):
   """Every scale mode against the real torchao 0.18.0 `to_mx` + `to_dtype` on CPU
   (tests/data/make_mx_scale_mode_goldens.py; 64 blocks of 32 per element type: random blocks
   with outliers and signed zeros, each mode's boundary maxima, grid ties, saturating tops, an
@@ -442,7 +494,7 @@ def test_torchao_goldens(elem):
     goldens = {mode: data[f"y_{elem}_{mode}"].view(np.float32) for mode in SCALE_MODES}
   differ = 0
   for mode, want in goldens.items():
-    got = quantize(x, MXFormat(elem, scale_mode=mode))
+    got = cast(request, ("golden", elem, mode), x, MXFormat(elem, scale_mode=mode))
     want = np.where(np.isnan(want), np.float32(np.nan), want)
     ref.assert_same_bits(got, want, x, f"{elem} {mode}")
     differ += int((~ref.same_bits(want, goldens["floor"])).sum())
@@ -461,21 +513,98 @@ _PRESCALE_DEFAULT = {("float4_e2m1fn", "floor", False), ("float4_e2m1fn", "rceil
     _slow_unless(_PRESCALE_DEFAULT, e, m, s)
     for e in ("float4_e2m1fn", "float8_e4m3fn", "int8") for m in ("floor", "rceil")
     for s in (False, True) if not (s and e == "int8")])  # MXINT8 rounds to nearest only
-def test_prescale_matches_reference(elem, mode, stochastic):
+def test_prescale_matches_reference(elem, mode, stochastic, request):
   """Random wide blocks with zeros, float32 subnormals and specials, along the last axis and,
   ragged, along axis 0."""
+  for i, (x, fmt, rbits) in enumerate(prescale_inputs(elem, mode, stochastic)):
+    want = mx_reference(x, elem, fmt.block, fmt.axis, rbits, mode, prescale=0.75)
+    ref.assert_same_bits(cast(request, ("prescale", elem, mode, stochastic, i), x, fmt, rbits),
+                         want, x, repr(fmt))
+
+
+def prescale_inputs(elem, mode, stochastic):
   rng = np.random.default_rng(len(elem) + len(mode) + stochastic)
   rounding = "stochastic" if stochastic else "nearest"
   e = elem if elem == "int8" else FloatFormat.from_name(elem, rounding=rounding)
+  out = []
   for shape, block, axis in LAYOUTS:
     rows, cols = shape if axis == -1 else shape[::-1]
     x = random_blocks(rng, rows, cols)
     x = x if axis == -1 else x.T.copy()
     rbits = rng.integers(0, 2 ** 32, x.shape, dtype=np.uint64).astype(np.uint32)
     rbits = rbits if stochastic else None
-    fmt = MXFormat(e, block=block, axis=axis, scale_mode=mode, prescale=0.75)
-    want = mx_reference(x, elem, block, axis, rbits, mode, prescale=0.75)
-    ref.assert_same_bits(quantize(x, fmt, rbits), want, x, repr(fmt))
+    out.append((x, MXFormat(e, block=block, axis=axis, scale_mode=mode, prescale=0.75), rbits))
+  return out
+
+
+# -- one program for the default tier's parametrized casts ------------------------------------
+
+_GOLDEN_DEFAULT = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+_OUTSIDE_ELEMS = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "int8")
+
+
+def _default_casts():
+  """(key, x, fmt, rbits) of the casts of the default tier's parametrized cases above."""
+  out = []
+  for elem, i in sorted(_LAYOUT_DEFAULT):
+    out.append((("layout", elem, i), *layout_input(elem, LAYOUTS[i]), None))
+  for elem in ELEMENTS:
+    if elem != "float6_e3m2fn":
+      out.append((("grid", elem), *scaled_grid_input(elem), None))
+  for elem in _OUTSIDE_ELEMS:
+    out += [(("outside", elem, e), x, fmt, None) for e, x, fmt in outside_inputs(elem)]
+  for elem, mode in sorted(_MODES_DEFAULT):
+    out += [(("modes", elem, mode, i), x, fmt, None)
+            for i, (x, fmt) in enumerate(scale_modes_inputs(elem, mode))]
+  for elem, mode in sorted(_GRID_DEFAULT):
+    out.append((("grid modes", elem, mode), *grid_modes_input(elem, mode), None))
+  with np.load(GOLDEN) as data:
+    for elem in _GOLDEN_DEFAULT:
+      x = data[f"x_{elem}"].view(np.float32)
+      out += [(("golden", elem, mode), x, MXFormat(elem, scale_mode=mode), None)
+              for mode in SCALE_MODES]
+  for elem, mode, stochastic in sorted(_PRESCALE_DEFAULT):
+    out += [(("prescale", elem, mode, stochastic, i), *c)
+            for i, c in enumerate(prescale_inputs(elem, mode, stochastic))]
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _default_keys():
+  keys = {("layout", e, i) for e, i in _LAYOUT_DEFAULT}
+  keys |= {("grid", e) for e in ELEMENTS if e != "float6_e3m2fn"}
+  for elem in _OUTSIDE_ELEMS:  # the exponents of `outside_inputs`
+    low, high = mx_numerics._nearest_fields(MXFormat(elem))
+    emax = ELEMENTS[elem][1]
+    keys |= {("outside", elem, e)
+             for e in [low - 128 - emax] + ([high - 126 - emax] if high < 254 else [])}
+  keys |= {("modes", e, m, i) for e, m in _MODES_DEFAULT for i in (0, 1)}
+  keys |= {("grid modes", e, m) for e, m in _GRID_DEFAULT}
+  keys |= {("golden", e, m) for e in _GOLDEN_DEFAULT for m in SCALE_MODES}
+  return keys | {("prescale", e, m, s, i) for e, m, s in _PRESCALE_DEFAULT for i in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def default_casts():
+  """{key: (x, fmt, rbits, mx_quantize(x, fmt, rbits), predicate)} of `_default_casts`, all cast
+  by one jitted program (the cases differ in shape and format: a program each would compile each
+  apart), with the path predicate the key's test asserts (`scaled_grid_codes` or
+  `scale_codes_on_grid`; None for the others)."""
+  cases = _default_casts()
+  assert {c[0] for c in cases} == _default_keys()
+  fmts = tuple(c[2] for c in cases)
+  predicates = tuple({"grid": scaled_grid_codes, "outside": scaled_grid_codes,
+                      "grid modes": scale_codes_on_grid}.get(c[0][0]) for c in cases)
+
+  @jax.jit
+  def run(xs, rs):
+    return [(mx_quantize(x, f, r), None if p is None else p(x, f))
+            for x, f, r, p in zip(xs, fmts, rs, predicates)]
+
+  outs = run([jnp.asarray(c[1], jnp.float32) for c in cases],
+             [None if c[3] is None else jnp.asarray(c[3], jnp.uint32) for c in cases])
+  return {c[0]: (c[1], c[2], c[3], np.asarray(q), None if p is None else bool(p))
+          for c, (q, p) in zip(cases, outs, strict=True)}
 
 
 def test_prescale_is_tseng_et_al_s_dither_scale():

@@ -33,20 +33,35 @@ F32_MAX = np.finfo(np.float32).max
 pytestmark = pytest.mark.usefixtures("fast_compile")  # XLA's passes off: compiles ~4x faster
 
 
+def _casts(x, r, fmts):
+  """(codes, scales, amax, quantized) of x for each format."""
+  return [(*nvfp4.encode(x, fmt, r if fmt.rounding == "stochastic" else None),
+           nvfp4.nvfp4_quantize(x, fmt, r if fmt.rounding == "stochastic" else None))
+          for fmt in fmts]
+
+
 @functools.lru_cache(maxsize=None)
 def _run(fmts: tuple):
-  """One jitted function: (codes, scales, amax, quantized) of x for each format."""
-  def f(x, r):
-    return [(*nvfp4.encode(x, fmt, r if fmt.rounding == "stochastic" else None),
-             nvfp4.nvfp4_quantize(x, fmt, r if fmt.rounding == "stochastic" else None))
-            for fmt in fmts]
-  return jax.jit(f)
+  """One jitted function: `_casts` of x."""
+  return jax.jit(lambda x, r: _casts(x, r, fmts))
+
+
+SR_FMTS = (NVFP4Format(rounding="stochastic"), NVFP4Format(block=(16, 16), rounding="stochastic"))
+RHT_FMTS = (NVFP4Format(rht=True), NVFP4Format(rht=True, rounding="stochastic"))
+# The formats of the (128, 128) tests: x of that shape is cast to all of them by one program
+# (compiled once; a program per set of formats would compile their casts again).
+SQUARE_FMTS = ALL_FMTS + SR_FMTS + RHT_FMTS
 
 
 def run(x, fmts, rbits=None):
   x = np.asarray(x, np.float32)
   r = np.zeros(x.shape, np.uint32) if rbits is None else rbits
-  return [tuple(np.asarray(a) for a in out) for out in _run(tuple(fmts))(x, r)]
+  if x.shape == (128, 128) and set(fmts) <= set(SQUARE_FMTS):
+    out = _run(SQUARE_FMTS)(x, r)
+    out = [out[SQUARE_FMTS.index(f)] for f in fmts]
+  else:
+    out = _run(tuple(fmts))(x, r)
+  return [tuple(np.asarray(a) for a in o) for o in out]
 
 
 def random_bits(shape, seed):
@@ -133,8 +148,9 @@ def assert_matches(got, want, fmt, label=""):
   ref.assert_same_bits(np.where(nan_q, np.nan, q), np.where(nan_q, np.nan, wq), msg=msg)
 
 
-def check(x, fmts, rbits=None, label=""):
-  for fmt, got in zip(fmts, run(x, fmts, rbits)):
+def check(x, fmts, rbits=None, label="", results=None):
+  """The casts of x (`run`, or the `results` of `run` given) against the references."""
+  for fmt, got in zip(fmts, run(x, fmts, rbits) if results is None else results, strict=True):
     assert_matches(got, expected(x, fmt, rbits), fmt, label)
 
 
@@ -208,17 +224,40 @@ def test_specials():
 
 # -- layouts: other axes, ragged axes, more dimensions ------------------------------------------
 
-def test_axis_zero_ragged():
+AXIS0_FMTS = (NVFP4Format(axis=0), NVFP4Format(block=(16, 16), axis=0),
+              NVFP4Format(compat="torchao", tensor_scale=False, axis=0))
+MIDDLE_FMTS = (NVFP4Format(axis=1), NVFP4Format(block=(16, 16), axis=-2))
+
+
+def axis_zero_input():
   x = np.random.default_rng(11).standard_normal((37, 100)).astype(np.float32)
   x[:, 5] *= 1000
-  fmts = (NVFP4Format(axis=0), NVFP4Format(block=(16, 16), axis=0),
-          NVFP4Format(compat="torchao", tensor_scale=False, axis=0))
-  check(x, fmts)
+  return x
 
 
-def test_three_dimensional_middle_axis():
-  x = np.random.default_rng(12).standard_normal((3, 37, 20)).astype(np.float32)
-  check(x, (NVFP4Format(axis=1), NVFP4Format(block=(16, 16), axis=-2)))
+def middle_axis_input():
+  return np.random.default_rng(12).standard_normal((3, 37, 20)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def layouts(goldens):
+  """`run` of the inputs of the two tests below and of torchao's batched golden input, all in
+  one program (they differ in shape: a program each would compile each apart)."""
+  groups = {"axis 0": (axis_zero_input(), AXIS0_FMTS),
+            "middle axis": (middle_axis_input(), MIDDLE_FMTS),
+            "batched": (goldens["x_batched"].astype(np.float32), AO_FMTS)}
+  args = [(x, np.zeros(x.shape, np.uint32)) for x, _ in groups.values()]
+  outs = jax.jit(lambda args: [_casts(x, r, fmts)
+                               for (x, r), (_, fmts) in zip(args, groups.values())])(args)
+  return {k: [tuple(np.asarray(a) for a in o) for o in out] for k, out in zip(groups, outs)}
+
+
+def test_axis_zero_ragged(layouts):
+  check(axis_zero_input(), AXIS0_FMTS, results=layouts["axis 0"])
+
+
+def test_three_dimensional_middle_axis(layouts):
+  check(middle_axis_input(), MIDDLE_FMTS, results=layouts["middle axis"])
 
 
 @pytest.mark.parametrize("shape,fmt,scale_shape", [
@@ -278,13 +317,14 @@ def goldens():
   return np.load(pathlib.Path(__file__).parent.parent / "data" / "nvfp4_torchao.npz")
 
 
-def test_torchao_goldens(goldens):
+def test_torchao_goldens(goldens, layouts):
   assert "torchao 0.18.0" in list(goldens["versions"])
   names = [k[2:] for k in goldens.files if k.startswith("x_")]
-  assert len(names) == 8
+  assert len(names) == 8 and goldens["x_batched"].ndim == 3
   for name in names:
     x = goldens["x_" + name]
-    for fmt, got in zip(AO_FMTS, run(x, AO_FMTS)):
+    results = layouts["batched"] if name == "batched" else run(x, AO_FMTS)
+    for fmt, got in zip(AO_FMTS, results, strict=True):
       level = "two" if fmt.tensor_scale else "single"
       scale = goldens[f"{level}_{name}_scale"].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
       reference = expected(x, fmt)
@@ -299,8 +339,7 @@ def test_torchao_goldens(goldens):
 def test_stochastic_matches_reference():
   x = np.random.default_rng(21).standard_normal((128, 128)).astype(np.float32)
   x[::9] *= np.float32(2.0 ** -120)
-  fmts = (NVFP4Format(rounding="stochastic"), NVFP4Format(block=(16, 16), rounding="stochastic"))
-  check(x, fmts, rbits=random_bits(x.shape, 22))
+  check(x, SR_FMTS, rbits=random_bits(x.shape, 22))
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -371,10 +410,9 @@ def test_rht_quantize_maps_back():
   rng = np.random.default_rng(61)
   x = rng.standard_normal((128, 128)).astype(np.float32)
   x[:, 7] *= 30  # an outlier channel: the transform spreads it over its block
-  fmts = (NVFP4Format(rht=True), NVFP4Format(rht=True, rounding="stochastic"))
   rbits = random_bits(x.shape, 62)
-  check(x, fmts, rbits=rbits)
-  q_rht, q = run(x, fmts, rbits)[0][3], run(x, ALL_FMTS)[0][3]
+  check(x, RHT_FMTS, rbits=rbits)
+  q_rht, q = run(x, RHT_FMTS, rbits)[0][3], run(x, ALL_FMTS)[0][3]
   rms = lambda v: np.sqrt(np.mean(np.square(v, dtype=np.float64)))
   # Mapped back to x's basis: the error is a quantization error (x is far from rht(x)).
   assert rms(q_rht - x) < 0.15 * rms(x)
@@ -479,7 +517,13 @@ RECIPE_FMTS = (NVFP4Format((1, 16)), NVFP4Format((16, 16), axis=-2),
                NVFP4Format((1, 16), axis=-2, rounding="stochastic", rht=True))
 
 
-@pytest.mark.parametrize("fmt", RECIPE_FMTS[:4], ids=str)
+# Slow: the (16, 16) tiles, stochastic rounding and rht; the fallback of each of them is
+# compared with the references (through `nvfp4_quantize`) where the float path is not taken:
+# test_tiny_and_wide_ranges, test_stochastic_matches_reference (its 2^-120 rows) and
+# test_float_path_guards ("a tile of subnormals", every format).
+@pytest.mark.parametrize("fmt", [f if f == RECIPE_FMTS[0]
+                                 else pytest.param(f, marks=pytest.mark.slow)
+                                 for f in RECIPE_FMTS[:4]], ids=str)
 def test_looped_fallback_matches_quantize_rows(fmt):
   """The XLA path's fallback (`_quantize_rows_looped`: one division and one product in a loop)
   gives `quantize_rows`' bits (the Pallas kernel's body) on rows spanning float32: random bit

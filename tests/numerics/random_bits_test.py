@@ -61,22 +61,31 @@ _STREAM_DEFAULT = {((7,), 0, "pairs"), ((33,), 1, "pairs"), ((8, 6), 10, "pairs"
     for rng in ("pairs", "jax") for shape, offset in _STREAM_CASES])
 def test_streams_match_the_reference(shape, offset, rng):
   n = math.prod(shape)
-  got = np.asarray(rb.random_bits(KEY, shape, index_offset=offset, rng=rng))
+  # the static and (below 2^31) the traced offset in one program
+  both = jax.jit(lambda k, o: (rb.random_bits(k, shape, index_offset=offset, rng=rng),
+                               None if o is None else rb.random_bits(k, shape, index_offset=o,
+                                                                     rng=rng)))
+  got, traced = both(KEY, jnp.int32(offset) if offset < 2 ** 31 else None)
+  got = np.asarray(got)
   np.testing.assert_array_equal(got.ravel(), ref.stochastic_draws(key_ints(KEY), n, offset, rng))
-  traced = jax.jit(lambda k, o: rb.random_bits(k, shape, index_offset=o, rng=rng))
   if offset < 2 ** 31:
-    np.testing.assert_array_equal(np.asarray(traced(KEY, jnp.int32(offset))), got)
+    np.testing.assert_array_equal(np.asarray(traced), got)
 
 
 def test_jax_stream_is_jax_random_bits():
-  for shape in [(5,), (3, 7), (2, 3, 4), (64, 33)]:
-    np.testing.assert_array_equal(np.asarray(rb.random_bits(KEY, shape, rng="jax")),
-                                  np.asarray(jax.random.bits(KEY, shape, jnp.uint32)))
+  shapes = [(5,), (3, 7), (2, 3, 4), (64, 33)]
   x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 9)).astype(np.float32))
   fmt = FloatFormat(4, 3, rounding="stochastic")
-  ref.assert_same_bits(float_cast(x, fmt, key=KEY, rng="jax"),
-                       ref.round_to_format(np.asarray(x), fmt,
-                                           np.asarray(jax.random.bits(KEY, x.shape, jnp.uint32))))
+
+  @jax.jit  # one program (eagerly, each op compiles on its own for each shape)
+  def streams(k, x):
+    return ([(rb.random_bits(k, s, rng="jax"), jax.random.bits(k, s, jnp.uint32)) for s in shapes],
+            float_cast(x, fmt, key=k, rng="jax"), jax.random.bits(k, x.shape, jnp.uint32))
+
+  pairs, cast, bits = streams(KEY, x)
+  for got, want in pairs:
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  ref.assert_same_bits(cast, ref.round_to_format(np.asarray(x), fmt, np.asarray(bits)))
 
 
 def test_deterministic_per_key_and_flat_index():
@@ -193,10 +202,12 @@ def test_keyed_rounding_is_unbiased_and_uses_the_two_neighbours(fmt):
   up = np.sign(x) * values[np.searchsorted(values, np.abs(down), side="right")]
   p = (np.abs(x) - np.abs(down)) / (np.abs(up) - np.abs(down))
   keys = jax.random.split(KEY, 4000)
-  quantize_each = jax.jit(jax.vmap(lambda k: jlp.quantize(jnp.asarray(x), fmt, key=k)))
-  over_keys = np.asarray(quantize_each(keys))
-  over_elements = np.asarray(jlp.quantize(jnp.asarray(np.repeat(x, 1 << 16)), fmt, key=KEY))
-  over_elements = over_elements.reshape(x.size, -1).T
+  both = jax.jit(lambda keys, xs: (  # one program
+      jax.vmap(lambda k: jlp.quantize(jnp.asarray(x), fmt, key=k))(keys),
+      jlp.quantize(xs, fmt, key=KEY)))
+  over_keys, over_elements = both(keys, jnp.asarray(np.repeat(x, 1 << 16)))
+  over_keys = np.asarray(over_keys)
+  over_elements = np.asarray(over_elements).reshape(x.size, -1).T
   for draws in (over_keys, over_elements):
     assert np.all((draws == down) | (draws == up))
     se = np.abs(up - down) * np.sqrt(p * (1 - p) / draws.shape[0])
@@ -232,9 +243,11 @@ def test_sharded_equals_unsharded_on_8_devices(impl, local_shape):
   sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d")),
                                   out_specs=(P("d"), P("d")), check_vma=False))
   q, g = sharded(x, w)
-  ref.assert_same_bits(q, forward(x, 0))
-  ref.assert_same_bits(g, value_and_grad(x, w, 0)[1])
-  # static offsets: each block on its own
   n = rows * cols
-  blocks = [forward(x[i * rows:(i + 1) * rows], i * n) for i in range(8)]
-  ref.assert_same_bits(jnp.concatenate(blocks), q)
+  # unsharded, and with static offsets each block on its own, in one program
+  q1, g1, blocks = jax.jit(lambda x, w: (
+      forward(x, 0), value_and_grad(x, w, 0)[1],
+      jnp.concatenate([forward(x[i * rows:(i + 1) * rows], i * n) for i in range(8)])))(x, w)
+  ref.assert_same_bits(q, q1)
+  ref.assert_same_bits(g, g1)
+  ref.assert_same_bits(blocks, q)

@@ -20,20 +20,6 @@ BLOCK_TILES = BlockScaledFormat("float8_e4m3fn", (128, 128))
 MXFP8 = MXFormat("float8_e4m3fn", 32)
 
 
-def _called(fn, *args) -> list[str]:
-  text = jax.jit(fn).lower(*args).compile().as_text()
-  return re.findall(r" call\(.*?to_apply=%?([A-Za-z_]+)", text)
-
-
-def test_casts_are_calls_in_the_compiled_program():
-  xs = [jnp.ones(s, jnp.float32) for s in ((64, 32), (32, 64), (48, 16))]
-  called = _called(lambda xs: [jlp.quantize(x, NVFP4) for x in xs], xs)
-  assert "_tiles_chunk" in called and "div_bits" in called and "mul_bits" in called, called
-  called = _called(lambda xs: [jlp.quantize(x, f) for x in xs for f in (BLOCK, BLOCK_TILES)], xs)
-  assert "_blocks_chunk" in called, called
-  assert "_general_call" in _called(lambda xs: [jlp.quantize(x, MXFP8) for x in xs], xs)
-
-
 def _inputs():
   """Values the float path takes and values that need the integer fallback: subnormals, a
   tensor whose amax is below 2^-60 (nvfp4), tiles that mix 2^100 and 2^-100 (block scaling,
@@ -72,17 +58,38 @@ def inlined(monkeypatch):
   jax.clear_caches()
 
 
-def test_calls_give_the_inlined_bits(inlined):
-  def casts(xs):
-    return [jlp.quantize(x, f) for x in xs
-            for f in (NVFP4, NVFP4_RHT, BLOCK, BLOCK_TILES, MXFP8)]
+def casts(xs):
+  return [jlp.quantize(x, f) for x in xs for f in (NVFP4, NVFP4_RHT, BLOCK, BLOCK_TILES, MXFP8)]
 
+
+def compile_casts():
+  """`casts` of `_inputs()` compiled once: (the names of the computations its program calls,
+  the bits of its results)."""
   xs = _inputs()
-  shared = [np.asarray(a).view(np.uint32) for a in jax.jit(casts)(xs)]
-  assert "_tiles_chunk" in _called(casts, xs)
+  compiled = jax.jit(casts).lower(xs).compile()
+  called = re.findall(r" call\(.*?to_apply=%?([A-Za-z_]+)", compiled.as_text())
+  return called, [np.asarray(a).view(np.uint32) for a in compiled(xs)]
+
+
+@pytest.fixture(scope="module")
+def shared_casts():
+  """`compile_casts` with the shared functions as they are (shared by the tests below)."""
+  return compile_casts()
+
+
+def test_casts_are_calls_in_the_compiled_program(shared_casts):
+  """Casts of two shapes in one program (nvfp4, block scaled with both tilings, MX): the
+  integer divisions / products, nvfp4's and block scaling's chunk programs and MX's general
+  rounding are calls."""
+  called, _ = shared_casts
+  for name in ("_tiles_chunk", "div_bits", "mul_bits", "_blocks_chunk", "_general_call"):
+    assert name in called, (name, called)
+
+
+def test_calls_give_the_inlined_bits(shared_casts, inlined):
+  _, shared = shared_casts
   inlined()
-  called = _called(casts, xs)
+  called, plain = compile_casts()
   assert not {"_tiles_chunk", "_blocks_chunk", "_general_call"} & set(called), called
-  plain = [np.asarray(a).view(np.uint32) for a in jax.jit(casts)(xs)]
   for k, (a, b) in enumerate(zip(shared, plain, strict=True)):
     np.testing.assert_array_equal(a, b, err_msg=f"cast {k}")
