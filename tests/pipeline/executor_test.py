@@ -65,6 +65,12 @@ def _full_loss(stage_params, x, y, stages=tuple(STAGES)):
   return loss_fn(x, y)
 
 
+# The references' gradients of the unpipelined model, jitted: one compile per shape instead of one
+# per eager op (the same jax.grad of _full_loss; stages are static).
+_full_grad = jax.jit(jax.grad(_full_loss), static_argnums=3)
+_full_value_and_grad = jax.jit(jax.value_and_grad(_full_loss), static_argnums=3)
+
+
 def _plan(mix, batches):
   """A hand-made plan: what `Pipeline.run` reads of a jlp.pipeline.SyncPlan."""
   times = np.arange(1.0, batches + 1)
@@ -100,8 +106,7 @@ def _oracle_1f1b(params, xs, ys, optimizer, sync, mix=None, pull_every=10, n=N,
     grads = []
     for i in range(N):
       versions = [hist[i][s][max(0, b - (S - s))] for s in range(S)]
-      grads.append(jax.grad(_full_loss)(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i),
-                                        stages))
+      grads.append(_full_grad(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i), stages))
     if sync == "allreduce":
       mean = jax.tree.map(lambda *g: sum(g) / N, *grads)
       grads = [mean] * N
@@ -152,7 +157,7 @@ def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
   state, metrics = _train(pipe, pipe.init(params), xs, ys)
   expected, opt, losses, accuracies = params, optimizer.init(params), [], []
   for b in range(len(xs)):
-    loss, grads = jax.value_and_grad(_full_loss)(expected, xs[b], ys[b])
+    loss, grads = _full_value_and_grad(expected, xs[b], ys[b], tuple(STAGES))
     logits = xs[b]
     for s in range(S):
       logits = STAGES[s](expected[s], logits)
@@ -172,17 +177,19 @@ def test_gpipe_equals_the_unpipelined_model_on_the_whole_minibatch(mesh):
 # against the same oracle (and the allreduce case here the table's bubble and idle slots).
 @pytest.mark.parametrize("sync", ["allreduce", pytest.param("none", marks=pytest.mark.slow)])
 def test_1f1b_follows_the_weight_version_rule(mesh, sync):
-  optimizer = optax.sgd(0.2, momentum=0.5)
+  # The optimizer and the run of 6 of test_equal_speeds_reduce_to_the_lockstep_numbers (and
+  # test_runs_of_any_lengths_are_one_run): the same programs, compiled once.
+  optimizer = optax.sgd(0.1, momentum=0.9)
   params = _params()
-  xs, ys = _data(7)
+  xs, ys = _data(6)
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync=sync)
   state, metrics = _train(pipe, pipe.init(params), xs, ys)
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, sync))
-  assert metrics["loss"].shape == (7,)
-  # The table: 2 ops per mini-batch and stage in 2B + 2(S - 1) = 20 ticks. Counted by the
-  # devices: the last stage's 7 forward ticks compute nothing (its backward runs the stage).
-  assert metrics["bubble_fraction"] == pytest.approx(1 - 2 * 7 / 20)
-  assert metrics["idle_slot_fraction"] == pytest.approx(1 - (2 * 7 * S - 7) / (S * 20))
+  assert metrics["loss"].shape == (6,)
+  # The table: 2 ops per mini-batch and stage in 2B + 2(S - 1) = 18 ticks. Counted by the
+  # devices: the last stage's 6 forward ticks compute nothing (its backward runs the stage).
+  assert metrics["bubble_fraction"] == pytest.approx(1 - 2 * 6 / 18)
+  assert metrics["idle_slot_fraction"] == pytest.approx(1 - (2 * 6 * S - 6) / (S * 18))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
@@ -200,7 +207,7 @@ def test_a_run_on_batches_of_known_shapes_traces_no_stage(mesh, schedule):
       return STAGES[s](p, x)
     return apply
 
-  optimizer = optax.sgd(0.1)
+  optimizer = optax.sgd(0.1, momentum=0.9)  # 1F1B's programs: test_runs_of_any_lengths_are_one_run's
   params = _params()
   xs, ys = _data(3)
   pipe = Pipeline([counted(s) for s in range(S)], loss_fn, optimizer, mesh, schedule=schedule,
@@ -221,8 +228,8 @@ def test_a_run_on_batches_of_known_shapes_traces_no_stage(mesh, schedule):
   for x, y in ((xs[0], ys[0]), (xs[1], ys[1]), (xs[2], ys[2]),
                (xs[0, :N * ROWS // 2], ys[0, :N * ROWS // 2])):
     rows = len(x) // N
-    grads = [jax.grad(_full_loss)(expected, x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
-             for i in range(N)]
+    grads = [_full_grad(expected, x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows],
+                        tuple(STAGES)) for i in range(N)]
     updates, opt = optimizer.update(jax.tree.map(lambda *g: sum(g) / N, *grads), opt, expected)
     expected = optax.apply_updates(expected, updates)
   _assert_close(pipe, state, [expected] * N)
@@ -246,29 +253,33 @@ def _in_runs(pipe, state, xs, ys, lengths):
 # Slow tier: 1F1B with sync="none" (its runs take the unaligned placement of preduce's and adpsgd's
 # cases without their events; fill_test's runs, retries and flushes of sync="none" and its
 # host-side test_a_pruned_fill_runs_and_drains_as_the_whole_one[none-...] cover the rest) and GPipe
-# with "allreduce" and "none" (GPipe keeps nothing in flight; preduce's and adpsgd's cases take the
-# fill's decisions across runs, hetpipe's the pulls counted over the runs; timeline_test's
-# test_decisions_do_not_depend_on_how_they_are_asked_for covers every GPipe sync's decisions).
+# with "allreduce", "none" and "hetpipe" (GPipe keeps nothing in flight; preduce's and adpsgd's
+# cases take the fill's decisions across GPipe's runs, hetpipe-1f1b the pulls counted over runs;
+# timeline_test's test_decisions_do_not_depend_on_how_they_are_asked_for covers every GPipe sync's
+# decisions).
 @pytest.mark.parametrize("sync,schedule", [
     ("allreduce", "1f1b"), pytest.param("none", "1f1b", marks=pytest.mark.slow),
     ("preduce", "1f1b"), ("adpsgd", "1f1b"), ("hetpipe", "1f1b"),
     pytest.param("allreduce", "gpipe", marks=pytest.mark.slow),
     pytest.param("none", "gpipe", marks=pytest.mark.slow),
-    ("preduce", "gpipe"), ("adpsgd", "gpipe"), ("hetpipe", "gpipe")])
+    ("preduce", "gpipe"), ("adpsgd", "gpipe"),
+    pytest.param("hetpipe", "gpipe", marks=pytest.mark.slow)])
 def test_runs_of_any_lengths_are_one_run(mesh, schedule, sync):
-  """7 mini-batches as one run, as 7 runs of 1 and as runs of 5 and 2, each followed by the
+  """6 mini-batches as one run, as 6 runs of 1 and as runs of 1 and 5, each followed by the
   flush, under stalls (0.05 virtual s with probability 0.3 per op): bit-identical parameters,
   optimizer states, losses, virtual times, groups and clocks. 1F1B's pipeline stays full
   between runs and the syncs' decisions come from one timeline of the fill."""
-  xs, ys = _data(7)
+  # 6 mini-batches: the run of 6 is test_equal_speeds_reduce_to_the_lockstep_numbers's program (the
+  # flush's too, but HetPipe's); the run of 5 starts with a mini-batch in flight.
+  xs, ys = _data(6)
   pipe = Pipeline(STAGES, loss_fn, optax.sgd(0.1, momentum=0.9), mesh, schedule=schedule,
                   num_microbatches=2 if schedule == "gpipe" else 1, sync=sync,
                   hetero=Hetero(delay_s=0.05, probability=0.3),
                   hetpipe=HetPipe(pull_every=3, barrier=True))
   results = [_in_runs(pipe, pipe.init(_params()), xs, ys, lengths)
-             for lengths in ([7], [1] * 7, [5, 2])]
+             for lengths in ([6], [1] * 6, [1, 5])]
   (state, metrics), others = results[0], results[1:]
-  assert list(metrics["batch"]) == list(range(7))
+  assert list(metrics["batch"]) == list(range(6))
   if sync in ("preduce", "adpsgd"):
     assert metrics["group_sizes"].size > 0
   for other_state, other_metrics in others:
@@ -340,18 +351,20 @@ def test_1f1b_continues_across_runs_from_the_latest_weights(mesh):
   assert int(state.step) == 6
 
 
+# 6 mini-batches in the tests below: the programs of test_runs_of_any_lengths_are_one_run's run of 6
+# (and test_equal_speeds_reduce_to_the_lockstep_numbers's flush), compiled once.
 def test_partial_reduce_averages_models_with_the_plans_matrices(mesh):
   optimizer = optax.sgd(0.1, momentum=0.9)
   params = _params()
-  xs, ys = _data(5)
+  xs, ys = _data(6)
   rng = np.random.default_rng(3)
-  mix = np.broadcast_to(np.eye(N), (5, S, N, N)).copy()
-  for b in range(5):
+  mix = np.broadcast_to(np.eye(N), (6, S, N, N)).copy()
+  for b in range(6):
     for s in range(S):
       if rng.random() < 0.6:
         mix[b, s] = 1.0 / N
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="preduce")
-  state, _ = _train(pipe, pipe.init(params), xs, ys, plan=_plan(mix, 5))
+  state, _ = _train(pipe, pipe.init(params), xs, ys, plan=_plan(mix, 6))
   _assert_close(pipe, state, _oracle_1f1b(params, xs, ys, optimizer, "preduce", mix))
 
 
@@ -392,21 +405,21 @@ def test_preduce_with_whole_groups_equals_allreduce_with_sgd(mesh):
   """sdpipe.md §9 (b): averaging linear local updates is averaging gradients."""
   optimizer = optax.sgd(0.1, momentum=0.9)
   params = _params()
-  xs, ys = _data(5)
-  full = np.full((5, S, N, N), 1.0 / N)
+  xs, ys = _data(6)
+  full = np.full((6, S, N, N), 1.0 / N)
   runs = {}
   for sync in ("preduce", "allreduce"):
     pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync=sync)
-    state, _ = _train(pipe, pipe.init(params), xs, ys, plan=_plan(full, 5))
+    state, _ = _train(pipe, pipe.init(params), xs, ys, plan=_plan(full, 6))
     runs[sync] = pipe.stage_params(state)
   for s in range(S):
     np.testing.assert_allclose(runs["preduce"][s]["w"], runs["allreduce"][s]["w"], atol=2e-6)
 
 
 def test_hetpipe_pulls_the_server_copy(mesh):
-  optimizer = optax.sgd(0.1)
+  optimizer = optax.sgd(0.1, momentum=0.9)
   params = _params()
-  xs, ys = _data(5)
+  xs, ys = _data(6)
   pipe = Pipeline(STAGES, loss_fn, optimizer, mesh, schedule="1f1b", sync="hetpipe",
                   hetpipe=HetPipe(pull_every=2))
   state, _ = _train(pipe, pipe.init(params), xs, ys)
@@ -458,14 +471,15 @@ def test_stateful_stages_recompute_with_the_stashed_state(mesh):
 
   def full(ps, x, y, b):  # mini-batch b (0-based) is the (b+1)-th forward of every stage
     for s in range(S):
-      x = _counting_stage(s)(ps[s], x, {"c": np.float32(b)})[0]
+      x = _counting_stage(s)(ps[s], x, {"c": b})[0]
     return loss_fn(x, y)
 
+  full_grad = jax.jit(jax.grad(full))  # one compile, not one per eager op
   hist = [[[params[s]] for s in range(S)] for _ in range(N)]
   for b in range(1, 5):
     for i in range(N):
       versions = [hist[i][s][max(0, b - (S - s))] for s in range(S)]
-      g = jax.grad(full)(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i), b - 1)
+      g = full_grad(versions, _rows(xs[b - 1], i), _rows(ys[b - 1], i), np.float32(b - 1))
       for s in range(S):
         hist[i][s].append(jax.tree.map(lambda w, g: w - 0.1 * g, hist[i][s][-1], g[s]))
   got = pipe.stage_params(state)
@@ -620,13 +634,17 @@ def test_quantized_zoo_model_trains_in_a_pipeline(mesh, schedule, rule):
   state, _ = _train(pipe, pipe.init(split.params, split.state), xs, ys)
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit  # one compile for both pipelines' rows, not one per eager op
+  def grad_and_stats(p, x, y):
+    def loss(p):
+      m = nnx.merge(graphdef, p, rest, copy=True)
+      return loss_fn(m(x), y), nnx.split(m, nnx.Param, ...)[2]
+    return jax.grad(loss, has_aux=True)(p)
+
   grads, stats = [], []
   for i in range(N):
-    def loss(p, i=i):
-      m = nnx.merge(graphdef, p, rest, copy=True)
-      out = loss_fn(m(_rows(xs[0], i)), _rows(ys[0], i))
-      return out, nnx.split(m, nnx.Param, ...)[2]
-    g, new_rest = jax.grad(loss, has_aux=True)(params)
+    g, new_rest = grad_and_stats(params, _rows(xs[0], i), _rows(ys[0], i))
     grads.append(g)
     stats.append(new_rest)
   expected = jax.tree.map(lambda p, *g: p - 0.1 * (sum(g) / N), params, *grads)
@@ -724,20 +742,27 @@ def test_syncs_see_each_stages_own_gradient(mesh, recorded_stage_gradients, case
   got, kept = pipe.stage_params(state), pipe.stage_sync_state(state)
   two = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("data",))
   flat = lambda tree: np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)])
+  gs = [np.stack([flat(jax.tree.map(lambda v, i=i: v[i], raw[s])) for i in range(N)])
+        for s in range(S)]
+  fresh = [sync.init_state({"stage": jax.ShapeDtypeStruct((g.shape[1],), jnp.float32)}, N)
+           for g in gs]
+
+  def direct(*xs):  # every stage's reduce_gradients, each on its own: one program for all
+    out = []
+    for s, x in enumerate(xs):
+      summed, new_state, report = reduce_gradients({"stage": x[0] * np.float32(1 / N)}, sync,
+                                                   fresh[s], jnp.int32(0), stream=s)
+      out.append((summed["stage"][None], jax.tree.map(lambda a: a[None], new_state), report))
+    return out
+
+  direct_out = jax.jit(jax.shard_map(
+      direct, mesh=two, in_specs=(P("data"),) * S,
+      out_specs=[(P("data"), P("data"), P())] * S, check_vma=False))(*gs)
   wire = 0.0
   for s in range(S):
-    g = np.stack([flat(jax.tree.map(lambda v, i=i: v[i], raw[s])) for i in range(N)])
+    g = gs[s]
     assert g.shape == (N, flat(params[s]).size)
-    fresh = sync.init_state({"stage": jax.ShapeDtypeStruct((g.shape[1],), jnp.float32)}, N)
-
-    def direct(x, s=s, fresh=fresh):
-      summed, new_state, report = reduce_gradients({"stage": x[0] * np.float32(1 / N)}, sync,
-                                                   fresh, jnp.int32(0), stream=s)
-      return summed["stage"][None], jax.tree.map(lambda a: a[None], new_state), report
-
-    summed, new_state, report = jax.jit(jax.shard_map(
-        direct, mesh=two, in_specs=P("data"), out_specs=(P("data"), P("data"), P()),
-        check_vma=False))(g)
+    summed, new_state, report = direct_out[s]
     wire += float(report["wire_bytes"])
     for i in range(N):
       np.testing.assert_array_equal(flat(jax.tree.map(lambda v, i=i: v[i], got[s])),

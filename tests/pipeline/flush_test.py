@@ -6,12 +6,15 @@ schedule must equal it). Float32 throughout: agreement to float32 rounding (the 
 micro-batches' gradients, the reference differentiates the mean)."""
 
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jlp.pipeline import Pipeline, Schedule, pipeline_mesh
 from jlp.pipeline.flush import flush_tables
@@ -56,6 +59,11 @@ def _full_loss(params, x, y, stages):
   return loss_fn(x, y)
 
 
+# jax.value_and_grad of the unpipelined model, jitted: one compile per model and shape instead of
+# one per eager op (stages static).
+_full_value_and_grad = jax.jit(jax.value_and_grad(_full_loss), static_argnums=3)
+
+
 def _reference(stages, params, xs, ys, optimizer, sync, rows=ROWS):
   """Per pipeline, the stage params after every mini-batch, and the mean losses."""
   expected = [params] * N
@@ -63,7 +71,7 @@ def _reference(stages, params, xs, ys, optimizer, sync, rows=ROWS):
   losses = []
   for b in range(len(xs)):
     parts = [(xs[b][i * rows:(i + 1) * rows], ys[b][i * rows:(i + 1) * rows]) for i in range(N)]
-    out = [jax.value_and_grad(_full_loss)(expected[i], *parts[i], stages) for i in range(N)]
+    out = [_full_value_and_grad(expected[i], *parts[i], tuple(stages)) for i in range(N)]
     losses.append(np.mean([float(loss) for loss, _ in out]))
     grads = [g for _, g in out]
     if sync == "allreduce":
@@ -145,7 +153,30 @@ def test_torchs_dualpipev_csv_runs_as_written(mesh):
   np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-5)
 
 
-def test_w_is_a_real_split_and_i_plus_w_is_the_full_backward(mesh):
+@pytest.fixture(scope="module")
+def split_backward_runs(mesh):
+  """ZB-H1 (F, I, W) and 1F1B-flush (F, B), M = 4, with and without remat, on one mini-batch from
+  the same weights: {(remat, schedule): (the pipeline's stage params after the update, the
+  number of dots its compiled program holds)}, and the unpipelined model's update. Each program
+  is compiled once (lowered with the run's own input layout, so the run reuses it)."""
+  stages, params = _model(D)
+  xs, ys = _data(1)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  expected, _ = _reference(stages, params, xs, ys, optimizer, "allreduce")
+  placed = [jax.device_put(a, NamedSharding(mesh, P(None, "data"))) for a in (xs, ys)]
+  runs = {}
+  for remat in (False, True):
+    for schedule in ("zb_h1", "1f1b_flush"):
+      pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=4,
+                      remat=remat)
+      state = pipe.init(params)
+      text = pipe.lower(state, *placed).compile().as_text()
+      state, _ = pipe.run(state, *placed)
+      runs[remat, schedule] = pipe.stage_params(state), len(re.findall(r" dot\(", text))
+  return runs, expected
+
+
+def test_w_is_a_real_split_and_i_plus_w_is_the_full_backward(mesh, split_backward_runs):
   """A schedule whose W's all run after every I (the weight gradients computed long after, from
   the kept inputs and output gradients, M of each alive at once) gives what B gives; and ZB-H1
   (I and W) gives 1F1B-flush's (B) update bit for bit: per micro-batch, I's input gradient and
@@ -159,15 +190,14 @@ def test_w_is_a_real_split_and_i_plus_w_is_the_full_backward(mesh):
   late_w = Schedule.from_orders(orders).validate()
   stages, params = _model(D)
   xs, ys = _data(1)
-  optimizer = optax.adam(0.01)
-  runs = {}
-  for name, schedule in (("late_w", late_w), ("zb_h1", "zb_h1"), ("1f1b_flush", "1f1b_flush")):
-    pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=M)
-    state, _ = pipe.run(pipe.init(params), xs, ys)
-    runs[name] = pipe.stage_params(state)
-    if name == "late_w":  # every output gradient kept until its W
-      assert pipe._tables.g_slots == M  # pylint: disable=protected-access
-  expected, _ = _reference(stages, params, xs, ys, optimizer, "allreduce")
+  optimizer = optax.sgd(0.1, momentum=0.9)  # split_backward_runs's: ZB-H1 and 1F1B-flush run there
+  shared, expected = split_backward_runs
+  runs = {name: shared[False, name][0] for name in ("zb_h1", "1f1b_flush")}
+  pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=late_w, num_microbatches=M)
+  state, _ = pipe.run(pipe.init(params), xs, ys)
+  runs["late_w"] = pipe.stage_params(state)
+  # Every output gradient kept until its W.
+  assert pipe._tables.g_slots == M  # pylint: disable=protected-access
   for name, got in runs.items():
     for s in range(D):
       for k in ("w", "b"):
@@ -195,7 +225,8 @@ def test_a_stage_used_twice_sums_its_gradients():
   def tied_loss(p, x, y):
     return _full_loss([p[0], p[1], p[2], p[0]], x, y, stages)
   tied = [params[0], params[1], params[2]]
-  grads = [jax.grad(tied_loss)(tied, xs[0][i * ROWS:(i + 1) * ROWS], ys[0][i * ROWS:(i + 1) * ROWS])
+  tied_grad = jax.jit(jax.grad(tied_loss))
+  grads = [tied_grad(tied, xs[0][i * ROWS:(i + 1) * ROWS], ys[0][i * ROWS:(i + 1) * ROWS])
            for i in range(N)]
   mean = jax.tree.map(lambda *g: sum(g) / N, *grads)
   expected = jax.tree.map(lambda p, g: p - 0.2 * g, tied, mean)
@@ -285,9 +316,12 @@ def test_stateful_quantized_stages_in_a_v_schedule():
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-  def micro_loss(p, rest, x, y):
-    m = nnx.merge(graphdef, p, rest, copy=True)
-    return loss_fn(m(x), y) / M, nnx.split(m, nnx.Param, ...)[2]
+  @jax.jit  # one compile for every micro-batch, not one per eager op
+  def micro_grad(p, rest, x, y):
+    def micro_loss(p):
+      m = nnx.merge(graphdef, p, rest, copy=True)
+      return loss_fn(m(x), y) / M, nnx.split(m, nnx.Param, ...)[2]
+    return jax.grad(micro_loss, has_aux=True)(p)
 
   grads, stats = [], []
   micro = ROWS // M
@@ -295,7 +329,7 @@ def test_stateful_quantized_stages_in_a_v_schedule():
     total, r = None, rest
     for m in range(M):
       rows = slice(i * ROWS + m * micro, i * ROWS + (m + 1) * micro)
-      g, r = jax.grad(micro_loss, has_aux=True)(params, r, xs[0][rows], ys[0][rows])
+      g, r = micro_grad(params, r, xs[0][rows], ys[0][rows])
       total = g if total is None else jax.tree.map(jnp.add, total, g)
     grads.append(total)
     stats.append(r)
@@ -362,28 +396,22 @@ def test_bad_flush_configurations_are_one_line_errors(mesh):
     flush.run(flush.init(params4), *_data(1, rows=6))
 
 
-def test_b_i_and_w_run_from_the_forwards_residuals(mesh):
+def test_b_i_and_w_run_from_the_forwards_residuals(mesh, split_backward_runs):
   """By default F keeps its forward's residuals (jax.vjp's) and B, I and W only run the backward
   (ZB-H1's I and W share no arithmetic: W reads what I kept); with remat=True they recompute the
   forward from the kept input. Both give the unpipelined model's update; the default compiles to
   fewer dots (no forward in B, I or W) and I + W still equals B bit for bit."""
-  import re
-
-  stages, params = _model(D)
-  xs, ys = _data(1)
+  stages, _ = _model(D)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  expected, _ = _reference(stages, params, xs, ys, optimizer, "allreduce")
-  dots, got = {}, {}
-  for remat in (False, True):
-    for schedule in ("zb_h1", "1f1b_flush"):
-      pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=4,
-                      remat=remat)
-      state = pipe.init(params)
-      text = pipe.lower(state, xs, ys).compile().as_text()
-      dots[remat, schedule] = len(re.findall(r" dot\(", text))
-      state, _ = pipe.run(state, xs, ys)
-      _assert_params(pipe, state, expected)
-      got[remat, schedule] = pipe.stage_params(state)
+  runs, expected = split_backward_runs
+  got = {key: stage_params for key, (stage_params, _) in runs.items()}
+  dots = {key: count for key, (_, count) in runs.items()}
+  for key, stage_params in got.items():
+    for s in range(D):
+      for k in stage_params[s]:
+        for i in range(N):
+          np.testing.assert_allclose(stage_params[s][k][i], expected[i][s][k], rtol=2e-5,
+                                     atol=2e-6, err_msg=f"{key} pipeline {i} stage {s} {k}")
   # Per stage and micro-batch: F + I + W against F + (F + I) + (F + W), F + B against F + (F + B).
   assert dots[False, "zb_h1"] < dots[True, "zb_h1"], dots
   assert dots[False, "1f1b_flush"] < dots[True, "1f1b_flush"], dots
