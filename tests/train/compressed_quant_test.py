@@ -119,6 +119,14 @@ def _pipeline_loss(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+# Slow tier: the default tier runs GPipe with onebit over the pipelines (error-feedback state per
+# (pipeline, stage), checkpointed and resumed bit for bit) in
+# pipeline_loop_test.test_resume_is_bit_exact[gpipe_onebit], and a quantized stateful model
+# (stochastic rounding) in GPipe stages in
+# tests/pipeline/executor_test.py::test_quantized_zoo_model_trains_in_a_pipeline; the sync sees
+# a stage's flat gradient whatever its layers' formats (the data-parallel test above keeps
+# quantized + compressed in the default tier).
+@pytest.mark.slow
 def test_pipelined_quantized_model_trains_with_compression():
   n, s = 2, 4
   split = split_model(_quantized_model(), s)

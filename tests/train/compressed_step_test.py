@@ -4,7 +4,8 @@
   `jlp.compression.sync` run directly (in a shard_map of its own) on the per-device gradients,
   two steps in a row (state carried); the per-device states differ. Reference: that direct call.
   The loss is linear in the parameters, so every device's gradient is known exactly (its
-  coefficient row / 8) without running the model.
+  coefficient row / W) without running the model. On 4 devices (the equality does not depend on
+  their number; fewer PS partitions and ring hops to compile).
 * metrics["wire_bytes"]: hand-computed from the convention of jlp.train.step for the float32
   CPD all-reduce (sequential, ring, ring + Kahan, emulated nodes) and from HiPress's wire sizes
   for compressed syncs (onebit PS, TBQ ring).
@@ -39,6 +40,8 @@ from tiny_models import build
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 W = 8
+#: Devices of test_compressed_step_equals_a_direct_sync.
+DIRECT_W = 4
 # Leaves of the width-4 small CNN in flattening order (bn1 bias, scale, bn2 bias, scale, conv1,
 # conv2, linear bias, kernel).
 SIZES = (4, 4, 8, 8, 36, 288, 10, 80)
@@ -52,7 +55,7 @@ def _model():
 
 def linear_loss(model, batch):
   """sum over the parameter leaves i of <leaf_i, c[0, slice_i]>: the gradient of a device's loss
-  is its own coefficient row, exactly (the step scales it by 1/8, a power of two)."""
+  is its own coefficient row, exactly (the step scales it by 1/W, a power of two)."""
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
   coeffs, start, loss = batch["coeffs"][0], 0, jnp.float32(0)
   for leaf in leaves:
@@ -61,9 +64,9 @@ def linear_loss(model, batch):
   return loss, {}
 
 
-def _coeffs(seed):
-  """float32[W, n]: device d's coefficient row (one row per device)."""
-  return np.random.default_rng(seed).standard_normal((W, sum(SIZES))).astype(np.float32)
+def _coeffs(seed, w=W):
+  """float32[w, n]: device d's coefficient row (one row per device)."""
+  return np.random.default_rng(seed).standard_normal((w, sum(SIZES))).astype(np.float32)
 
 
 def _gradient_recorder() -> optax.GradientTransformation:
@@ -74,28 +77,34 @@ def _gradient_recorder() -> optax.GradientTransformation:
 
 
 def _device_grads(params, coeffs):
-  """The per-device gradient trees stacked on [W]: row d of coeffs / W, shaped like params."""
+  """The per-device gradient trees stacked on [w]: row d of coeffs ([w, n]) / w, shaped like
+  params."""
   leaves, treedef = jax.tree.flatten(params)
-  out, start = [], 0
+  out, start, w = [], 0, coeffs.shape[0]
   for leaf in leaves:
-    out.append((coeffs[:, start:start + leaf.size] / np.float32(W)).reshape((W,) + leaf.shape))
+    out.append((coeffs[:, start:start + leaf.size] / np.float32(w)).reshape((w,) + leaf.shape))
     start += leaf.size
   return jax.tree.unflatten(treedef, out)
 
 
-def _direct_sync(mesh, stacked_grads, stacked_state, sync, step):
-  """jlp.compression.sync on each device's gradient (rows of the stacked trees), as a reference."""
-  key = jax.random.fold_in(jax.random.key(sync.seed), step) if sync.compression.needs_key else None
+def _direct_sync(mesh, sync):
+  """f(stacked_grads, stacked_state, step): jlp.compression.sync on each device's gradient (rows
+  of the stacked trees), as a reference; one program for every step (the key is an argument)."""
 
-  def body(grads, state):
+  def body(grads, state, key):
     grads, state = jax.tree.map(lambda x: x[0], (grads, state))
     out, state = compressed_sync(grads, "data", sync.compression, state, topology=sync.topology,
                                  min_size=sync.min_size, key=key)
     return out, jax.tree.map(lambda x: x[None], state)
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
-                               out_specs=(P(), P("data")), check_vma=False))(
-                                   stacked_grads, stacked_state)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data"), P()),
+                            out_specs=(P(), P("data")), check_vma=False))
+
+  def run(stacked_grads, stacked_state, step):
+    key = (jax.random.fold_in(jax.random.key(sync.seed), step) if sync.compression.needs_key
+           else None)
+    return f(stacked_grads, stacked_state, key)
+  return run
 
 
 @pytest.mark.parametrize("sync", [
@@ -104,17 +113,16 @@ def _direct_sync(mesh, stacked_grads, stacked_state, sync, step):
                 seed=3),
 ], ids=["onebit-ps", "terngrad-stochastic-ring"])
 def test_compressed_step_equals_a_direct_sync(sync):
-  mesh = jt.data_mesh()
+  mesh = jt.data_mesh(jax.devices()[:DIRECT_W])
   optimizer = _gradient_recorder()
   graphdef, state = jt.init_train_state(_model(), optimizer, mesh, sync)
   assert [x.size for x in jax.tree.leaves(state.params)] == list(SIZES)
   step = jt.TrainStep(graphdef, optimizer, mesh, sync, loss_fn=linear_loss)
-  want_state = state.sync_state
+  want_state, direct_sync = state.sync_state, _direct_sync(mesh, sync)
   for number, seed in enumerate((10, 11)):
-    coeffs = _coeffs(seed)
+    coeffs = _coeffs(seed, DIRECT_W)
     state, _ = step(state, {"coeffs": coeffs})
-    want_grads, want_state = _direct_sync(mesh, _device_grads(state.params, coeffs), want_state,
-                                          sync, number)
+    want_grads, want_state = direct_sync(_device_grads(state.params, coeffs), want_state, number)
     assert_trees_equal(state.opt_state, want_grads)  # the recorder holds the summed gradient
     assert_trees_equal(state.sync_state, want_state)
     # The compressed sum is not the exact one (the test could not pass by summing in float32).
@@ -127,9 +135,9 @@ def test_compressed_step_equals_a_direct_sync(sync):
   residuals = jax.tree.leaves(state.sync_state)  # onebit: per leaf its last v and scales
   assert len(residuals) == (16 if sync.compression.name == "onebit" else 0)
   if residuals:  # every device's error-feedback residuals are its own
-    assert all(r.sharding.spec == P("data") and r.shape[0] == W for r in residuals)
-    rows = np.concatenate([np.asarray(r).reshape(W, -1) for r in residuals], axis=1)
-    assert len({row.tobytes() for row in rows}) == W
+    assert all(r.sharding.spec == P("data") and r.shape[0] == DIRECT_W for r in residuals)
+    rows = np.concatenate([np.asarray(r).reshape(DIRECT_W, -1) for r in residuals], axis=1)
+    assert len({row.tobytes() for row in rows}) == DIRECT_W
 
 
 # -- wire bytes ---------------------------------------------------------------------------------
@@ -144,12 +152,17 @@ def _wire_bytes(sync, devices=W):
 
 
 # n = sum(SIZES) = 438 floats; ring chunks ceil(size / 8) = 1, 1, 1, 1, 5, 36, 2, 10 (sum 57).
+# Slow tier: the plain ring and the float32 wire (the step reports the sync's
+# allreduce_wire_bytes, whose ring, Kahan and wire branches tests/collectives/wire_test.py's
+# test_wire_bytes_count_the_codes checks; ring-kahan runs the ring through the step here).
 @pytest.mark.parametrize("sync, devices, want", [
     (jt.GradSync(), 8, 7 * 4 * 438),  # all_gather: (W-1) * 4 * n
-    (jt.GradSync(algorithm="ring"), 8, 7 * 4 * 57 * 2),  # W-1 hops + all_gather of the chunks
+    pytest.param(jt.GradSync(algorithm="ring"), 8, 7 * 4 * 57 * 2,  # W-1 hops + all_gather
+                 marks=pytest.mark.slow),
     # + the compensation; e5m2's values travel as their 1-byte codes (the packed wire)
     (jt.GradSync(algorithm="ring", kahan=True, fmt="e5m2"), 8, 7 * 1 * 57 * 3),
-    (jt.GradSync(algorithm="ring", kahan=True, fmt="e5m2", wire="float32"), 8, 7 * 4 * 57 * 3),
+    pytest.param(jt.GradSync(algorithm="ring", kahan=True, fmt="e5m2", wire="float32"), 8,
+                 7 * 4 * 57 * 3, marks=pytest.mark.slow),
     (jt.GradSync(emulate_nodes=2), 4, 3 * 4 * 2 * 438),  # all_gather of 2 stacked nodes
     (jt.GradSync(emulate_nodes=2, form="cpd", fmt="e4m3"), 4, 3 * 4 * 438),  # local fold first
     (jt.GradSync(), 1, 0),
@@ -205,7 +218,44 @@ def test_compressed_run_resumes_bit_exactly(tmp_path):
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
 
 
-def test_autotune_chooses_records_and_a_resume_reuses_the_choice(tmp_path, capsys,
+def autotune_config():
+  c = compressed_config()
+  c.compression.plan = "autotune"
+  return c
+
+
+@pytest.fixture(scope="module")
+def autotune_run(tmp_path_factory):
+  """The compression.plan="autotune" run of autotune_config, once for the two tests below, with
+  sync_tuning.time_syncs_ms failing (the loop must time train steps, never a sync alone) and
+  spies: (workdir, what it printed, the syncs it built a train step for, what its step timer
+  returned)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  from jlp import sync_tuning  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp("autotune"))
+  built, timed, out = [], [], io.StringIO()
+  train_step = data_parallel_loop.Run.train_step
+  step_timer = data_parallel_loop._StepTimer.__call__  # pylint: disable=protected-access
+
+  def spy(self, syncs, tree):
+    timed.append(step_timer(self, syncs, tree))
+    return timed[-1]
+  old = jax.config.read("jax_disable_most_optimizations")  # as fast_compile
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+      mp.setattr(sync_tuning, "time_syncs_ms", lambda *a, **k: pytest.fail("timed alone"))
+      mp.setattr(data_parallel_loop.Run, "train_step",
+                 lambda self, sync: built.append(sync) or train_step(self, sync))
+      mp.setattr(data_parallel_loop._StepTimer, "__call__", spy)
+      loop.train_and_evaluate(autotune_config(), workdir, progress=False)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
+  return workdir, out.getvalue(), built, timed
+
+
+def test_autotune_chooses_records_and_a_resume_reuses_the_choice(autotune_run, tmp_path, capsys,
                                                                   monkeypatch):
   """compression.plan="autotune": the plans are timed once, the fastest runs (its wire bytes are
   the chosen sync's), the choice and timings are printed and kept in WORKDIR/sync_plan.json; a
@@ -213,11 +263,9 @@ def test_autotune_chooses_records_and_a_resume_reuses_the_choice(tmp_path, capsy
   uninterrupted run ended."""
   import json
   from jlp import sync_tuning
-  c = compressed_config()
-  c.compression.plan = "autotune"
-  ref_dir, workdir = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  loop.train_and_evaluate(c, ref_dir, progress=False)
-  out = capsys.readouterr().out
+  c = autotune_config()
+  ref_dir, out = autotune_run[:2]
+  workdir = str(tmp_path / "resumed")
   saved = json.load(open(os.path.join(ref_dir, "sync_plan.json")))
   label = saved["choice"]["label"]
   assert set(saved["choice"]["measured_ms"]) == {"psum", "ps", "ring"}
@@ -242,30 +290,24 @@ def test_autotune_chooses_records_and_a_resume_reuses_the_choice(tmp_path, capsy
 
 
 def test_autotune_times_the_candidates_as_train_steps_and_trains_as_the_chosen_plan(
-    tmp_path, monkeypatch):
-  """The loop's autotune times every candidate as the run's train step (never a sync alone), on
-  copies of the initial state: the run ends bit for bit where a run whose timer ranks the same
-  plan first without running a step ends. The chosen plan's step is built once (3 train steps
-  built for 3 candidates, psum for "don't compress"; the run keeps the chosen one's)."""
+    autotune_run, tmp_path, monkeypatch):
+  """The loop's autotune times every candidate as the run's train step (never a sync alone:
+  autotune_run's sync_tuning.time_syncs_ms fails), on copies of the initial state: the run ends
+  bit for bit where a run whose timer ranks the same plan first without running a step ends.
+  The chosen plan's step is built once (3 train steps built for 3 candidates, psum for "don't
+  compress"; the run keeps the chosen one's)."""
   import json
   from jlp import sync_tuning
-  c = compressed_config()
-  c.compression.plan = "autotune"
-  monkeypatch.setattr(sync_tuning, "time_syncs_ms", lambda *a, **k: pytest.fail("timed alone"))
-  built, timed = [], []
-  train_step = data_parallel_loop.Run.train_step
-  monkeypatch.setattr(data_parallel_loop.Run, "train_step",
-                      lambda self, sync: built.append(sync) or train_step(self, sync))
-  step_timer = data_parallel_loop._StepTimer.__call__  # pylint: disable=protected-access
-
-  def spy(self, syncs, tree):
-    timed.append(step_timer(self, syncs, tree))
-    return timed[-1]
-  monkeypatch.setattr(data_parallel_loop._StepTimer, "__call__", spy)
-  timed_dir, told_dir = str(tmp_path / "timed"), str(tmp_path / "told")
-  loop.train_and_evaluate(c, timed_dir, progress=False)
+  c = autotune_config()
+  timed_dir, _, built, timed = autotune_run
+  told_dir = str(tmp_path / "told")
   label = json.load(open(os.path.join(timed_dir, "sync_plan.json")))["choice"]["label"]
   assert len(built) == 3 and len(timed) == 1 and all(ms > 0 for ms in timed[0])
+  monkeypatch.setattr(sync_tuning, "time_syncs_ms", lambda *a, **k: pytest.fail("timed alone"))
+  train_step = data_parallel_loop.Run.train_step
+  built = []
+  monkeypatch.setattr(data_parallel_loop.Run, "train_step",
+                      lambda self, sync: built.append(sync) or train_step(self, sync))
 
   def label_of(sync):
     return sync.topology if sync.compression else "psum" if sync.algorithm == "psum" else \
@@ -273,7 +315,6 @@ def test_autotune_times_the_candidates_as_train_steps_and_trains_as_the_chosen_p
   monkeypatch.setattr(data_parallel_loop._StepTimer, "__call__",
                       lambda self, syncs, tree: [1.0 if label_of(s) == label else 2.0
                                                  for s in syncs])
-  built.clear()
   loop.train_and_evaluate(c, told_dir, progress=False)
   assert json.load(open(os.path.join(told_dir, "sync_plan.json")))["choice"]["label"] == label
   assert len(built) == 1

@@ -161,18 +161,27 @@ def run_cli(*args, timeout=120):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_rejects_an_unknown_field_and_a_bad_value(tmp_path):
+def test_cli_rejects_an_unknown_field(tmp_path):
   r = run_cli("--config=configs/digits.py", f"--workdir={tmp_path}", "--config.grad_expo=4")
   assert r.returncode != 0 and "grad_expo" in r.stderr
+
+
+# The default tier runs experiments.train's exit 2 on a config that fails validation in
+# pipeline_loop_test.test_cli_takes_the_pipeline_fields (and config.lr's message in
+# test_bad_config_fails_before_the_model_is_built); a subprocess costs ~2 s.
+@pytest.mark.slow
+def test_cli_rejects_a_bad_value(tmp_path):
   r = run_cli("--config=configs/digits.py:local", f"--workdir={tmp_path}", "--config.lr=-1")
   assert r.returncode == 2 and "config.lr=-1" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_bfp_schedule_switches_presets_and_the_controller_moves_widths(tmp_path, fast_compile):
+# The default tier trains a preset schedule (FB16 -> FB12 -> FB16 by epoch, at batch 480) in
+# runner_numbers_test.test_a_resume_at_a_preset_switch_runs_the_new_preset (each row's
+# bfp_preset checked); the controller's run below stays in it.
+@pytest.mark.slow
+def test_bfp_schedule_switches_presets(tmp_path, fast_compile):
   """Epoch-keyed presets (2 steps per epoch: 1,437 digits / 480) switch FB16 -> FB12 at step 2
-  with training continuing; a controller with lo = hi = 0 moves every layer whose weight ZSE is
-  above 0 one step up the ladder 4 -> 8 -> 16 at the end of every 1-step window (at 4 bits every
-  layer flushes some weights; at 8 bits only some do)."""
+  with training continuing."""
   c = small_config(batch_size=480, max_steps=4, log_every=1, eval_every=4, checkpoint_every=0)
   c.bfp.schedule = {"0": "default_FB16", "1": "default_FB12"}
   rows_dir = str(tmp_path / "schedule")
@@ -181,6 +190,11 @@ def test_bfp_schedule_switches_presets_and_the_controller_moves_widths(tmp_path,
   assert [r["bfp_preset"] for r in rows] == ["default_FB16"] * 2 + ["default_FB12"] * 2
   assert all(np.isfinite(r["train_loss"]) and r["zse_fw"] >= 0 for r in rows)
 
+
+def test_bfp_controller_moves_widths(tmp_path, fast_compile):
+  """A controller with lo = hi = 0 moves every layer whose weight ZSE is above 0 one step up the
+  ladder 4 -> 8 -> 16 at the end of every 1-step window (at 4 bits every layer flushes some
+  weights; at 8 bits only some do)."""
   c = small_config(max_steps=3, log_every=1, eval_every=3, checkpoint_every=0)
   c.bfp.preset = "default_FB12"
   c.bfp.controller = "Simple/0/0/0/0"

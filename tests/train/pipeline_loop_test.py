@@ -93,33 +93,45 @@ def resume_config(kind):
   else:  # GPipe with all-reduce compressed by onebit: error-feedback state [N, S, ...] per device
     c = pipelined_config(schedule="gpipe", sync="allreduce", hetero=0.1, batches_per_call=4)
     c.compression.name, c.compression.min_size = "onebit", 0
-  # Rows every 3 mini-batches: the checkpoint at 8 holds the losses of the window since row 6.
+  # Rows every 3 mini-batches: the checkpoint at 8 (GPipe: 4) holds the losses of the window
+  # since row 6 (3).
   c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 10, 3, 8, 4
+  if kind == "gpipe_onebit":  # calls [0, 4) [4, 8): one program to compile
+    c.max_steps = 8
   return c
+
+
+#: kind: (rows, evaluations, checkpoints) of the uninterrupted run.
+RESUME_ROWS = {"1f1b_preduce_stalls": ([3, 6, 8, 9, 10], [8, 10], [8, 10]),
+               "gpipe_onebit": ([3, 6, 8], [8], [4, 8])}
 
 
 @pytest.mark.parametrize("kind", ["1f1b_preduce_stalls", "gpipe_onebit"])
 def test_resume_is_bit_exact(kind, tmp_path, fast_compile):
   """1F1B + partial reduce under stalls (hetero 0.1 s): the groups and virtual times come from
   the per-call simulation seeded by (seed, step); GPipe + onebit: the compression state is
-  checkpointed. Calls [0,4) [4,8) [8,10); a run that lost its last checkpoint resumes at 8 and
-  writes the uninterrupted run's rows (virtual time and the train loss averaged over a window
-  the checkpoint cut included) and final state bit for bit."""
+  checkpointed. Calls [0,4) [4,8) [8,10) (GPipe: [0,4) [4,8)); a run that lost its last
+  checkpoint resumes at 8 (GPipe: 4) and writes the uninterrupted run's rows (virtual time and
+  the train loss averaged over a window the checkpoint cut included) and final state bit for
+  bit."""
+  want_rows, want_evals, want_checkpoints = RESUME_ROWS[kind]
   ref_dir, workdir = str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")
   loop.train_and_evaluate(resume_config(kind), ref_dir, progress=False)
   rows = read_metrics(ref_dir)
-  assert [r["step"] for r in rows] == [3, 6, 8, 9, 10]
-  assert [r["step"] for r in rows if "eval_accuracy" in r] == [8, 10]
+  assert [r["step"] for r in rows] == want_rows
+  assert [r["step"] for r in rows if "eval_accuracy" in r] == want_evals
   assert all("eval_virtual_time" in r for r in rows if "eval_accuracy" in r)
-  assert sorted(int(d) for d in os.listdir(os.path.join(ref_dir, "checkpoints"))) == [8, 10]
+  assert sorted(int(d) for d in os.listdir(os.path.join(ref_dir, "checkpoints"))) == \
+      want_checkpoints
+  last = want_checkpoints[-1]
   shutil.copytree(ref_dir, workdir)
-  shutil.rmtree(os.path.join(workdir, "checkpoints", "10"))
+  shutil.rmtree(os.path.join(workdir, "checkpoints", str(last)))
   result = loop.train_and_evaluate(resume_config(kind), workdir, progress=False)
-  assert result["step"] == 10
+  assert result["step"] == last
   assert stable(read_metrics(workdir)) == stable(rows)
   ref_step, ref_state = final_checkpoint(ref_dir)
   step, state = final_checkpoint(workdir)
-  assert step == ref_step == 10 and state.keys() == ref_state.keys()
+  assert step == ref_step == last and state.keys() == ref_state.keys()
   assert any("virtual_time" in k for k in state)
   assert any("sync_state" in k for k in state) == (kind == "gpipe_onebit")
   for k in ref_state:
@@ -127,18 +139,21 @@ def test_resume_is_bit_exact(kind, tmp_path, fast_compile):
 
 
 def test_calls_are_a_performance_knob_only(tmp_path, fast_compile):
-  """1F1B with partial reduce under stalls, 12 steps in calls of 2, 3 or 12 mini-batches (and
-  evaluation every 12): the same rows (losses, accuracies, virtual times, evaluation) and the
+  """1F1B with partial reduce under stalls, 8 steps in calls of 4 or 2 mini-batches (and
+  evaluation every 8): the same rows (losses, accuracies, virtual times, evaluation) and the
   same final state, bit for bit; rows come for every step in order although 1F1B completes a
-  mini-batch calls after it entered."""
+  mini-batch calls after it entered. (The calls of 4 and 2 are the programs of
+  test_resume_is_bit_exact[1f1b_preduce_stalls], compiled already; the whole training in one
+  run against runs of other lengths: tests/pipeline/executor_test.py's
+  test_runs_of_any_lengths_are_one_run.)"""
   results = []
-  for calls in (12, 3, 2):
+  for calls in (4, 2):
     c = pipelined_config(schedule="1f1b", sync="preduce", hetero=0.1, batches_per_call=calls)
-    c.max_steps, c.log_every, c.eval_every = 12, 1, 12
+    c.max_steps, c.log_every, c.eval_every = 8, 1, 8
     workdir = str(tmp_path / f"calls{calls}")
     loop.train_and_evaluate(c, workdir, progress=False)
     rows = read_metrics(workdir)
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     results.append((stable(rows), final_checkpoint(workdir)[1]))
   (rows, state), others = results[0], results[1:]
   for other_rows, other_state in others:
@@ -166,14 +181,30 @@ def checkpoint_meta(workdir, step):
     checkpoints.close()
 
 
-def test_an_evaluation_carries_the_virtual_time_of_its_weights(tmp_path, fast_compile):
+@pytest.fixture(scope="module")
+def one_f_one_b_runs(tmp_path_factory):
+  """{max_steps: workdir} of the uninterrupted one_f_one_b runs to 4 and to 8 steps, which the
+  tests below read (and copy before resuming), compiled as `fast_compile` does."""
+  import jax  # pylint: disable=g-import-not-at-top
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    runs = {}
+    for max_steps in (4, 8):
+      runs[max_steps] = str(tmp_path_factory.mktemp(f"one_f_one_b_to{max_steps}"))
+      loop.train_and_evaluate(one_f_one_b(max_steps), runs[max_steps], progress=False)
+    return runs
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+def test_an_evaluation_carries_the_virtual_time_of_its_weights(one_f_one_b_runs):
   """Evaluations after calls [0, 4) and [4, 8) (and the flush): the first joins the row of step
   4, which 1F1B writes a call later, at mini-batch 3's later virtual time. The row carries the
   evaluation's own virtual second, `eval_virtual_time`: the pipeline's clock when the evaluated
   weights existed (the checkpoint's virtual_time at that step), not after the row's mini-batch;
   plots of time to accuracy draw the evaluation there."""
-  workdir = str(tmp_path)
-  loop.train_and_evaluate(one_f_one_b(8), workdir, progress=False)
+  workdir = one_f_one_b_runs[8]
   rows = read_metrics(workdir)
   assert [r["step"] for r in rows] == list(range(1, 9))
   evals = [r for r in rows if "eval_accuracy" in r]
@@ -192,15 +223,14 @@ def test_an_evaluation_carries_the_virtual_time_of_its_weights(tmp_path, fast_co
   assert list(panel.lines[0].get_xdata()) == [r["eval_virtual_time"] for r in evals]
 
 
-def test_a_resume_at_max_steps_drains_the_pipeline(tmp_path, fast_compile):
+def test_a_resume_at_max_steps_drains_the_pipeline(one_f_one_b_runs, tmp_path, fast_compile):
   """A run to 8 steps whose checkpoint at 4 holds mini-batches in flight, resumed with
   max_steps = 4 (a cadence change): the resume flushes the pipeline, writes the rows of the
   mini-batches it completes, evaluates and checkpoints, as a run to 4 does (same rows and final
   state, bit for bit). Reference: the uninterrupted run with max_steps = 4. Resuming the finished
   run again is a no-op."""
-  ref_dir, workdir = str(tmp_path / "to4"), str(tmp_path / "resumed")
-  loop.train_and_evaluate(one_f_one_b(4), ref_dir, progress=False)
-  loop.train_and_evaluate(one_f_one_b(8), workdir, progress=False)
+  ref_dir, workdir = one_f_one_b_runs[4], str(tmp_path / "resumed")
+  shutil.copytree(one_f_one_b_runs[8], workdir)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
   result = loop.train_and_evaluate(one_f_one_b(4), workdir, progress=False)
   assert result["step"] == 4 and not result.get("finished")
@@ -220,14 +250,14 @@ def test_a_resume_at_max_steps_drains_the_pipeline(tmp_path, fast_compile):
   assert again["finished"] and read_metrics(workdir) == rows
 
 
-def test_a_resume_under_another_cost_model_drains_the_fill_first(tmp_path, fast_compile):
+def test_a_resume_under_another_cost_model_drains_the_fill_first(one_f_one_b_runs, tmp_path,
+                                                                 fast_compile):
   """A 1F1B run checkpointed at step 4 with mini-batches in flight, resumed to 8 with a changed
   pipeline.slowdown (an allowed config change): the mini-batches in flight drain under the
   fill's own model (the first run's), the row says so, and the new model runs from there.
   Reference for the drain: a run to 4 under the first model (its flush at max_steps)."""
-  ref_dir, workdir = str(tmp_path / "to4"), str(tmp_path / "resumed")
-  loop.train_and_evaluate(one_f_one_b(4), ref_dir, progress=False)
-  loop.train_and_evaluate(one_f_one_b(8), workdir, progress=False)
+  ref_dir, workdir = one_f_one_b_runs[4], str(tmp_path / "resumed")
+  shutil.copytree(one_f_one_b_runs[8], workdir)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
   changed = one_f_one_b(8)
   changed.pipeline.slowdown = [[1.0] * 4, [2.0] * 4]
@@ -242,32 +272,35 @@ def test_a_resume_under_another_cost_model_drains_the_fill_first(tmp_path, fast_
 
 
 def flush_config(schedule, **pipeline):
+  """Calls [0, 4) [4, 8) (one program), rows every 3 mini-batches: the checkpoint at 4 holds the
+  loss of the window since row 3."""
   c = pipelined_config(schedule=schedule, stages=2, microbatches=4, batches_per_call=4,
                        **pipeline)
-  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 10, 3, 8, 4
+  c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 8, 3, 8, 4
   return c
 
 
 def test_a_flush_schedule_resumes_bit_exact_and_a_torch_csv_runs_as_its_name(tmp_path,
                                                                             fast_compile):
   """ZB-V (4 pipelines x 2 devices, the model in 4 parts, 4 micro-batches): the rows carry the
-  schedule's counted bubble; a run that lost its last checkpoint resumes at 8 and writes the
+  schedule's counted bubble; a run that lost its last checkpoint resumes at 4 and writes the
   uninterrupted run's rows and final state bit for bit. The same schedule written as torch's CSV
   (pipeline.schedule='csv') trains to the same rows and state bit for bit."""
   from jlp.pipeline import Schedule, bubble
   ref_dir, workdir = str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")
   loop.train_and_evaluate(flush_config("zbv"), ref_dir, progress=False)
   rows = read_metrics(ref_dir)
-  assert [r["step"] for r in rows] == [3, 6, 8, 9, 10]
+  assert [r["step"] for r in rows] == [3, 6, 8]
   assert rows[0]["bubble"] == pytest.approx(bubble(Schedule.named("zbv", 2, 4)))
   assert rows[-1]["train_loss"] < rows[0]["train_loss"]
   shutil.copytree(ref_dir, workdir)
-  shutil.rmtree(os.path.join(workdir, "checkpoints", "10"))
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]
   loop.train_and_evaluate(flush_config("zbv"), workdir, progress=False)
   assert stable(read_metrics(workdir)) == stable(rows)
   ref_step, ref_state = final_checkpoint(ref_dir)
   step, state = final_checkpoint(workdir)
-  assert step == ref_step == 10 and state.keys() == ref_state.keys()
+  assert step == ref_step == 8 and state.keys() == ref_state.keys()
   for k in ref_state:
     np.testing.assert_array_equal(state[k], ref_state[k], err_msg=k)
 
@@ -389,8 +422,10 @@ def test_ctrl_c_during_the_final_evaluation_finishes_the_run(tmp_path, monkeypat
   """The final evaluation follows the flush: a Ctrl-C during it leaves a complete run, which
   says it finished (exit 0), and running it again trains nothing."""
   monkeypatch.setattr(pipeline_loop.PipelineRun, "evaluate", sigint_before(pipeline_loop.PipelineRun.evaluate))
-  c = pipelined_config(schedule="1f1b", stages=2, batches_per_call=2)
-  c.max_steps, c.log_every, c.eval_every = 4, 2, 0
+  # one_f_one_b's layout (2 pipelines x 4 stages, one call of 4 and the flush): the programs of
+  # one_f_one_b_runs, compiled already (persistent cache).
+  c = one_f_one_b(4)
+  c.log_every, c.eval_every, c.checkpoint_every = 2, 0, 0
   result = loop.train_and_evaluate(c, str(tmp_path), progress=False)
   out = capsys.readouterr().out
   assert not result["interrupted"] and result["step"] == 4 and "eval_accuracy" in result

@@ -215,11 +215,14 @@ def test_scanned_nodes_equal_devices():
 # -- against a reference step -------------------------------------------------------------------
 
 
-def _reference_step(model, batch, nodes, lr, wd):
+@functools.lru_cache(maxsize=None)
+def _reference_step(batch_seed, nodes, lr, wd):
   """One step without shard_map: per-node loss, gradient and BatchNorm update from a plain
   jitted nnx.value_and_grad on each micro-batch; float64 numpy sum of the node gradients
   (each of loss / nodes), mean of the statistics, and SGD from cpd.md §6.1 (first step, so
-  buf = d = g + wd*w, wd 0 on BN and biases; w -= lr*buf)."""
+  buf = d = g + wd*w, wd 0 on BN and biases; w -= lr*buf), from _model() on _batch(batch_seed)
+  (cached: both node maps compare with one reference)."""
+  model, batch = _model(), _batch(batch_seed)
   graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
 
   @jax.jit
@@ -251,7 +254,7 @@ def _reference_step(model, batch, nodes, lr, wd):
 def test_float32_step_matches_reference(node_map):
   """Also node_map="vmap" (not bit-identical to devices, but as close to the reference)."""
   state, metrics = _run(4, jt.GradSync(emulate_nodes=2, node_map=node_map), (3,))
-  params, stats, loss = _reference_step(_model(), _batch(3), 8, 0.1, 1e-3)
+  params, stats, loss = _reference_step(3, 8, 0.1, 1e-3)
   for got, want in zip(jax.tree.leaves(state.params), params, strict=True):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
   for got, want in zip(jax.tree.leaves(state.batch_stats), stats, strict=True):
