@@ -8,6 +8,8 @@ overflows; first step s = 1, h = 0. For the data-parallel step: the same per-dev
 run device by device outside the step, then the max over devices.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -54,6 +56,7 @@ def metas_of(model):
   return {jax.tree_util.keystr(p).split("'")[-2]: np.asarray(v) for p, v in flat}
 
 
+@nnx.jit  # one compile per model structure; eagerly, the fp8 casts and scale updates op by op
 def train_step_single(model, x, c):
   """loss = sum(model(x) * c): gradients of the params, of x, and the Fp8Meta overwrite."""
 
@@ -100,6 +103,9 @@ def test_qdot_general_refuses_the_stateful_cfg():
     qdot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())), DelayedScaling())
 
 
+_forward = nnx.jit(lambda m, x: m(x))
+
+
 def test_a_dense_layer_matches_the_numpy_reference_for_three_steps():
   """Forward output, dx, dw and the histories / scales after each step, against the reference;
   step 1 saturates x (scale 1, |x| > 448) and underflows part of dy (E5M2 at scale 1)."""
@@ -119,7 +125,7 @@ def test_a_dense_layer_matches_the_numpy_reference_for_three_steps():
     xd = ref_qdq(x, ref["x"][1], E4M3)
     wd = ref_qdq(w, ref["w"][1], E4M3)
     dyd = ref_qdq(c, ref["dy"][1], E5M2)
-    y = np.asarray(model(jnp.asarray(x)))
+    y = np.asarray(_forward(model, jnp.asarray(x)))
     # the quantized operands bit for bit: the same float32 GEMM of the reference operands
     y_same = jax.lax.dot(jnp.asarray(xd), jnp.asarray(wd), precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_array_equal(y, np.asarray(y_same), err_msg=f"step {step + 1}")
@@ -190,6 +196,7 @@ class _TwoBranches(nnx.Module):
     return x
 
 
+@functools.partial(nnx.jit, static_argnums=2)  # one compile per `use`, not op by op
 def _meta_step(model, x, use):
   def loss(m, x):
     return jnp.sum(m(x, use) ** 2)
@@ -244,6 +251,18 @@ def _mlp():
   return model
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _device_meta_grads(graphdef, devices, metas, rest, part):
+  """One device's overwrite gradients (loss / devices), jitted: one compile serves every device
+  and step (the eager version compiled hundreds of tiny ops)."""
+
+  def loss(metas):
+    model = nnx.merge(graphdef, *rest[:3], metas, rest[3], copy=True)
+    return jt.cross_entropy_loss(model, part)[0] / devices
+
+  return jax.grad(loss)(metas)
+
+
 def _reference_metas(graphdef, state, batch, devices):
   """The step's new Fp8Meta state computed device by device outside the step: each device's
   overwrite gradients (loss / devices), the max over devices, the scales from it."""
@@ -254,12 +273,7 @@ def _reference_metas(graphdef, state, batch, devices):
   rows = batch["image"].shape[0] // devices
   for d in range(devices):
     part = {k: v[d * rows:(d + 1) * rows] for k, v in batch.items()}
-
-    def loss(metas, part=part):
-      model = nnx.merge(graphdef, *rest[:3], metas, rest[3], copy=True)
-      return jt.cross_entropy_loss(model, part)[0] / devices
-
-    per_device.append(jax.grad(loss)(old))
+    per_device.append(_device_meta_grads(graphdef, devices, old, rest, part))
   hist = jax.tree.map(lambda *g: np.max(np.stack([np.asarray(x) for x in g]), axis=0),
                       *per_device)
   return overwrite_fp8_meta(old, hist)

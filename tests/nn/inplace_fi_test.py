@@ -9,6 +9,8 @@ ReLU output feeds conv2 quantized and gets the mask (hq > 0). The input gradient
 functional one: the shortcut gets x and the masks are the ReLUs' own.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +81,13 @@ def _model_output_and_grad(model, img, ct):
   return out, g
 
 
+# The model and its reference in one jitted program (eagerly, their quantizers and convolutions
+# compiled op by op); module-level, so a model structure compiles once for all the tests.
+@functools.partial(nnx.jit, static_argnums=3)
+def _model_and_reference(model, img, ct, inplace: bool):
+  return _model_output_and_grad(model, img, ct), _reference(model, img, ct, inplace)
+
+
 @pytest.fixture(scope="module")
 def inputs():
   ki, kc = jax.random.split(jax.random.key(7))
@@ -91,10 +100,9 @@ def test_block_output_and_input_gradient_match_reference(inplace, inputs):
   model, report = _model(inplace)
   assert report.bfpsim_inplace_fi is inplace
   assert model.bfpsim_inplace_fi is inplace and model.layer1[0].bfpsim_inplace_fi is inplace
-  want_out, want_g, xq, x = _reference(model, img, ct, inplace)
+  (got_out, got_g), (want_out, want_g, xq, x) = _model_and_reference(model, img, ct, inplace)
   # The data exercise the side effect: BFP flushes some positive activations to zero.
   assert np.any((np.asarray(x) > 0) & (np.asarray(xq) == 0))
-  got_out, got_g = _model_output_and_grad(model, img, ct)
   np.testing.assert_array_equal(got_out, want_out)
   np.testing.assert_array_equal(got_g, want_g)
 
@@ -102,8 +110,8 @@ def test_block_output_and_input_gradient_match_reference(inplace, inputs):
 def test_switch_changes_shortcut_and_gradient(inputs):
   img, ct = inputs
   on, off = _model(True)[0], _model(False)[0]
-  out_on, g_on = _model_output_and_grad(on, img, ct)
-  out_off, g_off = _model_output_and_grad(off, img, ct)
+  out_on, g_on = _model_and_reference(on, img, ct, True)[0]  # compiled in the test above
+  out_off, g_off = _model_and_reference(off, img, ct, False)[0]
   assert not np.allclose(out_on, out_off)
   assert not np.allclose(g_on, g_off)
   unquantize_model(on)
@@ -118,7 +126,8 @@ def test_default_off_leaves_model_unchanged(inputs):
   model.eval()
   report = quantize_model(model, [])
   assert not report.bfpsim_inplace_fi and not model.layer1[0].bfpsim_inplace_fi
-  np.testing.assert_array_equal(model(img), plain(img))
+  fwd = nnx.jit(lambda m, x: m(x))
+  np.testing.assert_array_equal(fwd(model, img), fwd(plain, img))
 
 
 def test_bad_input():
@@ -129,8 +138,8 @@ def test_bad_input():
   model = build("resnet18", TINY)
   quantize_model(model, [("layer1/0/conv1", GemmQuant(x=BFPFormat(2, (1, 2, 2, 4), "stochastic")))],
                  rngs=nnx.Rngs(0), bfpsim_inplace_fi=True)
-  with pytest.raises(ValueError, match="layer1/0/conv1.*stochastic"):
-    model(jnp.zeros((2, 8, 8, 3)))
+  with pytest.raises(ValueError, match="layer1/0/conv1.*stochastic"):  # raised while tracing
+    nnx.jit(lambda m, x: m(x))(model, jnp.zeros((2, 8, 8, 3)))
 
 
 def test_stage_output_seen_quantized_resnet50():
@@ -140,11 +149,18 @@ def test_stage_output_seen_quantized_resnet50():
   fmt = BFPFormat(2, (1, 1, 1, 16))
   kwargs = dict(num_classes=7, width=4, num_blocks=(1, 1, 1, 1))
   img = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
-  outs = {}
+  models = {}
   for inplace in (False, True):
     model = build("resnet50", kwargs, seed=5)
     model.eval()
     quantize_model(model, [("layer2/0/conv1", GemmQuant(x=fmt))], bfpsim_inplace_fi=inplace)
-    outs[inplace] = model.features(img)[0]
-  np.testing.assert_array_equal(outs[True], jlp.quantize(outs[False], fmt))
+    models[inplace] = model
+
+  @nnx.jit  # both models and the reference in one program (eagerly, hundreds of tiny compiles)
+  def run(functional, inplace, x):
+    out = functional.features(x)[0]
+    return {False: out, True: inplace.features(x)[0]}, jlp.quantize(out, fmt)
+
+  outs, want = run(models[False], models[True], img)
+  np.testing.assert_array_equal(outs[True], want)
   assert not np.array_equal(outs[True], outs[False])

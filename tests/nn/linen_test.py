@@ -46,16 +46,26 @@ X = jax.random.normal(jax.random.key(0), (2, 4, 4, 2))
 COT = jax.random.normal(jax.random.key(2), (2, 3))
 
 
-def test_linen_layers_quantize_their_operands():
-  model = Net(CFG)
-  variables = model.init(jax.random.key(1), X)
-  got = jax.jit(model.apply)(variables, X)
-  p = variables["params"]
+@pytest.fixture(scope="module")
+def variables():
+  """Net's variables for key 1: the same for every cfg (the GemmQuant changes no parameter), so
+  one jitted init serves all tests (an eager init ran the quantized forward op by op)."""
+  return jax.jit(Net(jlp.GemmQuant()).init)(jax.random.key(1), X)
+
+
+@jax.jit
+def _reference_forward(p, x):
   q = lambda v: jlp.quantize(v, "e4m3")
-  h = jax.lax.conv_general_dilated(q(X), q(p["Conv_0"]["kernel"]), (1, 1), "SAME",
+  h = jax.lax.conv_general_dilated(q(x), q(p["Conv_0"]["kernel"]), (1, 1), "SAME",
                                    dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=HI)
   h = (h + p["Conv_0"]["bias"]).mean((1, 2))
-  want = jnp.dot(q(h), q(p["Dense_0"]["kernel"]), precision=HI) + p["Dense_0"]["bias"]
+  return jnp.dot(q(h), q(p["Dense_0"]["kernel"]), precision=HI) + p["Dense_0"]["bias"]
+
+
+def test_linen_layers_quantize_their_operands(variables):
+  model = Net(CFG)
+  got = jax.jit(model.apply)(variables, X)
+  want = _reference_forward(variables["params"], X)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -114,9 +124,8 @@ def _assert_close(got, want, msg):
 
 
 @pytest.mark.parametrize("cfg", [CFG, MIXED], ids=["fp8", "mixed-raw-operands"])
-def test_linen_gradients_follow_the_roles(cfg):
+def test_linen_gradients_follow_the_roles(cfg, variables):
   model = Net(cfg)
-  variables = model.init(jax.random.key(1), X)
   got_p, got_x = _grads(model, variables, X, COT)
   want_p, want_x = _reference_grads(cfg, variables["params"], X, COT)
   _assert_close(got_p, want_p, "params")
@@ -131,9 +140,8 @@ def test_linen_gradients_follow_the_roles(cfg):
     assert not np.allclose(g, w, rtol=1e-3, atol=1e-3), name
 
 
-def test_identity_config_is_the_plain_model():
+def test_identity_config_is_the_plain_model(variables):
   quant = Net(jlp.GemmQuant())
-  variables = quant.init(jax.random.key(1), X)
 
   class Plain(nn.Module):
     @nn.compact

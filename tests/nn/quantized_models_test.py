@@ -75,21 +75,25 @@ def _kernel_key(path):
   return tuple(int(p) if p.isdigit() else p for p in path.split("/")) + ("kernel",)
 
 
-def _loss_and_grads(name, model, x):
-  """Jitted loss and gradient over every Param; returns (loss, {path: grad ndarray})."""
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+def _loss_and_grads(name, models, x):
+  """Loss and gradient over every Param of each model, all in one jitted program (one compile
+  instead of one per model); returns [(loss, {path: grad ndarray})] in the models' order."""
+  graphdefs, params, rests = zip(*(nnx.split(m, nnx.Param, ...) for m in models))
 
   @jax.jit
-  def value_and_grad(params, rest, x):
-    def loss_fn(p):
-      return _loss(name, nnx.merge(graphdef, p, rest, copy=True), x)
+  def value_and_grad(params, rests, x):
+    def one(graphdef, p, rest):
+      return jax.value_and_grad(
+          lambda p: _loss(name, nnx.merge(graphdef, p, rest, copy=True), x))(p)
 
-    return jax.value_and_grad(loss_fn)(params)
+    return [one(*args) for args in zip(graphdefs, params, rests, strict=True)]
 
-  loss, grads = value_and_grad(params, rest, x)
-  flat = {path: np.asarray(g.get_value()) for path, g in nnx.to_flat_state(grads)}
-  assert flat.keys() == {path for path, _ in nnx.to_flat_state(params)}
-  return float(loss), flat
+  out = []
+  for (loss, grads), p in zip(value_and_grad(params, rests, x), params, strict=True):
+    flat = {path: np.asarray(g.get_value()) for path, g in nnx.to_flat_state(grads)}
+    assert flat.keys() == {path for path, _ in nnx.to_flat_state(p)}
+    out.append((float(loss), flat))
+  return out
 
 
 # FCN and VGG19 (25-35 s each here), ResNet18/50 and DavidNet (6-14 s) run in the slow tier: the
@@ -107,10 +111,8 @@ SLOW = ("fcn", "vgg19", "resnet18", "resnet50", "davidnet")
                                   else n for n in sorted(TINY)])
 def test_quantized_forward_and_backward_under_jit(name):
   x = TINY[name][1](jax.random.key(3))
-  ref_loss, ref_grads = _loss_and_grads(name, _build(name), x)
-  assert np.isfinite(ref_loss)
-
   variants = {"fp8": FP8, "bfp": BFP} if name in CONV_MODELS else {"fp8": FP8}
+  models = {}
   for label, rules in variants.items():
     model = _build(name)
     gemms = zoo.gemm_modules(model)
@@ -118,8 +120,11 @@ def test_quantized_forward_and_backward_under_jit(name):
     assert set(report.kinds) == set(gemms), label
     assert set(report.layers) == set(gemms), label  # every GEMM layer quantized
     assert not report.unchanged and not report.unused_rules, label
+    models[label] = model
 
-    loss, grads = _loss_and_grads(name, model, x)
+  (ref_loss, ref_grads), *quantized = _loss_and_grads(name, [_build(name), *models.values()], x)
+  assert np.isfinite(ref_loss)
+  for label, (loss, grads) in zip(models, quantized, strict=True):
     assert np.isfinite(loss), label
     assert loss != ref_loss, label
     for path, g in grads.items():

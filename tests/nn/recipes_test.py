@@ -142,10 +142,11 @@ def test_gemm_call_order_leaves_the_model_unchanged():
   x = jax.random.normal(jax.random.key(0), (4, 8, 8, 1))
   quantize_model(model, [(".*", GemmQuant(x=FloatFormat(4, 3)))])
   model.eval()
-  before = model(x)
+  fwd = nnx.jit(lambda m, x: m(x))  # eager, the quantized forward compiled op by op
+  before = fwd(model, x)
   state = nnx.state(model)
   assert gemm_call_order(model, x) == ["conv1", "conv2", "linear"]
-  np.testing.assert_array_equal(model(x), before)
+  np.testing.assert_array_equal(fwd(model, x), before)
   jax.tree.map(np.testing.assert_array_equal, nnx.state(model), state)
   assert type(model.conv1.conv_general_dilated).__name__ == "QConv"
 
@@ -160,7 +161,7 @@ def test_a_layer_the_call_does_not_reach_is_not_first_or_last():
     def __call__(self, x):
       return self.a(self.b(x))  # b first
 
-  model = Net(nnx.Rngs(0))
+  model = Net(nnx.Rngs(jax.random.key(0, impl="rbg")))  # rbg: cheaper init compiles, any values do
   assert gemm_call_order(model, jnp.zeros((2, 4))) == ["b", "a"]
   rules = recipe_rules("nvfp4", model, jnp.zeros((2, 4)))
   report = quantize_model(model, rules, rngs=nnx.Rngs(quant=0))
@@ -176,7 +177,7 @@ def test_linear_general_with_a_multi_axis_kernel_stays_float32():
     def __call__(self, x):
       return self.out(self.heads(x).reshape(x.shape[0], 8))
 
-  model = Net(nnx.Rngs(0))
+  model = Net(nnx.Rngs(jax.random.key(0, impl="rbg")))  # rbg: cheaper init compiles, any values do
   rules = recipe_rules("mxfp8", model)
   assert rules[0] == QuantRule("heads", None, "mxfp8: LinearGeneral kernel of rank 3, float32")
   report = quantize_model(model, rules)
@@ -251,13 +252,13 @@ def test_a_dense_layer_on_tokens_computes_the_recipe_s_three_gemms(name, fast_co
   key = jax.random.key(7)
   dn = (((2,), (0,)), ((), ()))
 
-  @jax.jit
   def layer(x, w, g):
     y, vjp = jax.vjp(lambda a, b: qdot_general(a, b, dn, recipe_gemm(name), key=key), x, w)
     return (y, *vjp(g))
 
-  y, dx, dw = layer(x, w, g)
-  y_ref, dx_ref, dw_ref = jax.jit(lambda x, w, g: _reference(name, x, w, g, key))(x, w, g)
+  # The layer and its reference in one jitted program: one compile (~40% less than two here).
+  (y, dx, dw), (y_ref, dx_ref, dw_ref) = jax.jit(
+      lambda x, w, g: (layer(x, w, g), _reference(name, x, w, g, key)))(x, w, g)
   for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):  # up to the summation order
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
   # and the recipe does quantize: each GEMM differs from float32
@@ -288,6 +289,8 @@ def test_nvfp4_2d_weight_tiles_give_dgrad_the_forward_weight():
   TE uses one 2-D-quantized weight for fprop and dgrad."""
   cfg = recipe_gemm("nvfp4")
   w = jax.random.normal(jax.random.key(3), (48, 80))
-  q = jax.jit(quantize_f32, static_argnums=1)
-  np.testing.assert_array_equal(q(w, cfg.w), q(w, cfg.dgrad_w))
-  assert not np.array_equal(q(w, cfg.w), q(w, NVFP4Format((1, 16), axis=-2)))
+  # the three quantizations in one jitted program: one compile instead of three
+  fwd_w, dgrad_w, columnwise_1d = jax.jit(lambda w: [quantize_f32(w, f) for f in (
+      cfg.w, cfg.dgrad_w, NVFP4Format((1, 16), axis=-2))])(w)
+  np.testing.assert_array_equal(fwd_w, dgrad_w)
+  assert not np.array_equal(fwd_w, columnwise_1d)

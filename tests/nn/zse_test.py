@@ -32,39 +32,44 @@ def _zse_reference(x, block, man):
 
 
 VEC = np.array([1.0, 0.75, 0.3, -0.2, 0.01, 0.0, -1.9], np.float32)
+# ZSE of a static format, jitted: one compile per shape and format instead of its ops one by one
+# (test_empty_and_bad_input and test_matches_reference_and_truncation_zeros keep eager calls)
+_zse = jax.jit(zero_setting_error, static_argnums=1)
+# the traced-width ZSE of VEC: one jitted function (one compile) for every case
+_ZSE_VEC_TRACED = jax.jit(lambda x, m: zero_setting_error(x, BFPFormat(24, (7,)), man=m))
 
 
 @pytest.mark.parametrize("man,expected", [(2, 4 / 7), (4, 2 / 7), (8, 1 / 7)])
 def test_hand_vector_1d(man, expected):
   fmt = BFPFormat(man, (7,))
-  assert float(zero_setting_error(VEC, fmt)) == pytest.approx(expected, rel=1e-7)
+  assert float(_zse(VEC, fmt)) == pytest.approx(expected, rel=1e-7)
   # the same with a traced width under jit
-  f = jax.jit(lambda x, m: zero_setting_error(x, BFPFormat(24, (7,)), man=m))
-  assert float(f(VEC, jnp.int32(man))) == pytest.approx(expected, rel=1e-7)
+  assert float(_ZSE_VEC_TRACED(VEC, jnp.int32(man))) == pytest.approx(expected, rel=1e-7)
+  assert _ZSE_VEC_TRACED._cache_size() == 1
 
 
 def test_hand_vector_2d_ragged():
   x = np.arange(15, dtype=np.float32).reshape(3, 5) - np.float32(7.3)
-  assert float(zero_setting_error(x, BFPFormat(3, (2, 2)))) == pytest.approx(2 / 15, rel=1e-7)
+  assert float(_zse(x, BFPFormat(3, (2, 2)))) == pytest.approx(2 / 15, rel=1e-7)
   assert _zse_reference(x, (2, 2), 3) == pytest.approx(2 / 15)
 
 
 def test_subnormal_and_zero_groups_count_nothing():
   x = np.array([3e-39, -1e-39, 0.0], np.float32)
-  assert float(zero_setting_error(x, BFPFormat(4, (3,)))) == 0.0
-  assert float(zero_setting_error(np.zeros((4, 6), np.float32), BFPFormat(2, (2, 3)))) == 0.0
+  assert float(_zse(x, BFPFormat(4, (3,)))) == 0.0
+  assert float(_zse(np.zeros((4, 6), np.float32), BFPFormat(2, (2, 3)))) == 0.0
   # a zero group next to a normal group: only the normal group's zeros count
   y = np.array([0, 0, 0, 1.0, 0, 2.0**-10], np.float32)
-  assert float(zero_setting_error(y, BFPFormat(4, (3,)))) == pytest.approx(2 / 6)
+  assert float(_zse(y, BFPFormat(4, (3,)))) == pytest.approx(2 / 6)
 
 
 def test_padding_is_not_counted():
   # 5 elements, block 4: the ragged last group [1.0] is padded with 3 zeros.
   x = np.array([1.0, 1.0, 1.0, 1.0, 1.0], np.float32)
-  assert float(zero_setting_error(x, BFPFormat(2, (4,)))) == 0.0
+  assert float(_zse(x, BFPFormat(2, (4,)))) == 0.0
   # groups [[1, 2^-20], [0, 0]] (3 zeroed) and [[1], [0]] (1 zeroed; its padding column not)
   x2 = np.array([[1.0, 2.0**-20, 1.0], [0.0, 0.0, 0.0]], np.float32)
-  assert float(zero_setting_error(x2, BFPFormat(4, (2, 2)))) == pytest.approx(4 / 6)
+  assert float(_zse(x2, BFPFormat(4, (2, 2)))) == pytest.approx(4 / 6)
   assert _zse_reference(x2, (2, 2), 4) == pytest.approx(4 / 6)
 
 
