@@ -257,8 +257,15 @@ def _in_runs(pipe, state, xs, ys, lengths):
 # cases take the fill's decisions across GPipe's runs, hetpipe-1f1b the pulls counted over runs;
 # timeline_test's test_decisions_do_not_depend_on_how_they_are_asked_for covers every GPipe sync's
 # decisions).
+#
+# Also slow: allreduce with 1F1B. The splitting of 1F1B runs (what stays in flight, the run-length
+# programs) is bit-checked by preduce's, adpsgd's and hetpipe's 1F1B cases; allreduce's own aligned
+# placement over runs of 1 to 5 is fill_test's test_a_pruned_fill_runs_and_drains_as_the_whole_one
+# [allreduce-...], and its chunks carried across runs, retries and flushes applied exactly once on
+# the devices are fill_test's test_every_chunk_counts_once_through_retries_and_flushes[allreduce].
 @pytest.mark.parametrize("sync,schedule", [
-    ("allreduce", "1f1b"), pytest.param("none", "1f1b", marks=pytest.mark.slow),
+    pytest.param("allreduce", "1f1b", marks=pytest.mark.slow),
+    pytest.param("none", "1f1b", marks=pytest.mark.slow),
     ("preduce", "1f1b"), ("adpsgd", "1f1b"), ("hetpipe", "1f1b"),
     pytest.param("allreduce", "gpipe", marks=pytest.mark.slow),
     pytest.param("none", "gpipe", marks=pytest.mark.slow),
@@ -675,11 +682,13 @@ def test_every_stage_draws_its_own_numbers(mesh):
   """A compressor that draws (DrawRecorder keeps its last draw in its state) in every stage's
   sync: the S stages' flat gradients have the same layout, so only the stage index folded into
   the key tells their draws apart; every (pipeline, stage, partition) draw differs. The run
-  reports the sync's bytes and non-finite count per mini-batch."""
-  xs, ys = _data(2)
+  reports the sync's bytes and non-finite count per mini-batch. One run of 5 mini-batches and no
+  flush: it completes mini-batches 0 and 1 (S = 4), so one program, not a run's and a flush's."""
+  xs, ys = _data(5)
   pipe = Pipeline(STAGES, loss_fn, optax.sgd(0.1), mesh, schedule="1f1b",
                   grad_sync=GradSync(compression=DrawRecorder(), min_size=0))
-  state, metrics = _train(pipe, pipe.init(_params()), xs, ys)
+  state, metrics = pipe.run(pipe.init(_params()), xs, ys)
+  assert list(metrics["batch"]) == [0, 1]
   draws = np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree.leaves(state.sync_state)])
   assert draws.size == N * S * N and np.unique(draws).size == draws.size
   assert metrics["wire_bytes"].shape == (2,) and (metrics["wire_bytes"] > 0).all()
@@ -704,11 +713,13 @@ _STAGE_SYNCS = {
 }
 
 
-# DGC's top-k on every stage compiles for a minute here: slow tier (onebit and TernGrad stay).
-# Also slow: onebit_ring (onebit_ps keeps the compressed path with its per-stage state,
-# terngrad_ring the ring topology) and kahan_e5m2_ring (aps_e4m3 keeps the uncompressed format
-# path; Kahan ring sums are tests/collectives').
-_SLOW_STAGE_SYNCS = ("dgc_ps", "onebit_ring", "kahan_e5m2_ring")
+# DGC's top-k on every stage compiles for a minute here: slow tier (onebit stays).
+# Also slow: onebit_ring and terngrad_ring (onebit_ps keeps the compressed path with its per-stage
+# state and unpadded per-stage buffers; the pipeline has no topology-specific code, and
+# tests/train/compressed_step_test.py::test_compressed_step_equals_a_direct_sync[terngrad-
+# stochastic-ring] runs TernGrad's ring against a direct sync) and kahan_e5m2_ring (aps_e4m3 keeps
+# the uncompressed format path; Kahan ring sums are tests/collectives').
+_SLOW_STAGE_SYNCS = ("dgc_ps", "onebit_ring", "terngrad_ring", "kahan_e5m2_ring")
 
 
 @pytest.fixture(scope="module")
@@ -824,10 +835,14 @@ def test_the_lockstep_goldens_tell_schedules_and_syncs_apart():
 
 
 # sync="none" in the slow tier: fill_test::test_idle_fraction_is_the_idle_share_of_virtual_time[none]
-# runs 1F1B with pipeline 1 twice as slow and no sync (each pipeline by its own clock); hetpipe and
-# preduce keep the slow pipeline's updates here.
+# runs 1F1B with pipeline 1 twice as slow and no sync (each pipeline by its own clock); hetpipe
+# keeps the slow pipeline's updates, rows and reported mini-batches here. preduce in the slow tier
+# too: the counting is the executor's, whatever the sync (hetpipe's case), and fill_test's
+# test_a_run_again_from_an_earlier_state_does_what_it_did[preduce] and
+# test_another_model_in_the_middle_of_a_fill_is_refused run PReduce's 1F1B on the devices under this
+# slowdown (fill_test's SLOW), every mini-batch applied once at every stage through the flush.
 @pytest.mark.parametrize("sync", [pytest.param("none", marks=pytest.mark.slow), "hetpipe",
-                                  "preduce"])
+                                  pytest.param("preduce", marks=pytest.mark.slow)])
 def test_a_pipeline_twice_as_slow_makes_about_half_the_updates(mesh, sync):
   """Pipeline 1 is 2x slower at every stage (virtual time): over 40 mini-batches in runs of 10 it
   completes 40-60 % of pipeline 0's updates (`updates`), takes fewer of the stream's rows, and
