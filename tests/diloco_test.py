@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -36,17 +37,23 @@ def _mesh():
 
 
 @functools.lru_cache(maxsize=None)
-def _runner(d, steps):
+def _runner(d, steps, check_vma=True):
+  """Step 1 traced on its own (from the replicated params `init` sees), steps 2..T as one
+  lax.scan over the carried (params, state): the step's syncs and merges are lax.conds on the
+  traced step count, so one traced step serves them all (compile time no longer grows with T).
+  check_vma=False: as jlp.train's step runs its shard_map."""
+  def step(carry, grads_t):
+    params, state = d.step(carry[0], grads_t, carry[1], axis_name="data")
+    return (params, state), (params, state.wire_bytes)
+
   def body(params, grads):
-    state = d.init(params)
-    hist = []
-    for t in range(steps):
-      params, state = d.step(params, [g[t, 0] for g in grads], state, axis_name="data")
-      hist.append((params, state.wire_bytes))
-    hist = jax.tree.map(lambda *xs: jnp.stack(xs)[None], *hist)
+    grads = [g[:, 0] for g in grads]
+    carry, first = step((params, d.init(params)), [g[0] for g in grads])
+    (_, state), rest = lax.scan(step, carry, [g[1:] for g in grads])
+    hist = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b])[None], first, rest)
     return hist, jax.tree.map(lambda x: x[None], state)
   return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(None, "data")),
-                               out_specs=P("data")))
+                               out_specs=P("data"), check_vma=check_vma))
 
 
 def run(d, params, grads):
@@ -348,20 +355,13 @@ def test_hashable_static_argument_and_validation():
 
 
 def test_same_bits_without_check_vma():
-  """jlp.train's step runs its shard_map with check_vma=False: the same bits there. Three steps:
-  fragment 1 syncs at steps 1 and 3 and is blended at step 2, fragment 0 syncs at step 2 and is
-  blended at step 3."""
+  """jlp.train's step runs its shard_map with check_vma=False: the same bits there, at every
+  step. Three steps: fragment 1 syncs at steps 1 and 3 and is blended at step 2, fragment 0
+  syncs at step 2 and is blended at step 3."""
   params, grads = random_data(3, seed=10)
   d = DiLoCo(optax.adamw(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True), period=2,
              fragments=2, overlap=1, alpha=0.5, outer_format="e2m1")
-
-  def body(params, grads):
-    state = d.init(params)
-    for t in range(3):
-      params, state = d.step(params, [g[t, 0] for g in grads], state)
-    return [x[None] for x in params]
-  fn = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(None, "data")),
-                             out_specs=P("data"), check_vma=False))
   got, _, _ = run(d, params, grads)
-  for i, x in enumerate(fn(params, grads)):
-    np.testing.assert_array_equal(np.asarray(x), got[i][:, 2])
+  (unchecked, _), _ = _runner(d, 3, check_vma=False)(params, grads)
+  for i, x in enumerate(unchecked):
+    np.testing.assert_array_equal(np.asarray(x), got[i])

@@ -236,11 +236,12 @@ def test_aps_huge_and_tiny_gradients_neither_overflow_nor_vanish(algorithm):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_aps_all_zero_leaves_give_zeros(algorithm):
-  ranks = random_ranks(8, [(10,), (4,)], seed=7)
+  # SHAPES and these options: the program of test_identical_on_every_rank_and_run_to_run.
+  ranks = random_ranks(8, SHAPES, seed=7)
   for r in ranks:
-    r[1] = np.zeros(4, F32)
-  got = reduced(ranks, fmt="e4m3", algorithm=algorithm, aps=True, kahan=True)
-  assert (got[1] == 0).all() and not np.signbit(got[1]).any()
+    r[2] = np.zeros(16, F32)
+  got = reduced(ranks, fmt="e4m3", algorithm=algorithm, kahan=True, aps=True)
+  assert (got[2] == 0).all() and not np.signbit(got[2]).any()
   alone = reduced([[r[0]] for r in ranks], fmt="e4m3", algorithm=algorithm, aps=True, kahan=True)
   ref.assert_same_bits(got[0], alone[0])  # each leaf has its own exponent
 

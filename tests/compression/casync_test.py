@@ -309,9 +309,11 @@ def test_bad_inputs_rejected():
 # onebit on PS runs in the slow tier: W = 3 changes nothing on PS but the partition count, and
 # test_matches_simulation_two_steps[tbq-ps] runs the same PS path (a dense codec with an
 # error-feedback state, unkeyed) with K = W and K < W; onebit's encode is codecs_test.py's.
+# TBQ on the ring is slow too: the looped W = 3 hop with a worker state carried on the ring is
+# the graddrop-ring case's, and the ring's dense merges are two_steps[qsgd-ring]'s.
 @pytest.mark.parametrize("name, topology", [
-    ("dgc", "ring"), ("tbq", "ring"), pytest.param("onebit", "ps", marks=pytest.mark.slow),
-    ("graddrop", "ring")])
+    ("dgc", "ring"), pytest.param("tbq", "ring", marks=pytest.mark.slow),
+    pytest.param("onebit", "ps", marks=pytest.mark.slow), ("graddrop", "ring")])
 def test_matches_simulation_three_ranks(name, topology):
   """W = 3 (a looped ring hop; DGC's servers differ per hop), one call against
   casync_refs.simulate: every rank's result and state, and the wire bytes."""

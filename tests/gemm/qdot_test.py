@@ -66,12 +66,18 @@ def _reference(cfg, x, w, g, fwd, dlhs, drhs):
   return y, dx, dw
 
 
+_RUN = {}
+
+
 def run(fn, x, w, g):
-  """(y, dx, dw) of fn at (x, w) with cotangent g, as one jitted program."""
-  def f(x, w, g):
-    y, vjp = jax.vjp(fn, x, w)
-    return (y,) + vjp(g)
-  return jax.jit(f)(x, w, g)
+  """(y, dx, dw) of fn at (x, w) with cotangent g, as one jitted program (one per fn: calls
+  with the same fn and shapes share its trace and compile)."""
+  if fn not in _RUN:
+    def f(x, w, g):
+      y, vjp = jax.vjp(fn, x, w)
+      return (y,) + vjp(g)
+    _RUN[fn] = jax.jit(f)
+  return _RUN[fn](x, w, g)
 
 
 def check(got, want, base=None, affects="yxw", msg=""):
