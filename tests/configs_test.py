@@ -186,7 +186,10 @@ def test_sdpipe_resnet50_lr_schedule():
 
 def test_hipress_bert_small_trains_on_glue_tsv_files(tmp_path, fast_compile):
   """The full BERT config's data path (glue_tsv: SST-2 layout, WordPiece over vocab.txt) with a
-  tiny model: two steps with TBQ over CaSync-Ring."""
+  tiny model: two steps with TBQ over CaSync-Ring on the gradients of more than 100 floats (the
+  word and position embeddings, the attention, MLP and pooler kernels: 9 of 25 leaves; each
+  compressed leaf compiles a codec and ring of its own; configs/hipress_bert_small.py:local, in
+  the slow tier, compresses every leaf)."""
   vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "good", "bad", "film", "##s", "not", "."]
   (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
   sentences = [("a good film .", 1), ("a bad film .", 0), ("not good films", 0),
@@ -200,7 +203,7 @@ def test_hipress_bert_small_trains_on_glue_tsv_files(tmp_path, fast_compile):
   c.model.kwargs.vocab = len(vocab)
   c.model.kwargs.max_len = 8         # the dataset's max_len follows (a reference)
   c.model.kwargs.update({"hidden": 16, "num_layers": 1, "heads": 2, "mlp_dim": 32})
-  c.compression.min_size = 0
+  c.compression.min_size = 100
   c.batch_size, c.eval_batch_size = 16, 8
   c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 2, 1, 2, 0
   train, _ = recipe.datasets(c)

@@ -48,14 +48,18 @@ def _both(fmts: tuple, rows_per_tile):
   return jax.jit(run)
 
 
-def check(x, block, axis, rows_per_tile, elems=("float8_e4m3fn", "float8_e5m2"), rule="divide",
-          combos=None):
-  """Kernel == XLA path (uint32 views) == reference, for each element format, pow2 on and off
-  (or for the (element, pow2) pairs `combos`)."""
-  combos = combos or tuple((e, p) for e in elems for p in (False, True))
-  fmts = tuple(BlockScaledFormat(e, block=block, axis=axis, pow2_scale=p, scale_rule=rule)
+def _formats(block, axis, rule, combos):
+  return tuple(BlockScaledFormat(e, block=block, axis=axis, pow2_scale=p, scale_rule=rule)
                for e, p in combos)
-  got_all, want_all = _both(fmts, rows_per_tile)(jnp.asarray(x))
+
+
+def check(x, block, axis, rows_per_tile, elems=("float8_e4m3fn", "float8_e5m2"), rule="divide",
+          combos=None, results=None):
+  """Kernel == XLA path (uint32 views) == reference, for each element format, pow2 on and off
+  (or for the (element, pow2) pairs `combos`); `results`: those of `_both`, computed already."""
+  combos = combos or tuple((e, p) for e in elems for p in (False, True))
+  fmts = _formats(block, axis, rule, combos)
+  got_all, want_all = _both(fmts, rows_per_tile)(jnp.asarray(x)) if results is None else results
   for fmt, got, want in zip(fmts, got_all, want_all, strict=True):
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == np.float32 and got.shape == x.shape
@@ -132,9 +136,10 @@ DEFAULT_COMBOS = {"128x128 normal": (E5P,), "256x272 normal": (E4,), "304x304 bo
 
 
 @pytest.mark.parametrize("name,make,block,axis,rows_per_tile,combos", _split(CASES, DEFAULT_COMBOS))
-def test_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile, combos):
-  del name  # the test id
-  check(make(), block, axis, rows_per_tile, combos=combos)
+def test_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile, combos, request):
+  x = make()
+  check(x, block, axis, rows_per_tile, combos=combos,
+        results=_default_results(request, ("divide", name, combos), x))
 
 
 RECIPROCAL_CASES = [c for c in CASES if c[0] in ("128x128 normal", "304x304 axis 0", "ties",
@@ -154,21 +159,83 @@ RECIPROCAL_DEFAULT_COMBOS = {"ties": (E4,), "specials": (E4P, E5), "per tensor":
 @pytest.mark.parametrize("name,make,block,axis,rows_per_tile,combos",
                          _split(RECIPROCAL_CASES, RECIPROCAL_DEFAULT_COMBOS))
 def test_reciprocal_rule_matches_xla_path_and_reference(name, make, block, axis, rows_per_tile,
-                                                        combos):
+                                                        combos, request):
   """scale_rule="reciprocal" (TransformerEngine's multiplier and scale_inv)."""
-  del name  # the test id
-  check(make(), block, axis, rows_per_tile, rule="reciprocal", combos=combos)
+  x = make()
+  check(x, block, axis, rows_per_tile, rule="reciprocal", combos=combos,
+        results=_default_results(request, ("reciprocal", name, combos), x))
+
+
+WIDER_DEFAULT = (("float16", False), ("bfloat16", True))
+
+
+def wider_input():
+  return np.concatenate([special_rows(130, 8), outlier_normal((6, 130), 9)])
 
 
 # Each element and each pow2_scale once in the default tier; the other two pairs are slow.
 @pytest.mark.parametrize("combos", [
-    pytest.param((("float16", False), ("bfloat16", True)), id="float16+bfloat16-pow2"),
+    pytest.param(WIDER_DEFAULT, id="float16+bfloat16-pow2"),
     pytest.param((("float16", True), ("bfloat16", False)), id="float16-pow2+bfloat16",
                  marks=pytest.mark.slow)])
-def test_wider_elements(combos):
+def test_wider_elements(combos, request):
   """float16 / bfloat16 elements (subnormal quotients): G = 17 x 3 = 51 blocks of 64, 13 tiles."""
-  x = np.concatenate([special_rows(130, 8), outlier_normal((6, 130), 9)])
-  check(x, (1, 64), -1, 4, combos=combos)
+  x = wider_input()
+  check(x, (1, 64), -1, 4, combos=combos,
+        results=_default_results(request, ("divide", "wider", combos), x))
+
+
+@functools.lru_cache(maxsize=None)
+def _default_keys():
+  keys = {(rule, name, combos)
+          for rule, default in (("divide", DEFAULT_COMBOS),
+                                ("reciprocal", RECIPROCAL_DEFAULT_COMBOS))
+          for name, combos in default.items()}
+  return keys | {("divide", "wider", WIDER_DEFAULT)}
+
+
+def _default_checks():
+  """(key, x, block, axis, rows_per_tile, rule, combos) of the default tier's `check` calls above
+  (test_matches_xla_path_and_reference, test_reciprocal_rule_..., test_wider_elements)."""
+  out = []
+  for rule, cases, default in (("divide", CASES, DEFAULT_COMBOS),
+                               ("reciprocal", RECIPROCAL_CASES, RECIPROCAL_DEFAULT_COMBOS)):
+    for name, make, block, axis, rows_per_tile in cases:
+      if name in default:
+        out.append(((rule, name, default[name]), make(), block, axis, rows_per_tile, rule,
+                    default[name]))
+  out.append((("divide", "wider", WIDER_DEFAULT), wider_input(), (1, 64), -1, 4, "divide",
+              WIDER_DEFAULT))
+  return out
+
+
+@pytest.fixture(scope="module")
+def default_results():
+  """{key: (x, `_both` results)} of `_default_checks`, all computed by one jitted program (a
+  program per check compiles each apart, with more overhead per program)."""
+  checks = _default_checks()
+  assert {c[0] for c in checks} == _default_keys()
+  fmts = [_formats(block, axis, rule, combos) for _, _, block, axis, _, rule, combos in checks]
+  rows = [c[4] for c in checks]
+
+  def run(xs):
+    return [([kernel.block_scaled_quantize(x, f, interpret=True, rows_per_tile=r) for f in fs],
+             [xla_block_scaled.block_scaled_quantize(x, f) for f in fs])
+            for x, fs, r in zip(xs, fmts, rows, strict=True)]
+
+  outs = jax.jit(run)([jnp.asarray(c[1]) for c in checks])
+  return {c[0]: (c[1], o) for c, o in zip(checks, outs, strict=True)}
+
+
+def _default_results(request, key, x):
+  """The results of a default-tier check from `default_results` (None for the slow params);
+  x must be the input they were computed from, bit for bit."""
+  if key not in _default_keys():
+    return None
+  bx, results = request.getfixturevalue("default_results")[key]
+  assert np.array_equal(np.asarray(bx, np.float32).view(np.uint32),
+                        np.asarray(x, np.float32).view(np.uint32))
+  return results
 
 
 def test_jlp_quantize_pallas_equals_xla_with_gradient():

@@ -9,21 +9,18 @@ uninterrupted run for resume.
 
 import os
 import shutil
-import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
 
 from configs import digits
+from entry_points import run_main
 from jlp import plots
 from jlp.train import loop, pipeline_loop, recipe
 from jlp.train.checkpoint import Checkpointer
 from jlp.train.metrics import read_metrics
 from runs import final_checkpoint, sigint_before, stable
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pipelined_config(**pipeline):
@@ -392,14 +389,15 @@ def test_boundaries_that_do_not_cover_the_model_fail_before_compiling(tmp_path):
 
 
 def test_cli_takes_the_pipeline_fields(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run(
-      [sys.executable, "-m", "experiments.train", "--config=configs/digits.py:local",
-       f"--workdir={tmp_path}", "--config.pipeline.schedule=gpipe", "--config.pipeline.stages=4",
-       "--config.pipeline.boundaries=(1,1,1,1)", "--config.pipeline.sync=bogus"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-  assert "config.pipeline.sync='bogus' is not allowed" in r.stderr
+  """The pipeline fields as --config.* flags of experiments.train (in this process: its flags,
+  messages and exit status; tests/train/first_hour_test.py starts it as a real process, also for
+  config errors that exit 2 in one line)."""
+  status, _, err = run_main(
+      "experiments.train", "--config=configs/digits.py:local",
+      f"--workdir={tmp_path}", "--config.pipeline.schedule=gpipe", "--config.pipeline.stages=4",
+      "--config.pipeline.boundaries=(1,1,1,1)", "--config.pipeline.sync=bogus")
+  assert status == 2 and "Traceback" not in err, err
+  assert "config.pipeline.sync='bogus' is not allowed" in err
 
 
 @pytest.mark.slow
