@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,9 +9,7 @@ from PIL import Image
 
 import jlp
 from jlp import plots
-from entry_points import run_main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from entry_points import entry_point, run_main
 
 
 def fake_run(path, losses, accuracies):
@@ -104,8 +100,7 @@ def test_plot_cli(tmp_path):
   status, stdout, err = run_main("experiments.plot", str(tmp_path / "run"), f"--out={out}")
   assert status == 0 and stdout == f"wrote {out}\n", err
   assert out.exists()
-  r = subprocess.run([sys.executable, "-m", "experiments.plot", "--out=x.png"], cwd=ROOT,
-                     capture_output=True, text=True, timeout=120)
+  r = entry_point("experiments.plot", "--out=x.png", timeout=120)
   assert r.returncode == 2 and "no run directory given" in r.stderr, r.stderr
   assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 

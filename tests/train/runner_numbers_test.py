@@ -9,8 +9,6 @@ References: the uninterrupted run (resume), the per-step losses of a run logging
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,9 +19,8 @@ import pytest
 from jlp.train import checkpoint, data_parallel_loop, loop, metrics as metrics_lib, \
     workdir as workdir_record
 from jlp.train.metrics import read_metrics
+from entry_points import entry_point
 from runs import final_checkpoint, sigint_before, small_digits, stable
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def preset_config(**fields):
@@ -136,13 +133,11 @@ def test_the_entry_point_refuses_another_device_count(two_step_run, tmp_path):
   workdir = str(tmp_path / "run")
   shutil.copytree(two_step_run, workdir)
   c = two_step_config()
-  args = [sys.executable, "-m", "experiments.train", "--config=configs/digits.py",
-          f"--workdir={workdir}", "--cpu_devices=2", "--config.model.kwargs.width=8",
-          "--config.schedule.name=constant", "--config.max_steps=4",
-          *[f"--config.{k}={c[k]}" for k in ("batch_size", "log_every", "eval_every",
-                                             "checkpoint_every")]]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  r = entry_point("experiments.train", "--config=configs/digits.py", f"--workdir={workdir}",
+                  "--cpu_devices=2", "--config.model.kwargs.width=8",
+                  "--config.schedule.name=constant", "--config.max_steps=4",
+                  *[f"--config.{k}={c[k]}" for k in ("batch_size", "log_every", "eval_every",
+                                                     "checkpoint_every")], timeout=300)
   assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
   assert f"devices '{jax.device_count()} devices' -> '2 devices'" in r.stderr
 
