@@ -35,6 +35,11 @@ import orbax.checkpoint as ocp
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "jlp_manifest.json"
 COMPLETION_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
+# orbax's array handler but without replica-parallel saves: those split every replicated array
+# into one slice per replica, each an eagerly compiled program (8 per leaf shape on 8 devices) at
+# the first save of a process, to write the parts of an array that one host holds whole anyway.
+_REGISTRY = ocp.type_handlers.create_type_handler_registry(
+    (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
 _said: set[tuple[str, int]] = set()  # (directory, step) whose fallback line was printed
 
 
@@ -167,7 +172,8 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-        item_names=("state", "meta"))
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_REGISTRY),
+                       "meta": ocp.JsonCheckpointHandler()})
     self._sealer: threading.Thread | None = None
     self._stop = threading.Event()
 
@@ -189,7 +195,7 @@ class Checkpointer:
       self._manager.wait_until_finished()
       self._manager.delete(step)
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     if jax.process_index() == 0:
       self._sealer = threading.Thread(target=self._seal_when_done, args=(step,), daemon=True,
                                       name=f"jlp-seal-{step}")
@@ -219,8 +225,10 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """Checkpoint `step` as (state shaped and sharded like `abstract_state`, meta)."""
     target = jax.tree.map(_restore_target, abstract_state)
+    state = ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        state=state, meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
 
   def meta(self, step: int) -> dict[str, Any]:
