@@ -30,16 +30,22 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "jlp_manifest.json"
 COMPLETION_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
-# orbax's array handler but without replica-parallel saves: those split every replicated array
-# into one slice per replica, each an eagerly compiled program (8 per leaf shape on 8 devices) at
-# the first save of a process, to write the parts of an array that one host holds whole anyway.
+# orbax's type handlers, its jax.Array one without replica-parallel saves: those split every
+# replicated array into one slice per replica, each an eagerly compiled program (8 per leaf shape
+# on 8 devices) at the first save of a process, to write the parts of an array that one host
+# holds whole anyway. (orbax's global registry is left as it is.)
 _REGISTRY = ocp.type_handlers.create_type_handler_registry(
-    (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
+    (jax.Array, ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False, array_metadata_store=array_metadata_store.Store())),
+    *((t, ocp.type_handlers.get_type_handler(t))
+      for t in (int, float, bytes, np.number, np.ndarray, str)))
 _said: set[tuple[str, int]] = set()  # (directory, step) whose fallback line was printed
 
 

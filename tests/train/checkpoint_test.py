@@ -179,3 +179,17 @@ def test_a_checkpoint_of_orbax_standard_handler_restores(tmp_path):
   ck.close()
   assert meta == {"step": 7}
   _same(restored, state)
+
+
+def test_numpy_arrays_and_python_numbers_round_trip(tmp_path):
+  """Leaves that are not jax arrays keep orbax's own handlers (numpy arrays, scalars)."""
+  state = {"w": jnp.arange(6.0), "n": np.arange(5, dtype=np.int16), "i": 3, "f": 0.25}
+  ck = Checkpointer(str(tmp_path))
+  ck.save(2, state, {"step": 2})
+  ck.wait()
+  restored, _ = ck.restore(2, state)
+  ck.close()
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert isinstance(restored["n"], np.ndarray) and restored["n"].dtype == np.int16
+  np.testing.assert_array_equal(restored["n"], state["n"])
+  assert (restored["i"], restored["f"]) == (3, 0.25)
