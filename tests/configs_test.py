@@ -114,12 +114,19 @@ def test_grad_format_follows_grad_exp_and_grad_man():
 # BERT on TSV files and the compressed-step tests cover the same code in the default one. The
 # pipelined ResNet-50 (45 s) and BERT (20-40 s) are slow too; tests/train/pipeline_loop_test.py
 # covers the pipelined runner in the default tier. CPD's ResNet50 / ImageNet (35-70 s) and
-# HiPress's VGG19 (15-25 s) are slow: CPD's ResNet18 and HiPress's compressed digits runs cover
-# the same loop.
+# HiPress's VGG19 (15-25 s) are slow: BFPsim's ResNet18, CPD's FCN and HiPress's compressed
+# digits runs cover the same loop.
 # configs/digits.py:local trains in the default tier through the entry point
-# (tests/train/first_hour_test.py) and in runner_data_test's non-finite loss run.
+# (tests/train/first_hour_test.py) and in runner_data_test's non-finite loss run. CPD's DavidNet
+# (5 s) and ResNet18 (6-9 s) are slow: CPD's FCN runs the same recipe loop in the default tier
+# (CPD's low-precision gradient all-reduce, e4m3 without APS, on the local digits), BFPsim's
+# ResNet18 trains a ResNet18 through it, tests/train/loop_test.py the all-reduce with APS,
+# tests/models/models_test.py DavidNet's and ResNet18's forward and gradients,
+# tests/train/optim_test.py Nesterov SGD and cpd_resnet18_lr, and the two schedule tests below
+# each config's schedule as recipe.schedule builds it.
 SLOW_LOCAL = ("hipress_resnet50", "hipress_bert_small", "sdpipe_resnet50", "sdpipe_bert_small",
-              "cpd_resnet50_imagenet", "hipress_vgg19", "digits")
+              "cpd_resnet50_imagenet", "hipress_vgg19", "digits", "cpd_davidnet_cifar10",
+              "cpd_resnet18_cifar10")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LOCAL
@@ -184,12 +191,48 @@ def test_sdpipe_resnet50_lr_schedule():
   assert c.max_steps == 100 * spe and c.eval_every % c.pipeline.batches_per_call == 0
 
 
+def test_cpd_davidnet_lr_schedule():
+  """CPD's DavidNet rule (configs/cpd_davidnet_cifar10.py): lr 0.4 interpolated linearly over
+  epochs (0, 5, 24) through scales (0, 1, 0), times (c + 1) / 62 over the first 62 updates;
+  reference: the rule in float64 Python. One jitted program for all the counts."""
+  c = importlib.import_module("configs.cpd_davidnet_cifar10").get_config()
+  spe = 50000 // 4096  # 12 steps per epoch (drop_last)
+  lr = recipe.schedule(c, spe, 50000)
+  counts = np.array([0, 1, 7, 30, 59, 60, 61, 62, 100, 175, 287], np.int32)
+  got = jax.jit(jax.vmap(lr))(counts)
+
+  def want(count):
+    epoch = count / spe
+    scale = epoch / 5 if epoch <= 5 else max(0.0, (24 - epoch) / 19)
+    return 0.4 * scale * min(1.0, (count + 1) / 62)
+  # float32: the interpolation's rounding is relative to the peak 0.4 (near epoch 24 too)
+  np.testing.assert_allclose(got, [want(int(n)) for n in counts], rtol=1e-5, atol=4e-7)
+  assert float(got[5]) < float(got[7]) and float(got[-1]) < float(got[-2])
+
+
+def test_cpd_resnet18_lr_schedule():
+  """CPD ResNet18's rule (cpd.md §6.1) as configs/cpd_resnet18_cifar10.py's run builds it: batch
+  4096 of 50,000 images, ipe = 13; at CPD step s = count + 1: 0.1 + 1.5 s / 65 while s <= 65,
+  then 1.6, x0.1 once s > 520, x0.1 again once s > 1040; reference: the rule in float64 Python,
+  rounded to float32 once."""
+  c = importlib.import_module("configs.cpd_resnet18_cifar10").get_config()
+  lr = recipe.schedule(c, 50000 // 4096, 50000)
+  counts = np.array([0, 1, 30, 63, 64, 65, 300, 519, 520, 521, 1039, 1040, 1220], np.int32)
+  got = np.asarray(jax.jit(jax.vmap(lr))(counts))
+
+  def want(s):
+    if s <= 65:
+      return 0.1 + 1.5 * s / 65
+    return 1.6 * (0.1 if s > 520 else 1) * (0.1 if s > 1040 else 1)
+  np.testing.assert_array_equal(got, np.array([want(int(n) + 1) for n in counts], np.float32))
+
+
 def test_hipress_bert_small_trains_on_glue_tsv_files(tmp_path, fast_compile):
   """The full BERT config's data path (glue_tsv: SST-2 layout, WordPiece over vocab.txt) with a
-  tiny model: two steps with TBQ over CaSync-Ring on the gradients of more than 100 floats (the
-  word and position embeddings, the attention, MLP and pooler kernels: 9 of 25 leaves; each
-  compressed leaf compiles a codec and ring of its own; configs/hipress_bert_small.py:local, in
-  the slow tier, compresses every leaf)."""
+  tiny model: two steps with TBQ over CaSync-Ring on the gradients of more than 300 floats (the
+  MLP's two kernels, 512 floats each: 2 of 25 leaves; each compressed leaf adds a codec and ring
+  of its own to the step's program, so the 9 leaves over 100 floats compiled 1-2 s longer for the
+  same code; configs/hipress_bert_small.py:local, in the slow tier, compresses every leaf)."""
   vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "good", "bad", "film", "##s", "not", "."]
   (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
   sentences = [("a good film .", 1), ("a bad film .", 0), ("not good films", 0),
@@ -203,7 +246,7 @@ def test_hipress_bert_small_trains_on_glue_tsv_files(tmp_path, fast_compile):
   c.model.kwargs.vocab = len(vocab)
   c.model.kwargs.max_len = 8         # the dataset's max_len follows (a reference)
   c.model.kwargs.update({"hidden": 16, "num_layers": 1, "heads": 2, "mlp_dim": 32})
-  c.compression.min_size = 100
+  c.compression.min_size = 300
   c.batch_size, c.eval_batch_size = 16, 8
   c.max_steps, c.log_every, c.eval_every, c.checkpoint_every = 2, 1, 2, 0
   train, _ = recipe.datasets(c)
