@@ -5,6 +5,7 @@ sync="allreduce"), then the same optax update (GPipe's update, Huang et al. 2019
 schedule must equal it). Float32 throughout: agreement to float32 rounding (the schedules sum the
 micro-batches' gradients, the reference differentiates the mean)."""
 
+import functools
 import pathlib
 import re
 
@@ -64,21 +65,42 @@ def _full_loss(params, x, y, stages):
 _full_value_and_grad = jax.jit(jax.value_and_grad(_full_loss), static_argnums=3)
 
 
+# The references' optimizer steps, jitted (optimizer and sync static): one compile per optimizer
+# and model instead of one per eager op and parameter shape. The optimizers are module-level so
+# that the tests that share one share its compiled steps.
+SGD = optax.sgd(0.1)
+SGD_MOMENTUM = optax.sgd(0.1, momentum=0.9)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _reference_init(optimizer, params):
+  return optimizer.init(params)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _reference_step(optimizer, sync, grads, opts, expected):
+  """Every pipeline's optax update of one mini-batch (after the mean over the pipelines with
+  sync="allreduce")."""
+  if sync == "allreduce":
+    grads = [jax.tree.map(lambda *g: sum(g) / N, *grads)] * N
+  new_expected, new_opts = [], []
+  for i in range(N):
+    updates, opt = optimizer.update(grads[i], opts[i], expected[i])
+    new_expected.append(optax.apply_updates(expected[i], updates))
+    new_opts.append(opt)
+  return new_expected, new_opts
+
+
 def _reference(stages, params, xs, ys, optimizer, sync, rows=ROWS):
   """Per pipeline, the stage params after every mini-batch, and the mean losses."""
   expected = [params] * N
-  opts = [optimizer.init(params)] * N
+  opts = [_reference_init(optimizer, params)] * N
   losses = []
   for b in range(len(xs)):
     parts = [(xs[b][i * rows:(i + 1) * rows], ys[b][i * rows:(i + 1) * rows]) for i in range(N)]
     out = [_full_value_and_grad(expected[i], *parts[i], tuple(stages)) for i in range(N)]
     losses.append(np.mean([float(loss) for loss, _ in out]))
-    grads = [g for _, g in out]
-    if sync == "allreduce":
-      grads = [jax.tree.map(lambda *g: sum(g) / N, *grads)] * N
-    for i in range(N):
-      updates, opts[i] = optimizer.update(grads[i], opts[i], expected[i])
-      expected[i] = optax.apply_updates(expected[i], updates)
+    expected, opts = _reference_step(optimizer, sync, [g for _, g in out], opts, expected)
   return expected, losses
 
 
@@ -118,7 +140,7 @@ def _stage_count(schedule):
         ("dualpipev", 8, "none"), ("1f1b_flush", 8, "allreduce"))]])
 def test_every_flush_schedule_equals_the_unpipelined_model(mesh, schedule, m, sync):
   stages, params = _model(_stage_count(schedule))
-  optimizer = optax.sgd(0.1, momentum=0.9)
+  optimizer = SGD_MOMENTUM
   xs, ys = _data(2)
   pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=m,
                   sync=sync)
@@ -146,9 +168,9 @@ def test_torchs_dualpipev_csv_runs_as_written(mesh):
   table = Schedule.from_orders(table.orders()).validate()
   stages, params = _model(table.num_stages)
   xs, ys = _data(1, rows=10)
-  pipe = Pipeline(stages, loss_fn, optax.sgd(0.1), mesh, schedule=table, num_microbatches=10)
+  pipe = Pipeline(stages, loss_fn, SGD, mesh, schedule=table, num_microbatches=10)
   state, metrics = pipe.run(pipe.init(params), xs, ys)
-  expected, losses = _reference(stages, params, xs, ys, optax.sgd(0.1), "allreduce", rows=10)
+  expected, losses = _reference(stages, params, xs, ys, SGD, "allreduce", rows=10)
   _assert_params(pipe, state, expected)
   np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-5)
 
@@ -161,7 +183,7 @@ def split_backward_runs(mesh):
   is compiled once (lowered with the run's own input layout, so the run reuses it)."""
   stages, params = _model(D)
   xs, ys = _data(1)
-  optimizer = optax.sgd(0.1, momentum=0.9)
+  optimizer = SGD_MOMENTUM
   expected, _ = _reference(stages, params, xs, ys, optimizer, "allreduce")
   placed = [jax.device_put(a, NamedSharding(mesh, P(None, "data"))) for a in (xs, ys)]
   runs = {}
@@ -190,7 +212,7 @@ def test_w_is_a_real_split_and_i_plus_w_is_the_full_backward(mesh, split_backwar
   late_w = Schedule.from_orders(orders).validate()
   stages, params = _model(D)
   xs, ys = _data(1)
-  optimizer = optax.sgd(0.1, momentum=0.9)  # split_backward_runs's: ZB-H1 and 1F1B-flush run there
+  optimizer = SGD_MOMENTUM  # split_backward_runs's: ZB-H1 and 1F1B-flush run there
   shared, expected = split_backward_runs
   runs = {name: shared[False, name][0] for name in ("zb_h1", "1f1b_flush")}
   pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=late_w, num_microbatches=M)
@@ -292,7 +314,8 @@ def test_buffers_are_sized_by_the_schedule_not_by_m(mesh):
 
 
 def test_stateful_quantized_stages_in_a_v_schedule():
-  """The digits CNN with e4m3 stochastic-rounding layers (per-layer RNG counters in the stage state)
+  """The digits CNN with e4m3 stochastic-rounding layer inputs (per-layer RNG counters in the stage
+  state; quantized weights too in executor_test's test_quantized_zoo_model_trains_in_a_pipeline)
   and BatchNorm, split into 4 stages on 2 devices in a V (ZB-V, 4 micro-batches): each pipeline's
   update and BatchNorm statistics equal the unsplit model's run over the micro-batches in order
   (statistics of each micro-batch, counters advancing once per micro-batch forward), gradients
@@ -307,7 +330,7 @@ def test_stateful_quantized_stages_in_a_v_schedule():
   M = 4
   model = get_model("small_cnn", num_classes=10, width=4, rngs=nnx.Rngs(0))
   fmt = FloatFormat.from_name("e4m3", rounding="stochastic")
-  quantize_model(model, [QuantRule(".*", GemmQuant(x=fmt, w=fmt))], rngs=nnx.Rngs(quant=3))
+  quantize_model(model, [QuantRule(".*", GemmQuant(x=fmt))], rngs=nnx.Rngs(quant=3))
   model.train()
   split = split_model(model, 4)
   mesh = pipeline_mesh(N, 2)
@@ -406,7 +429,7 @@ def test_b_i_and_w_run_from_the_forwards_residuals(mesh, split_backward_runs):
   forward from the kept input. Both give the unpipelined model's update; the default compiles to
   fewer dots (no forward in B, I or W) and I + W still equals B bit for bit."""
   stages, _ = _model(D)
-  optimizer = optax.sgd(0.1, momentum=0.9)
+  optimizer = SGD_MOMENTUM
   runs, expected = split_backward_runs
   got = {key: stage_params for key, (stage_params, _) in runs.items()}
   dots = {key: count for key, (_, count) in runs.items()}
@@ -446,7 +469,7 @@ def test_a_tick_issues_a_collective_only_on_the_shifts_it_sends_on(mesh):
   # 1F1B-flush's steady state sends both ways at once.
   assert flush_tables(Schedule.named("1f1b_flush", D, M)).sends.all(axis=1).any()
   stages, params = _model(D)
-  optimizer = optax.sgd(0.1, momentum=0.9)
+  optimizer = SGD_MOMENTUM
   xs, ys = _data(2)
   pipe = Pipeline(stages, loss_fn, optimizer, mesh, schedule=schedule, num_microbatches=M)
   state, metrics = pipe.run(pipe.init(params), xs, ys)
