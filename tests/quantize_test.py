@@ -43,25 +43,26 @@ def test_stochastic_needs_a_key_and_is_a_function_of_the_key():
   b = jax.jit(lambda x, k: jlp.quantize(x, fmt, key=k))(x, jax.random.key(1))
   w = np.asarray(x)[::-1].copy()
 
-  @jax.jit  # the other casts in one program (eagerly, each op of each compiles on its own)
-  def others(x, k1, k2):
+  @jax.jit  # the other casts in one program (eagerly, each op of each compiles on its own), and
+  def others(x, k1, k2):  # the key words and jax.random.bits of the references (jax's, not jlp's)
     return (jlp.quantize(x, fmt, key=k2),
             jax.grad(lambda x: jnp.sum(jlp.quantize(x, "e4m3", bwd=fmt, key=k1) * w))(x),
             jlp.quantize(x, fmt, key=k1, rng="jax"),
-            jlp.quantize(x, fmt, key=k1, index_offset=12345))
+            jlp.quantize(x, fmt, key=k1, index_offset=12345),
+            jax.random.key_data(k1), jax.random.key_data(jax.random.fold_in(k1, 1)),
+            jax.random.bits(k1, x.shape, jnp.uint32))
 
-  c, g, by_jax, offset = others(x, jax.random.key(1), jax.random.key(2))
+  c, g, by_jax, offset, k1_data, bwd_data, jbits = others(x, jax.random.key(1), jax.random.key(2))
   ref.assert_same_bits(a, b)
   assert not np.array_equal(a, c)
   # documented streams: "pairs" of key forward, of fold_in(key, 1) backward; "jax" = jax.random.bits
-  words = lambda k: [int(v) for v in np.asarray(jax.random.key_data(k))]
-  rbits = ref.stochastic_draws(words(jax.random.key(1)), x.size)
+  words = lambda data: [int(v) for v in np.asarray(data)]
+  rbits = ref.stochastic_draws(words(k1_data), x.size)
   ref.assert_same_bits(a, ref.round_to_format(np.asarray(x), fmt, rbits))
-  bbits = ref.stochastic_draws(words(jax.random.fold_in(jax.random.key(1), 1)), x.size)
+  bbits = ref.stochastic_draws(words(bwd_data), x.size)
   ref.assert_same_bits(g, ref.round_to_format(w, fmt, bbits))
-  jbits = np.asarray(jax.random.bits(jax.random.key(1), x.shape, jnp.uint32))
-  ref.assert_same_bits(by_jax, ref.round_to_format(np.asarray(x), fmt, jbits))
-  obits = ref.stochastic_draws(words(jax.random.key(1)), x.size, offset=12345)
+  ref.assert_same_bits(by_jax, ref.round_to_format(np.asarray(x), fmt, np.asarray(jbits)))
+  obits = ref.stochastic_draws(words(k1_data), x.size, offset=12345)
   ref.assert_same_bits(offset, ref.round_to_format(np.asarray(x), fmt, obits))
 
 

@@ -185,11 +185,13 @@ def test_cpd_reference_case(impl):
     pytest.param(False, 3, FloatFormat(8, 7), marks=pytest.mark.slow),
 ], ids=str)
 def test_pallas_matches_xla_bit_for_bit(kahan, chunk, fmt):
-  # (37, 21) @ (21, 45), tiles 16x16: grid (3, 3) = 9 steps; M, N, K all padded.
+  # (37, 21) @ (21, 45), tiles 16x16: grid (3, 3) = 9 steps; M, N, K all padded. tile_k=4: K in
+  # a fori_loop of 5 blocks of 4 unrolled steps and a rest of 1 (the default 16 unrolls 21 steps
+  # into the program: the same loop and rest, four times the ops to compile).
   a, b = operands(37, 21, 45, seed=chunk, scale=8.0)
   want = np.asarray(matmul(a, b, accum=fmt, kahan=kahan, chunk=chunk, impl="xla"))
   got = np.asarray(kernel.accum_matmul(a, b, fmt, kahan=kahan, chunk=chunk, interpret=True,
-                                       tile_m=16, tile_n=16))
+                                       tile_m=16, tile_n=16, tile_k=4))
   ref.assert_same_bits(got, want)
 
 

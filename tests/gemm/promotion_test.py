@@ -157,7 +157,9 @@ def test_float32_promotion_keeps_subnormals():
 def test_vmap_and_names():
   a, b = fp8_operands(2 * 3, 20, 4, seed=6)
   a3, b3 = a.reshape(2, 3, 20), np.stack([b, -b])
-  got = np.asarray(jax.vmap(lambda x, y: matmul(x, y, accum="e5m2", promote_every=6))(a3, b3))
+  # jitted: one compile (eagerly, each op of the vmapped loop compiles on its own)
+  got = np.asarray(jax.jit(jax.vmap(lambda x, y: matmul(x, y, accum="e5m2", promote_every=6)))(
+      a3, b3))
   for i in range(2):
     ref.assert_same_bits(got[i], promoted_loop(a3[i], b3[i], E5M2, 6), msg=f"batch {i}")
 

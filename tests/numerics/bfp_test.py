@@ -385,24 +385,50 @@ _SLOW_GROUPING = {((2, 1000), (1, 24)), ((5, 70), (1, 16)), ((6, 90), (1, 40)),
                   ((40, 6), (16, 1)), ((7, 9, 17), (3, 1, 8)), ((2, 3, 4, 5), (1, 1, 1, 1))}
 
 
-@pytest.mark.parametrize("shape, block", [
-    pytest.param(*c, marks=pytest.mark.slow, id=str(c[0]) + "-" + str(c[1]))
-    if c in _SLOW_GROUPING or i >= len(GROUPING_CASES) else c
-    for i, c in enumerate(GROUPING_CASES + _random_grouping_cases(8))], ids=str)
-def test_grouping_matches_previous_xla_path(shape, block, request):
-  """Reference: `_previous_bfp_quantize`, every rounding and a traced width, bit for bit, on
-  `random_array` values (zeros, subnormals, inf, NaN, zero/subnormal-only groups)."""
+# The casts of a case: each rounding and a traced width (VARIANTS). They share the grouping (the
+# group maxima, then the same `bfp_bits` on both sides), so each default case casts one variant
+# (the variants in turn over the default cases, each on two or three of them) and its other three
+# variants are slow.
+VARIANTS = ("truncate", "nearest", "stochastic", "traced man")
+
+
+def _grouping_params():
+  params = []
+  for i, c in enumerate(GROUPING_CASES + _random_grouping_cases(8)):
+    name = str(c[0]) + "-" + str(c[1])
+    if c in _SLOW_GROUPING or i >= len(GROUPING_CASES):
+      params.append(pytest.param(*c, tuple(range(4)), marks=pytest.mark.slow, id=name))
+      continue
+    default = _DEFAULT_VARIANT[c]
+    rest = tuple(v for v in range(4) if v != default)
+    params.append(pytest.param(*c, (default,), id=f"{name}-{VARIANTS[default]}"))
+    params.append(pytest.param(*c, rest, marks=pytest.mark.slow,
+                               id=f"{name}-" + "+".join(VARIANTS[v] for v in rest)))
+  return params
+
+
+_DEFAULT_GROUPING = [c for c in GROUPING_CASES if c not in _SLOW_GROUPING]
+_DEFAULT_VARIANT = {c: i % len(VARIANTS) for i, c in enumerate(_DEFAULT_GROUPING)}
+
+
+@pytest.mark.parametrize("shape, block, variants", _grouping_params())
+def test_grouping_matches_previous_xla_path(shape, block, variants, request):
+  """Reference: `_previous_bfp_quantize`, every rounding and a traced width (`variants` of
+  VARIANTS), bit for bit, on `random_array` values (zeros, subnormals, inf, NaN,
+  zero/subnormal-only groups)."""
   fmts, args = grouping_inputs(shape, block)
-  if (shape, block) in _DEFAULT_GROUPING:  # cast with the other default cases
+  if variants == (_DEFAULT_VARIANT.get((shape, block)),):  # cast with the other default cases
     bfmts, bargs, got, want = request.getfixturevalue("default_groupings")[(shape, block)]
     assert bfmts == fmts and all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
                                  for a, b in zip(args, bargs, strict=True))
   else:
-    got, want = jax.jit(lambda args: (grouping_casts(bfp_quantize, fmts, *args),
-                                      grouping_casts(_previous_bfp_quantize, fmts, *args)))(args)
-  for fmt, g, w in zip(fmts + ["traced man"], got, want, strict=True):
+    got, want = jax.jit(lambda args: (
+        grouping_casts(bfp_quantize, fmts, *args, variants=variants),
+        grouping_casts(_previous_bfp_quantize, fmts, *args, variants=variants)))(args)
+  labels = [str(fmts[v]) if v < 3 else "traced man" for v in variants]
+  for label, g, w in zip(labels, got, want, strict=True):
     np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32),
-                                  err_msg=str(fmt))
+                                  err_msg=label)
 
 
 def grouping_inputs(shape, block):
@@ -416,12 +442,10 @@ def grouping_inputs(shape, block):
   return fmts, (x, rbits, np.int32(rng.integers(1, 25)))
 
 
-def grouping_casts(quantize_fn, fmts, x, r, m):
-  return [quantize_fn(x, f, r if f.rounding == "stochastic" else None)
-          for f in fmts] + [quantize_fn(x, fmts[0], None, man=m)]
-
-
-_DEFAULT_GROUPING = [c for c in GROUPING_CASES if c not in _SLOW_GROUPING]
+def grouping_casts(quantize_fn, fmts, x, r, m, variants=tuple(range(len(VARIANTS)))):
+  """The casts `variants` (indices into VARIANTS: fmts[0..2], fmts[0] with the traced width m)."""
+  return [quantize_fn(x, fmts[v], r if fmts[v].rounding == "stochastic" else None) if v < 3
+          else quantize_fn(x, fmts[0], None, man=m) for v in variants]
 
 
 @pytest.fixture(scope="module")
@@ -430,9 +454,10 @@ def default_groupings():
   test_grouping_matches_previous_xla_path, all in one jitted program (a program per case
   compiles each apart)."""
   cases = [grouping_inputs(*c) for c in _DEFAULT_GROUPING]
+  variants = [(_DEFAULT_VARIANT[c],) for c in _DEFAULT_GROUPING]
   outs = jax.jit(lambda all_args: [
-      (grouping_casts(bfp_quantize, fmts, *args),
-       grouping_casts(_previous_bfp_quantize, fmts, *args))
-      for (fmts, _), args in zip(cases, all_args)])([args for _, args in cases])
+      (grouping_casts(bfp_quantize, fmts, *args, variants=v),
+       grouping_casts(_previous_bfp_quantize, fmts, *args, variants=v))
+      for (fmts, _), args, v in zip(cases, all_args, variants)])([args for _, args in cases])
   return {c: (fmts, args, got, want)
           for c, (fmts, args), (got, want) in zip(_DEFAULT_GROUPING, cases, outs, strict=True)}

@@ -89,11 +89,12 @@ def test_jax_stream_is_jax_random_bits():
 
 
 def test_deterministic_per_key_and_flat_index():
-  a = np.asarray(rb.random_bits(KEY, (48, 16)))
-  np.testing.assert_array_equal(a, np.asarray(jax.jit(lambda k: rb.random_bits(k, (48, 16)))(KEY)))
-  np.testing.assert_array_equal(a.ravel(), np.asarray(rb.random_bits(KEY, (768,))))
-  b = np.asarray(rb.random_bits(jax.random.fold_in(KEY, 1), (48, 16)))
-  assert np.mean(a == b) < 0.01
+  a = np.asarray(rb.random_bits(KEY, (48, 16)))  # eagerly; the rest in one program
+  jitted, flat, b = jax.jit(lambda k: (rb.random_bits(k, (48, 16)), rb.random_bits(k, (768,)),
+                                       rb.random_bits(jax.random.fold_in(k, 1), (48, 16))))(KEY)
+  np.testing.assert_array_equal(a, np.asarray(jitted))
+  np.testing.assert_array_equal(a.ravel(), np.asarray(flat))
+  assert np.mean(a == np.asarray(b)) < 0.01
 
 
 def test_argument_errors():
@@ -135,9 +136,22 @@ def byte_statistics(words: np.ndarray) -> dict:
   }
 
 
+@pytest.fixture(scope="module")
+def stat_streams():
+  """N_STAT draws of KEY's "pairs" and "jax" streams and of the "pairs" streams of its backward
+  key and of a neighbouring folded key, from one jitted program (shared by the statistical tests;
+  eagerly each stream would be generated again op by op)."""
+  streams = jax.jit(lambda k: {
+      "pairs": rb.random_bits(k, (N_STAT,), rng="pairs"),
+      "jax": rb.random_bits(k, (N_STAT,), rng="jax"),
+      "backward": rb.random_bits(backward_key(k), (N_STAT,)),
+      "folded": rb.random_bits(jax.random.fold_in(k, 2), (N_STAT,))})(KEY)
+  return {name: np.asarray(words) for name, words in streams.items()}
+
+
 @pytest.mark.parametrize("rng", ["pairs", "jax"])
-def test_bytes_and_byte_pairs_are_uniform(rng):
-  words = np.asarray(rb.random_bits(KEY, (N_STAT,), rng=rng))
+def test_bytes_and_byte_pairs_are_uniform(rng, stat_streams):
+  words = stat_streams[rng]
   z = byte_statistics(words)
   assert all(abs(v) < 4.5 for v in z.values()), z
 
@@ -176,15 +190,16 @@ def neighbour_correlations(words: np.ndarray) -> list:
   return out
 
 
-def test_no_correlation_between_neighbouring_elements():
+def test_no_correlation_between_neighbouring_elements(stat_streams):
   bound = 4.5 / math.sqrt(N_STAT)
   for rng in ("pairs", "jax"):
-    words = np.asarray(rb.random_bits(KEY, (N_STAT,), rng=rng))
+    words = stat_streams[rng]
     assert max(abs(c) for c in neighbour_correlations(words)) < bound, rng
-  # the forward and backward streams, and the streams of neighbouring folded keys
-  fwd = np.asarray(rb.random_bits(KEY, (N_STAT,)))
-  for other in (backward_key(KEY), jax.random.fold_in(KEY, 2)):
-    assert abs(correlations(fwd, np.asarray(rb.random_bits(other, (N_STAT,))))) < bound
+  # the forward ("pairs", the default stream) and backward streams, and the streams of
+  # neighbouring folded keys
+  fwd = stat_streams["pairs"]
+  for other in ("backward", "folded"):
+    assert abs(correlations(fwd, stat_streams[other])) < bound, other
 
 
 # -- stochastic rounding with a key ------------------------------------------------------------
