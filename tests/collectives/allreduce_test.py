@@ -22,6 +22,7 @@ becomes 2^-s [n*eta + u*A*2^s + ((1 + d)^n - 1)((1 + u) A 2^s + n*eta + eta/d)].
 fmt=None: d = u32, eta = 0.
 """
 
+import functools
 import os
 import sys
 
@@ -54,6 +55,28 @@ def reduced(leaves_per_rank, **options):
     for r in range(1, o.shape[0]):
       ref.assert_same_bits(o[r], o[0], msg=f"rank {r} differs from rank 0")
   return [o[0] for o in outs]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_each(w, option_sets):
+  def body(*xs):
+    xs = [x[0] for x in xs]
+    return tuple(o[None] for options in option_sets
+                 for o in allreduce(xs, "r", **dict(options)))
+  return jax.jit(jax.shard_map(body, mesh=mesh_of(w), in_specs=P("r"), out_specs=P("r")))
+
+
+def reduced_each(leaves_per_rank, *option_sets):
+  """`reduced` for each option set, all in one program (one compile; for the cases of a test
+  that no other test compiles): per option set, the result per leaf."""
+  fn = _compiled_each(len(leaves_per_rank),
+                      tuple(tuple(sorted(options.items())) for options in option_sets))
+  outs = [np.asarray(o) for o in fn(*dev.stack(leaves_per_rank))]
+  for o in outs:
+    for r in range(1, o.shape[0]):
+      ref.assert_same_bits(o[r], o[0], msg=f"rank {r} differs from rank 0")
+  leaves = len(leaves_per_rank[0])
+  return [[o[0] for o in outs[i * leaves:(i + 1) * leaves]] for i in range(len(option_sets))]
 
 
 def random_ranks(w, shapes, seed=0, scale_exp=(-3, 3)):
@@ -90,11 +113,11 @@ def test_aps_two_rank_e4m3_case():
   ranks = [[np.array([0.001, -0.0003], F32)], [np.array([0.0007, 0.0002], F32)]]
   fmt = FloatFormat(4, 3)
   want = np.array([0.001708984375, -0.0001068115234375], F32)
-  for aps in (True, "cpd"):
-    for algorithm in ALGORITHMS:
-      got = reduced(ranks, fmt=fmt, aps=aps, algorithm=algorithm)[0]
-      ref.assert_same_bits(got, want, msg=f"aps={aps} {algorithm}")
-  ref.assert_same_bits(reduced(ranks, fmt=fmt)[0], np.array([0.001953125, 0.0], F32))
+  cases = [dict(aps=aps, algorithm=algorithm) for aps in (True, "cpd") for algorithm in ALGORITHMS]
+  *got, plain = reduced_each(ranks, *(dict(fmt=fmt, **c) for c in cases), dict(fmt=fmt))
+  for case, g in zip(cases, got, strict=True):
+    ref.assert_same_bits(g[0], want, msg=f"{case}")
+  ref.assert_same_bits(plain[0], np.array([0.001953125, 0.0], F32))
   ref.assert_same_bits(cref.allreduce(ranks, fmt, aps=True)[0], want)
 
 
@@ -127,8 +150,8 @@ def test_cpd_compat_format_equals_ieee_format_away_from_quirks():
   """compat='cpd' e5m2 only differs from IEEE e5m2 near overflow, FP32 subnormals and subnormal
   ties with sticky bits; well-scaled data gives the same sum (a smoke test of the plumbing)."""
   ranks = random_ranks(8, [(64,)], seed=2)
-  a = reduced(ranks, fmt=FloatFormat(5, 2, compat="cpd"), aps=True)[0]
-  b = reduced(ranks, fmt=FloatFormat(5, 2), aps=True)[0]
+  (a,), (b,) = reduced_each(ranks, dict(fmt=FloatFormat(5, 2, compat="cpd"), aps=True),
+                            dict(fmt=FloatFormat(5, 2), aps=True))
   ref.assert_same_bits(a, b)
 
 
@@ -191,12 +214,16 @@ def test_error_within_proven_bound(algorithm, fmt):
   ranks = random_ranks(8, [(300,)], seed=4, scale_exp=(-2, 2))
   x = np.stack([r[0] for r in ranks]).astype(np.float64)
   exact = x.sum(0)
-  got = reduced(ranks, fmt=fmt, algorithm=algorithm)[0].astype(np.float64)
+  if fmt is None:
+    got = reduced(ranks, fmt=fmt, algorithm=algorithm)[0].astype(np.float64)
+  else:  # with and without APS in one program
+    (got,), (got_aps,) = reduced_each(ranks, dict(fmt=fmt, algorithm=algorithm),
+                                      dict(fmt=fmt, algorithm=algorithm, aps=True))
+    got, got_aps = got.astype(np.float64), got_aps.astype(np.float64)
   err = np.abs(got - exact)
   assert (err <= fold_bound(x, fmt)).all(), float((err / fold_bound(x, fmt)).max())
   if fmt is not None:
     assert err.max() > 0  # the format does round here
-    got_aps = reduced(ranks, fmt=fmt, algorithm=algorithm, aps=True)[0].astype(np.float64)
     m = np.max(np.abs(x)) * 8
     shift = min(max(fmt.emax - int(np.ceil(np.log2(m))), -126), 126)
     assert (np.abs(got_aps - exact) <= fold_bound(x, fmt, 2.0 ** shift)).all()
@@ -226,11 +253,12 @@ def test_aps_huge_and_tiny_gradients_neither_overflow_nor_vanish(algorithm):
     ranks = random_ranks(8, [(50,)], seed=6)
     ranks = [[(g * F32(2.0 ** k)).astype(F32) for g in r] for r in ranks]
     x = np.stack([r[0] for r in ranks]).astype(np.float64)
-    got = reduced(ranks, fmt=fmt, algorithm=algorithm, aps=True)[0]
+    (got,), (plain,) = reduced_each(ranks, dict(fmt=fmt, algorithm=algorithm, aps=True),
+                                    dict(fmt=fmt, algorithm=algorithm))
     assert np.isfinite(got).all()
     rel = np.abs(got - x.sum(0)) / np.abs(x).sum(0)
     assert rel.max() < 0.5 and np.count_nonzero(got) > 40
-    plain = reduced(ranks, fmt=fmt, algorithm=algorithm)[0]  # without APS they do
+    # plain: without APS they do
     assert (not np.isfinite(plain).all()) if k > 0 else (plain == 0).all()
 
 
@@ -248,18 +276,19 @@ def test_aps_all_zero_leaves_give_zeros(algorithm):
 
 def test_aps_cpd_reproduces_nan_on_all_zero_gradients():
   ranks = [[np.zeros(3, F32)] for _ in range(4)]
-  assert np.isnan(reduced(ranks, fmt="e5m2", aps="cpd")[0]).all()
-  assert (reduced(ranks, fmt="e5m2", aps=True)[0] == 0).all()
+  (cpd,), (aps,) = reduced_each(ranks, dict(fmt="e5m2", aps="cpd"), dict(fmt="e5m2", aps=True))
+  assert np.isnan(cpd).all()
+  assert (aps == 0).all()
 
 
 def test_aps_with_8_bit_exponent_is_finite_and_cpd_mode_is_not():
   """e8m7: emax = 127, so CPD's shift 127 - e exceeds 127 whenever max|gW| <= 1/2 (cpd.md §4)."""
   ranks = random_ranks(4, [(20,)], seed=8, scale_exp=(-12, -8))
   x = np.stack([r[0] for r in ranks]).astype(np.float64)
-  got = reduced(ranks, fmt="e8m7", aps=True)[0]
+  (got,), (cpd,) = reduced_each(ranks, dict(fmt="e8m7", aps=True), dict(fmt="e8m7", aps="cpd"))
   assert np.isfinite(got).all()
   assert (np.abs(got - x.sum(0)) <= fold_bound(x, FloatFormat(8, 7), 2.0 ** 126)).all()
-  assert not np.isfinite(reduced(ranks, fmt="e8m7", aps="cpd")[0]).any()
+  assert not np.isfinite(cpd).any()
 
 
 def test_kahan_beats_plain_fold_on_adversarial_inputs():
@@ -268,9 +297,10 @@ def test_kahan_beats_plain_fold_on_adversarial_inputs():
   big = rng.uniform(1, 2, 200).astype(F32)
   ranks = [[big]] + [[rng.uniform(0.05, 0.15, 200).astype(F32)] for _ in range(7)]
   exact = np.stack([r[0] for r in ranks]).astype(np.float64).sum(0)
-  for algorithm in ALGORITHMS:
-    plain = reduced(ranks, fmt="e5m2", algorithm=algorithm)[0]
-    kahan = reduced(ranks, fmt="e5m2", algorithm=algorithm, kahan=True)[0]
+  runs = reduced_each(ranks, *(dict(fmt="e5m2", algorithm=algorithm, kahan=kahan)
+                               for algorithm in ALGORITHMS for kahan in (False, True)))
+  for i, algorithm in enumerate(ALGORITHMS):
+    (plain,), (kahan,) = runs[2 * i:2 * i + 2]
     e_plain, e_kahan = np.abs(plain - exact).sum(), np.abs(kahan - exact).sum()
     assert e_kahan < 0.5 * e_plain, (algorithm, e_kahan, e_plain)
 

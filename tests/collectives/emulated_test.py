@@ -39,14 +39,22 @@ def emulated_one_device(nodes, **options):
 
 def emulated_on_mesh(nodes, w, **options):
   """nodes split over w devices (device d holds nodes d*N .. d*N + N-1); device 0's result."""
+  return emulated_on_mesh_each(nodes, w, options)[0]
+
+
+def emulated_on_mesh_each(nodes, w, *option_sets):
+  """emulated_on_mesh for each option set, all in one program (one compile; the parts the
+  sets share are compiled once): per option set, device 0's result per leaf."""
   def body(*xs):
-    return tuple(o[None] for o in emulated_allreduce(list(xs), axis_name="r", **options))
+    return tuple(o[None] for options in option_sets
+                 for o in emulated_allreduce(list(xs), axis_name="r", **options))
   fn = jax.jit(jax.shard_map(body, mesh=mesh_of(w), in_specs=P("r"), out_specs=P("r")))
   outs = [np.asarray(o) for o in fn(*stack(nodes))]
   for o in outs:
     for d in range(1, w):
       ref.assert_same_bits(o[d], o[0], msg=f"device {d} differs from device 0")
-  return [o[0] for o in outs]
+  leaves = len(nodes[0])
+  return [[o[0] for o in outs[i * leaves:(i + 1) * leaves]] for i in range(len(option_sets))]
 
 
 # The option sets of allreduce_test's reference test (their device runs are compiled once).
@@ -97,15 +105,14 @@ def test_flat_four_devices_times_two_nodes_equals_eight_devices(algorithm):
 def test_cpd_two_level_matches_python_reference(fmt, aps, kahan, algorithm):
   """4 devices x 2 virtual nodes: local APS (multiplier 2), plain fold, then the 4-way allreduce."""
   nodes = random_nodes(8, seed=4)
-  got = emulated_on_mesh(nodes, 4, form="cpd", fmt=fmt, aps=aps, kahan=kahan, algorithm=algorithm,
-                         mean=True)
+  options = dict(fmt=fmt, aps=aps, kahan=kahan, algorithm=algorithm, mean=True)
+  got, flat = emulated_on_mesh_each(nodes, 4, dict(form="cpd", **options),
+                                    dict(form="flat", **options))
   per_device = [nodes[2 * d:2 * d + 2] for d in range(4)]
   want = cref.cpd_two_level(per_device, fmt, aps, kahan, cast_single=False, mean=True,
                             algorithm=algorithm)
   for g, w in zip(got, want, strict=True):
     ref.assert_same_bits(g, w)
-  flat = emulated_on_mesh(nodes, 4, form="flat", fmt=fmt, aps=aps, kahan=kahan,
-                          algorithm=algorithm, mean=True)
   if fmt is not None:  # two levels round differently from one flat reduction
     assert any(not ref.same_bits(a, b).all() for a, b in zip(got, flat, strict=True))
 
@@ -115,13 +122,12 @@ def test_cpd_single_node_skip_and_always_cast(aps):
   """N == 1: ResNet18 (cast_single=False) hands g over uncast, ResNet50 (True) casts it first."""
   nodes = random_nodes(4, seed=5)
   fmt = FloatFormat(3, 1)
-  results = {}
-  for cast_single in (False, True):
-    got = emulated_on_mesh(nodes, 4, form="cpd", fmt=fmt, aps=aps, cast_single=cast_single)
+  results = dict(zip((False, True), emulated_on_mesh_each(
+      nodes, 4, *(dict(form="cpd", fmt=fmt, aps=aps, cast_single=c) for c in (False, True)))))
+  for cast_single, got in results.items():
     want = cref.cpd_two_level([[node] for node in nodes], fmt, aps, False, cast_single)
     for g, w in zip(got, want, strict=True):
       ref.assert_same_bits(g, w, msg=f"cast_single={cast_single}")
-    results[cast_single] = got
   assert any(not ref.same_bits(a, b).all()
              for a, b in zip(results[False], results[True], strict=True))
 
@@ -131,8 +137,10 @@ def test_cpd_local_level_only_and_its_zero_guard():
   nodes = random_nodes(4, seed=6)
   for node in nodes:
     node[1] = np.zeros(3, F32)
-  for aps in ("cpd", True):
-    got = emulated_one_device(nodes, fmt="e5m2", aps=aps, form="cpd")
+  both = jax.jit(lambda xs: [emulated_allreduce(xs, fmt="e5m2", aps=aps, form="cpd")
+                             for aps in ("cpd", True)])(stack(nodes))  # one program for both
+  for aps, got in zip(("cpd", True), both, strict=True):
+    got = [np.asarray(g) for g in got]
     want = cref.cpd_two_level([nodes], FloatFormat(5, 2), aps, False, False)
     for g, w in zip(got, want, strict=True):
       ref.assert_same_bits(g, w, msg=f"aps={aps}")

@@ -4,6 +4,7 @@ References: ml_dtypes (the float32 value of every code of its float8 / float6 / 
 / float16 types), and allreduce(wire="float32") for the packed reduction's bits (each value that
 crosses devices is a value of the format, so its code carries it exactly)."""
 
+import functools
 import os
 import sys
 
@@ -36,6 +37,15 @@ TYPES = [("float8_e4m3fn", ml_dtypes.float8_e4m3fn), ("float8_e5m2", ml_dtypes.f
 # own, again for each new combination of code width and constants); the values are the same.
 _decode = jax.jit(wire.decode, static_argnums=1)
 _encode = jax.jit(wire.encode, static_argnums=1)
+_pack_nibbles = jax.jit(wire.pack_nibbles)
+_unpack_nibbles = jax.jit(wire.unpack_nibbles, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_and_round_trip(x, fmt):
+  """(float_cast(x, fmt), its codes decoded) as one program per format."""
+  q = float_cast(x, fmt)
+  return q, wire.decode(wire.encode(q, fmt), fmt)
 
 
 def _values_of_every_code(dtype, bits):
@@ -69,9 +79,8 @@ def test_casts_round_trip_through_their_codes(fmt):
   rng = np.random.default_rng(0)
   x = (rng.standard_normal(20000) * 2.0 ** rng.integers(-40, 40, 20000)).astype(np.float32)
   x = np.concatenate([x, np.array([0.0, -0.0, np.inf, -np.inf], np.float32)])
-  q = np.asarray(float_cast(jnp.asarray(x), fmt))
-  back = np.asarray(wire.decode(wire.encode(jnp.asarray(q), fmt), fmt))
-  ref.assert_same_bits(back, q)
+  q, back = _cast_and_round_trip(jnp.asarray(x), fmt)
+  ref.assert_same_bits(np.asarray(back), np.asarray(q))
 
 
 # Slow tier: APS with mean on the ring (the default keeps APS on the ring with aps="cpd", and
@@ -90,10 +99,16 @@ def test_casts_round_trip_through_their_codes(fmt):
 ])
 def test_packed_wire_gives_the_float32_wires_bits(options):
   nodes = dev.random_nodes(8, ((37,), (5, 3), (1,)), seed=3, scale_exp=(-12, 6))
-  packed = dev.on_ranks(nodes, wire="packed", **options)
-  plain = dev.on_ranks(nodes, wire="float32", **options)
+
+  def body(*xs):  # both wires in one program (one compile instead of two)
+    xs = [x[0] for x in xs]
+    return tuple(o[None] for wire_ in ("packed", "float32")
+                 for o in allreduce(xs, "r", wire=wire_, **options))
+  outs = jax.jit(jax.shard_map(body, mesh=dev.mesh_of(8), in_specs=P("r"), out_specs=P("r")))(
+      *dev.stack(nodes))
+  packed, plain = outs[:3], outs[3:]
   for a, b in zip(packed, plain, strict=True):
-    ref.assert_same_bits(a, b)
+    ref.assert_same_bits(np.asarray(a), np.asarray(b))
 
 
 def _collective_dtypes(**options):
@@ -149,14 +164,14 @@ def test_impossible_wires_are_rejected(options, message):
 @pytest.mark.parametrize("n", [1, 2, 7, 16, 33])
 def test_nibbles_carry_two_codes_to_a_byte(n):
   codes = np.random.default_rng(n).integers(0, 16, size=n).astype(np.uint8)
-  packed = np.asarray(wire.pack_nibbles(jnp.asarray(codes)))
+  packed = np.asarray(_pack_nibbles(jnp.asarray(codes)))
   assert packed.shape == (-(-n // 2),) and packed.dtype == np.uint8
   # Written out: code 2i in the low half of byte i, code 2i + 1 in the high half.
   want = [int(codes[2 * i]) | (int(codes[2 * i + 1]) << 4 if 2 * i + 1 < n else 0)
           for i in range(-(-n // 2))]
   np.testing.assert_array_equal(packed, want)
-  np.testing.assert_array_equal(np.asarray(wire.unpack_nibbles(jnp.asarray(packed), n)), codes)
+  np.testing.assert_array_equal(np.asarray(_unpack_nibbles(jnp.asarray(packed), n)), codes)
   two = np.stack([packed, packed[::-1]])  # leading axes kept (an all_gather's)
-  np.testing.assert_array_equal(np.asarray(wire.unpack_nibbles(jnp.asarray(two), n))[0], codes)
+  np.testing.assert_array_equal(np.asarray(_unpack_nibbles(jnp.asarray(two), n))[0], codes)
   assert wire.vector_bytes(FloatFormat.from_name("e2m1"), n) == -(-n // 2)
   assert wire.vector_bytes(FloatFormat.from_name("e4m3"), n) == n

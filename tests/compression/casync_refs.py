@@ -75,8 +75,9 @@ def encode_batch(comp, rows, states, keys):
   else:
     payloads, new = _batch_encoder(comp, True)(rows, states, jnp.stack(keys))
   k = rows.shape[0]
-  return ([jax.tree.map(lambda a, j=j: np.asarray(a[j]), payloads) for j in range(k)],
-          [jax.tree.map(lambda a, j=j: np.asarray(a[j]), new) for j in range(k)])
+  payloads, new = jax.tree.map(np.asarray, (payloads, new))  # rows cut in numpy: no compiles
+  return ([jax.tree.map(lambda a, j=j: a[j], payloads) for j in range(k)],
+          [jax.tree.map(lambda a, j=j: a[j], new) for j in range(k)])
 
 
 def decode(comp, payload, n):

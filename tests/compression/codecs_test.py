@@ -179,30 +179,30 @@ def test_wire_bytes_match_the_reference_encoder(name, n):
 
 
 def test_hand_written_wire_bytes():
-  """Literal HiPress layouts worked out by hand from hipress.md §1."""
+  """Literal HiPress layouts worked out by hand from hipress.md §1 (each encode one program)."""
   # TBQ, tau = 1: codes 2 0 1 2 | 1 (+ three tail slots of code 1).
-  payload, _ = TBQ().encode(jnp.asarray([1.5, -1.2, 0.3, 2.0, -0.5], jnp.float32))
+  payload, _ = _encode(TBQ(), jnp.asarray([1.5, -1.2, 0.3, 2.0, -0.5], jnp.float32), None, None)
   assert TBQ().to_bytes(payload).tobytes() == bytes([0b10_01_00_10, 0x55])
   # onebit two_means: negatives -2 -4 -0.5 -1.5 (mean -2), non-negatives 1 3 0.5 0 5.5 (mean 2).
   x = jnp.asarray([1, -2, 3, -4, 0.5, 0, -0.5, 5.5, -1.5], jnp.float32)
-  payload, state = OneBit().encode(x)
+  payload, state = _encode(OneBit(), x, None, None)
   assert OneBit().to_bytes(payload).tobytes() == bytes([0b0100_1010, 0b1]) + struct.pack(
       "<ff", -2.0, 2.0)
   np.testing.assert_array_equal(OneBit().residual(state), [-1, 0, 1, -2, -1.5, -2, 1.5, 3.5, 0.5])
-  payload, _ = OneBit(scale_mode="l1_mean").encode(x)  # mean |x| = 18 / 9
+  payload, _ = _encode(OneBit(scale_mode="l1_mean"), x, None, None)  # mean |x| = 18 / 9
   assert OneBit(scale_mode="l1_mean").to_bytes(payload).tobytes() == bytes(
       [0b0100_1010, 0b1]) + struct.pack("<f", 2.0)
   # TernGrad b=2: min 0, max 3, gap 1, inv = 1/gap = 1 (compat="hipress": 1/(1 + 1e-8), also 1 in
   # float32); codes 0 1 2 3 | 1 2 2 0 (1.4 -> 1, 2.5 -> 2 and 1.5 -> 2 half to even, 0.5 -> 0),
   # then 1: n = 9, tail 3.
   x = jnp.asarray([0, 1, 2, 3, 1.4, 2.5, 1.5, 0.5, 1.0], jnp.float32)
-  payload, _ = TernGrad().encode(x)
+  payload, _ = _encode(TernGrad(), x, None, None)
   assert TernGrad().to_bytes(payload).tobytes() == (
       bytes([2, 3]) + struct.pack("<ff", 0.0, 3.0) + bytes([0b11_10_01_00, 0b00_10_10_01, 0b01]))
   # TernGrad b=4 on 3 elements: tail 1; b=8: tail 0.
   x = jnp.asarray([-1.0, 0.0, 2.0], jnp.float32)
-  assert TernGrad(bitwidth=4).to_bytes(TernGrad(bitwidth=4).encode(x)[0]).tobytes()[:2] == bytes([4, 1])
-  assert TernGrad(bitwidth=8).to_bytes(TernGrad(bitwidth=8).encode(x)[0]).tobytes() == (
+  assert TernGrad(bitwidth=4).to_bytes(_encode(TernGrad(bitwidth=4), x, None, None)[0]).tobytes()[:2] == bytes([4, 1])
+  assert TernGrad(bitwidth=8).to_bytes(_encode(TernGrad(bitwidth=8), x, None, None)[0]).tobytes() == (
       bytes([8, 0]) + struct.pack("<ff", -1.0, 2.0) + bytes([0, 85, 255]))
   # Sparse (DGC, GradDrop): int32 M = 4 + 8*count, indices, values.
   payload = {"count": np.int32(2), "indices": np.asarray([3, 7, 20], np.int32),
@@ -781,12 +781,18 @@ def test_scales_of_large_tensors_match_float64(log2_n):
   cases = [(OneBit(), "scales", [neg.mean(), pos.mean()]),
            (OneBit(scale_mode="l1_mean"), "scales", [np.abs(v).mean()]),
            (EFSignSGD(), "scale", [np.abs(v).mean()])]
-  for comp, field, want in cases:
-    payload, _ = jax.jit(comp.encode)(jnp.asarray(x))
-    np.testing.assert_allclose(np.asarray(payload[field], np.float64), want, rtol=1e-5,
-                               err_msg=repr(comp))
-  payload, _ = jax.jit(QSGD().encode)(jnp.asarray(x), None, jax.random.key(0))
-  np.testing.assert_allclose(float(payload["norm"][0]), np.sqrt(np.sum(v * v)), rtol=1e-5)
+
+  @jax.jit
+  def scales(x, key):  # the four encodes as one program (each one compiled alone: 4 programs)
+    return ([comp.encode(x)[0][field] for comp, field, _ in cases],
+            QSGD().encode(x, None, key)[0]["norm"])
+  got, norm = scales(jnp.asarray(x), jax.random.key(0))
+  for (comp, _, want), g in zip(cases, got, strict=True):
+    np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-5, err_msg=repr(comp))
+  np.testing.assert_allclose(float(norm[0]), np.sqrt(np.sum(v * v)), rtol=1e-5)
+
+
+_block_sums = jax.jit(compression.ops.block_sums)
 
 
 def test_block_sums_any_length():
@@ -795,7 +801,7 @@ def test_block_sums_any_length():
   for n in (1, 5, 1023, 1024, 1025, 3 * 1024 + 7, 1024 * 1024 + 1):
     a = np.arange(n, dtype=np.float32) % 7
     b = (np.arange(n) % 3 == 0).astype(np.int32)
-    s, c = compression.ops.block_sums((jnp.asarray(a), jnp.asarray(b)))
+    s, c = _block_sums((jnp.asarray(a), jnp.asarray(b)))  # one program per length
     assert float(s) == float(np.sum(a, dtype=np.float64)) and int(c) == int(b.sum()), n
 
 
