@@ -18,6 +18,7 @@ import pytest
 from jlp.formats import FloatFormat
 from jlp.gemm.accum import matmul
 from pallas_kernels import accum_matmul as kernel
+from compiles import backend_compiles
 import references as ref
 
 f32 = np.float32
@@ -253,16 +254,8 @@ def test_an_eager_call_is_one_compiled_program():
   """Called eagerly, the XLA path compiles one program (not each scan, slice and cast apart), and
   gives the bits of the same call under an outer jit."""
   a, b = (jax.device_put(x) for x in operands(3, 11, 2, seed=11))
-  compiled = []
-
-  def listen(event, _, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiled.append(kwargs.get("fun_name"))
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with backend_compiles() as compiled:
     got = matmul(a, b, accum="e4m3", chunk=5, impl="xla")
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert compiled == ["jit(_matmul_xla)"]
   want = jax.jit(lambda a, b: matmul(a, b, accum="e4m3", chunk=5, impl="xla"))(a, b)
   ref.assert_same_bits(np.asarray(got), np.asarray(want))

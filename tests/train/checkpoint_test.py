@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from compiles import backend_compiles
 from jlp.train import checkpoint
 from jlp.train.checkpoint import Checkpointer
 
@@ -134,6 +135,11 @@ def _sharded_state():
           "s": jax.device_put(np.arange(16, dtype=np.int32), sharded)}
 
 
+def _abstract(state):
+  """The restore target of `state`: its shapes, dtypes and shardings (as a run's eval_shape)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
 def _same(got, expected):
   for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     assert g.sharding == e.sharding and g.dtype == e.dtype
@@ -144,20 +150,12 @@ def test_a_save_compiles_nothing_and_restores_every_sharding(tmp_path):
   """Orbax's replica-parallel saves split each replicated array into a slice per device, each an
   eagerly compiled program (8 per leaf shape); jlp's checkpoints write each array whole."""
   state = _sharded_state()
-  compiled = []
-  def listen(event, _, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiled.append(kwargs.get("fun_name"))
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with backend_compiles() as compiled:
     ck = Checkpointer(str(tmp_path))
     ck.save(1, state, {"step": 1})
     ck.wait()
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert compiled == []
-  restored, meta = ck.restore(1, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  restored, meta = ck.restore(1, _abstract(state))
   ck.close()
   assert meta == {"step": 1}
   _same(restored, state)
@@ -174,8 +172,7 @@ def test_a_checkpoint_of_orbax_standard_handler_restores(tmp_path):
   manager.close()
   ck = Checkpointer(str(tmp_path))
   assert ck.latest_step() == 7
-  restored, meta = ck.restore(7, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  restored, meta = ck.restore(7, _abstract(state))
   ck.close()
   assert meta == {"step": 7}
   _same(restored, state)
