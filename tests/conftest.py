@@ -82,8 +82,10 @@ def pytest_configure(config):
   # run long and some tests time them, compiles fully optimised, as does a run with
   # JAX_DISABLE_MOST_OPTIMIZATIONS set (`JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test`).
   import jax  # pylint: disable=g-import-not-at-top
-  gc.callbacks.append(_freeze_the_survivors_of_a_full_collection)
-  if not _OPTIMIZATIONS_CHOSEN and config.option.markexpr.replace(" ", "") == "notslow":
+  default_tier = config.option.markexpr.replace(" ", "") == "notslow"
+  if default_tier:  # measured there; the slow tier's tests hold large arrays, and it has time
+    gc.callbacks.append(_freeze_the_survivors_of_a_full_collection)
+  if not _OPTIMIZATIONS_CHOSEN and default_tier:
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     jax.config.update("jax_disable_most_optimizations", True)
   if config.getoption("compile_times"):
