@@ -582,10 +582,11 @@ class Pipeline:
     self._require_init()
     # Tracing the stages' shapes costs a run of a small model as much as its compute; the
     # structures are fixed from the first init on, so a layout depends on the batches' shapes only.
-    key = (B, rows, _shape_key((xs, ys)))
+    per_row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[2:], a.dtype), (xs, ys))
+    key = (rows, _shape_key(per_row))
     if key not in self._layouts:
       self._layouts[key] = self._new_layout(xs, ys, B, rows)
-    return self._layouts[key]
+    return dataclasses.replace(self._layouts[key], num_batches=B)
 
   def _new_layout(self, xs: Any, ys: Any, B: int, rows: int) -> Layout:
     param_packer, _, state_packer = self._require_init()
@@ -1079,7 +1080,7 @@ class Pipeline:
     batch_sharding = NamedSharding(self.mesh, P(None, DATA))
     xs, ys = (jax.tree.map(lambda a: _put(a, batch_sharding), t) for t in (xs, ys))
     ticks = dict(kind=tables.kind, m=tables.m, slot=tables.slot, keep=tables.keep,
-                 events=tables.events, count=np.int32(tables.ticks),
+                 events=tables.events, count=np.int32(tables.ticks), batches=np.int32(B),
                  **{"global": tables.global_batch})
 
     if layout is None:
@@ -1087,8 +1088,9 @@ class Pipeline:
           lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), tree)
       layout = self._layout(shapes(state.inflight["xs"]), shapes(state.inflight["ys"]),
                             num_batches=0)
-    layout = dataclasses.replace(layout, num_batches=B)
-    key = ("1f1b", _shape_key((xs, ys)), B, len(tables.kind))
+    # B is data of the program (ticks["batches"]): one program serves runs of any length.
+    layout = dataclasses.replace(layout, num_batches=0)
+    key = ("1f1b", _shape_key((xs, ys)), len(tables.kind))
     if key not in self._compiled:
       self._compiled[key] = self._build(layout, state)
     program_state = state._replace(virtual_time=None, inflight={

@@ -111,8 +111,10 @@ class Program:
     BWD), "m" (the op's mini-batch, counted in its pipeline's fill: ring-buffer entries),
     "slot" (where its input and metrics are: [0, S) the pipeline's ring of its last S
     mini-batches, S + k its k-th new one), "global" (the mini-batch over its pipeline's whole
-    training: the sync's random stream); "count" (the ticks run: the table is padded); "keep"
-    [N, S] (the slots that make the new ring); and "events" (the sync mode's, [T, ...]:
+    training: the sync's random stream); "count" (the ticks run: the table is padded);
+    "batches" (the run's B, by which the step advances: data, so that one compiled program
+    serves runs of any length whose tables pad to the same T and K); "keep" [N, S] (the slots
+    that make the new ring); and "events" (the sync mode's, [T, ...]:
     `jlp.pipeline.sync_modes`). Metrics: per pipeline and slot, [N, S + K] on every device (the
     last stage's values and the stages' summed reports, gathered over the pipelines)."""
     squeeze = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)
@@ -144,8 +146,9 @@ class Program:
             self.num_pipelines * self.num_stages)
     out["computed_slots"] = lax.psum(lax.psum(carry["computed"], STAGE), DATA)
     expand = lambda tree: jax.tree.map(lambda x: x[None, None], tree)
+    batches = ticks["batches"] if self.schedule == "1f1b" else self.layout.num_batches
     new_state = state._replace(
-        step=state.step + self.layout.num_batches, params=expand(carry["params"]),
+        step=state.step + batches, params=expand(carry["params"]),
         opt_state=expand(carry["opt"]), model_state=expand(carry["model_state"]),
         global_params=expand(carry["global_params"]), sync_state=expand(carry["sync_state"]),
         inflight=inflight)
