@@ -675,7 +675,9 @@ class Pipeline:
     of each) to the pipelines. GPipe trains each of them to its update. 1F1B keeps flowing: the
     run ends where the next mini-batch would enter stage 0, with the last mini-batches still in
     flight (their inputs, activations, stashed weights and partial metrics in state.inflight),
-    so runs of any lengths do what one run does; `flush` completes them.
+    so runs of any lengths do what one run does; `flush` completes them. 1F1B compiles one
+    program per power-of-two bucket of a run's ticks and new mini-batches, whatever B; GPipe
+    and the flush schedules compile one per B.
 
     The syncs' decisions (groups, mixing matrices) and the virtual clocks come from the
     pipeline's virtual-time model of its fill (`jlp.pipeline.timeline`: the `hetero` cost model,

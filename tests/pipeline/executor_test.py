@@ -197,8 +197,9 @@ def test_a_run_on_batches_of_known_shapes_traces_no_stage(mesh, schedule):
   """The stages are traced when a program is built, not at every run: on a small model, tracing
   their shapes again at each call cost as much as the compiled run. Counted by the Python calls
   of the stage functions: the second and third runs on batches of the first's shapes make none;
-  a new batch shape traces again (its own layout and program), and the weights are still the
-  unpipelined model's."""
+  1F1B's runs of 5, 6 and 7 mini-batches are one program (B is data of it: their tables pad to
+  the same ticks and new mini-batches); a new batch shape traces again (its own layout and
+  program), and the weights are still the unpipelined model's."""
   calls = [0] * S
 
   def counted(s):
@@ -218,8 +219,14 @@ def test_a_run_on_batches_of_known_shapes_traces_no_stage(mesh, schedule):
   for b in (1, 2):
     state, _ = pipe.run(state, xs[b:b + 1], ys[b:b + 1])
   assert calls == traced, (calls, traced)
-  if schedule == "1f1b":  # another shape only after a flush
-    state, _ = pipe.flush(state)
+  if schedule == "1f1b":
+    more_xs, more_ys = _data(18, seed=2)
+    state, _ = pipe.run(state, more_xs[:5], more_ys[:5])
+    traced = list(calls)
+    for start, stop in ((5, 11), (11, 18)):
+      state, _ = pipe.run(state, more_xs[start:stop], more_ys[start:stop])
+    assert calls == traced, (calls, traced)
+    state, _ = pipe.flush(state)  # another shape only after a flush
   state, _ = pipe.run(state, xs[:1, :N * ROWS // 2], ys[:1, :N * ROWS // 2])
   assert all(c > t for c, t in zip(calls, traced)), (calls, traced)
   if schedule == "1f1b":
