@@ -75,7 +75,7 @@ def test_pipeline_executes(tmp_path, monkeypatch):
   assert len(images) >= 4  # schedule tables, loss curves, group sizes, accuracy vs virtual time
 
 
-# 15-17 s (its kernel is the tier's second most expensive process); what it calls is covered by
+# 15-17 s (12 s of CPU in its kernel); what it calls is covered by
 # tests/numerics (nvfp4_test: every NVFP4 variant and the Hadamard transform; mx_test: MXFP8,
 # MXFP4 and E2M1 stochastic rounding; block_scaled_test: the 1x128 and per-tensor FP8),
 # tests/quantize_test.py and tests/gemm/promotion_test.py (promotion against K), and
